@@ -1,0 +1,33 @@
+# Two entry points, each setting itself up from a fresh clone:
+#   make demo   create .venv, install jaxgpt, run the main job
+#   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?= -m "not slow"
+
+.PHONY: demo test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.core: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[plots]'
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.core
+	$(BIN)/python -m pip install -q '$(TORCH)'
+	$(BIN)/python -m pip install -q -e '.[test,plots]'
+	touch $@
+
+demo: $(VENV)/.core
+	$(BIN)/python scripts/demo.py
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,164 @@
+"""Scaled dot-product attention (pure) and the multi-head Attention module (MHA / GQA / MQA,
+self- and cross-attention, RoPE, explicit KV cache).
+
+Layout: activations stay (B, T, H, D) from the projections to the output, so no transposes are
+needed around the attention core; GQA is an einsum over (kv_head, group) without repeating K/V.
+The KV cache is (B, H_kv, S, D), the layout the decode step reads contiguously per head.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.mlp import dense
+from jaxgpt.positions import apply_rope
+
+
+class KVCache(NamedTuple):
+    """Preallocated keys/values and how many positions are already written. A pytree."""
+
+    k: jax.Array  # (B, H_kv, S, D)
+    v: jax.Array  # (B, H_kv, S, D)
+    index: jax.Array  # () int32: next write position == number of cached positions
+
+    @classmethod
+    def init(cls, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
+        shape = (batch, n_kv_head, max_len, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+
+def causal_mask(q_len: int, k_len: int, q_offset=0):
+    """(q_len, k_len) bool, True where query i (absolute position q_offset + i) may see key j."""
+    return jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None] + q_offset
+
+
+def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
+                                 return_weights=False, kv_heads_first=False, dropout_rate=0.0,
+                                 dropout_rng=None):
+    """softmax(q k^T * scale + mask) v, per head, with grouped key/value heads.
+
+    q: (B, Tq, H, D). k, v: (B, Tk, H_kv, D), or (B, H_kv, Tk, D) when ``kv_heads_first`` (the
+    KV-cache layout). H must be a multiple of H_kv (GQA; H_kv = 1 is MQA).
+    mask: bool, broadcastable to (B, H, Tq, Tk); True means *attend*.
+    is_causal: query i sees keys j <= q_offset + i (q_offset may be a traced cache index).
+    scale: defaults to 1/sqrt(D).
+    A query row with no visible key returns zeros (as torch's SDPA does), not the mean of v.
+    Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
+    """
+    b, tq, h, d = q.shape
+    kspec = "bhkd" if kv_heads_first else "bkhd"
+    h_kv = k.shape[1] if kv_heads_first else k.shape[2]
+    tk = k.shape[2] if kv_heads_first else k.shape[1]
+    if h % h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+    g = h // h_kv
+    scale = d ** -0.5 if scale is None else scale
+
+    qg = q.reshape(b, tq, h_kv, g, d)  # head = kv_head * g + group, as torch's enable_gqa
+    scores = jnp.einsum(f"bqhgd,{kspec}->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+
+    allowed = None
+    if mask is not None:
+        m = jnp.asarray(mask, bool)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B|1, H|1, Tq|1, Tk)
+        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
+        allowed = m  # (B|1, H_kv|1, G|1, Tq|1, Tk)
+    if is_causal:
+        c = causal_mask(tq, tk, q_offset)
+        allowed = c if allowed is None else allowed & c
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1)  # (B, H_kv, G, Tq, Tk)
+    if allowed is not None:
+        weights = jnp.where(allowed.any(-1, keepdims=True), weights, 0.0)
+    probs = weights
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+        probs = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    vspec = "bhkd" if kv_heads_first else "bkhd"
+    out = jnp.einsum(f"bhgqk,{vspec}->bqhgd", probs.astype(v.dtype), v).reshape(b, tq, h, d)
+    if return_weights:
+        return out, weights.reshape(b, h, tq, tk)
+    return out
+
+
+class Attention(nn.Module):
+    """Multi-head attention: self-attention, or cross-attention when ``context`` is given.
+
+    Parameters q_proj (d_model -> H*D), k_proj, v_proj (d_model -> H_kv*D), o_proj (H*D -> d_model).
+    """
+
+    d_model: int
+    n_head: int
+    n_kv_head: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rope: bool = False
+    rope_base: float = 10000.0
+    rope_layout: str = "half"
+    attn_dropout: float = 0.0
+    init_std: float = 0.02
+    out_init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
+                 return_weights=False, deterministic=True):
+        """x: (B, T, d_model); context: (B, S, d_model) for cross-attention.
+
+        positions: (T,) or (B, T) absolute positions for RoPE (default: cache index + arange(T)).
+        cache: a KVCache to write this call's keys/values into (self-attention only).
+        Returns (y (B, T, d_model), new cache or None, weights (B, H, T, S) or None).
+        """
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        h_kv = self.n_kv_head or self.n_head
+        d = self.d_model // self.n_head
+        b, t, _ = x.shape
+        src = x if context is None else context
+
+        q = dense(self.n_head * d, self.qkv_bias, self.init_std, "q_proj")(x).reshape(b, t, self.n_head, d)
+        k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj")(src).reshape(b, src.shape[1], h_kv, d)
+        v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj")(src).reshape(b, src.shape[1], h_kv, d)
+
+        offset = 0 if cache is None else cache.index
+        if self.rope:
+            if context is not None:
+                raise ValueError("RoPE applies to self-attention only")
+            if positions is None:
+                positions = offset + jnp.arange(t)
+            q = apply_rope(q, positions, base=self.rope_base, layout=self.rope_layout)
+            k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
+
+        kv_heads_first = False
+        if cache is not None:
+            if context is not None:
+                raise ValueError("the KV cache holds self-attention keys; pass context=None")
+            # (B, T, H_kv, D) -> (B, H_kv, T, D): only the new tokens are transposed.
+            kc = jax.lax.dynamic_update_slice(cache.k, k.transpose(0, 2, 1, 3).astype(cache.k.dtype), (0, 0, offset, 0))
+            vc = jax.lax.dynamic_update_slice(cache.v, v.transpose(0, 2, 1, 3).astype(cache.v.dtype), (0, 0, offset, 0))
+            cache = KVCache(kc, vc, offset + t)
+            k, v, kv_heads_first = kc, vc, True
+            filled = jnp.arange(kc.shape[2]) < offset + t  # slots past the write index are empty
+            mask = filled if mask is None else jnp.asarray(mask, bool) & filled
+
+        rate = 0.0 if deterministic else self.attn_dropout
+        out = scaled_dot_product_attention(
+            q, k, v, mask=mask, is_causal=is_causal, q_offset=offset, return_weights=return_weights,
+            kv_heads_first=kv_heads_first, dropout_rate=rate,
+            dropout_rng=self.make_rng("dropout") if rate > 0.0 else None)
+        out, weights = out if return_weights else (out, None)
+        y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj")(out.reshape(b, t, self.n_head * d))
+        return y, cache, weights
+
+
+def attention_from_config(config, name: str, rope: bool | None = None) -> Attention:
+    """The Attention a ModelConfig describes (RoPE on when config.pos == 'rope', unless overridden)."""
+    return Attention(
+        d_model=config.d_model, n_head=config.n_head, n_kv_head=config.kv_heads,
+        qkv_bias=config.qkv_bias, o_bias=config.o_bias,
+        rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
+        rope_layout=config.rope_layout, attn_dropout=config.attn_dropout,
+        init_std=config.init_std, out_init_std=config.out_init_std, name=name)

@@ -1,0 +1,54 @@
+"""Transformer block: self-attention (+ optional cross-attention) and a feed-forward network,
+each wrapped in a residual with the norm placed before (Pre-LN) or after (Post-LN) the add."""
+from __future__ import annotations
+
+import flax.linen as nn
+
+from jaxgpt.attention import attention_from_config
+from jaxgpt.config import ModelConfig
+from jaxgpt.mlp import make_mlp
+from jaxgpt.norms import make_norm
+
+
+class Block(nn.Module):
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  x: (B, T, d_model).
+
+    Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp.
+    """
+
+    config: ModelConfig
+    causal: bool = True
+    cross: bool = False
+
+    @nn.compact
+    def __call__(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
+                 return_weights=False, deterministic=True):
+        """mask: self-attention mask (True = attend); context (B, S, d_model) and context_mask
+        feed the cross-attention. Returns (x, new cache or None, self-attention weights or None)."""
+        cfg = self.config
+        if self.cross and context is None:
+            raise ValueError("this Block has cross-attention: pass context=(B, S, d_model)")
+        pre = cfg.norm_placement == "pre"
+        drop = nn.Dropout(cfg.dropout)
+
+        def residual(x, f, norm_name):
+            norm = make_norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name=norm_name)
+            if pre:
+                return x + drop(f(norm(x)), deterministic=deterministic)
+            return norm(x + drop(f(x), deterministic=deterministic))
+
+        out = {}
+
+        def self_attn(h):
+            y, out["cache"], out["weights"] = attention_from_config(cfg, "attn")(
+                h, mask=mask, is_causal=self.causal, positions=positions, cache=cache,
+                return_weights=return_weights, deterministic=deterministic)
+            return y
+
+        x = residual(x, self_attn, "attn_norm")
+        if self.cross:
+            cross = attention_from_config(cfg, "cross_attn", rope=False)
+            x = residual(x, lambda h: cross(h, context, mask=context_mask, deterministic=deterministic)[0],
+                         "cross_norm")
+        x = residual(x, make_mlp(cfg, "mlp"), "mlp_norm")
+        return x, out["cache"], out["weights"]

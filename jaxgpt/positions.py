@@ -1,0 +1,57 @@
+"""Position information: sinusoidal tables, learned tables (an ``nn.Embed``) and RoPE.
+
+Tables and inverse frequencies are computed once in float64 NumPy and rounded to float32, so the
+Flax and torch sides start from bit-identical constants; only the runtime products
+(position * frequency, cos, sin) are done in float32 by each framework.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> np.ndarray:
+    """(max_len, d_model) float32: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    pos = np.arange(max_len, dtype=np.float64)[:, None]
+    div = np.exp(np.arange(0, d_model, 2, dtype=np.float64) * (-math.log(base) / d_model))
+    table = np.zeros((max_len, d_model), dtype=np.float64)
+    table[:, 0::2] = np.sin(pos * div)
+    table[:, 1::2] = np.cos(pos * div)
+    return table.astype(np.float32)
+
+
+def rope_inv_freq(head_dim: int, base: float = 10000.0) -> np.ndarray:
+    """(head_dim // 2,) float32: theta_i = base^(-2i / head_dim)."""
+    return (1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32)
+
+
+def rope_cos_sin(positions, head_dim: int, base: float = 10000.0):
+    """cos and sin of position * theta, each (..., head_dim // 2) float32. positions: (...,) ints."""
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(head_dim, base))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half"):
+    """Rotate queries or keys by their absolute positions.
+
+    x: (B, T, H, D); positions: (T,) or (B, T) integer positions (any offset, e.g. a cache index).
+    layout 'half' pairs dimension i with i + D/2 (HF LLaMA's rotate_half); 'interleaved' pairs
+    2i with 2i+1 (the complex-number form of seed 000 and Meta's LLaMA). Returns x's shape/dtype.
+    """
+    d = x.shape[-1]
+    cos, sin = rope_cos_sin(positions, d, base)  # (T, D/2) or (B, T, D/2)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    if cos.ndim == 3:  # (T, 1, D/2) -> (1, T, 1, D/2)
+        cos, sin = cos[None], sin[None]
+    h = x.astype(jnp.float32)
+    if layout == "half":
+        x1, x2 = h[..., : d // 2], h[..., d // 2 :]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    elif layout == "interleaved":
+        x1, x2 = h[..., 0::2], h[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(h.shape)
+    else:
+        raise ValueError(f"unknown rope layout {layout!r}; expected 'half' or 'interleaved'")
+    return out.astype(x.dtype)

@@ -1,0 +1,140 @@
+"""Shared harness for the parity suite: float32 everywhere, full-precision matmuls, the same
+weights on both sides (copied through the converter), and a table of the worst error seen per
+component printed at the end of the run (and written to $JAXGPT_PARITY_REPORT if set)."""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPU runs
+
+import torch  # noqa: E402
+
+from jaxgpt.convert import params_to_state_dict, state_dict_to_params  # noqa: E402
+
+torch.set_default_dtype(torch.float32)
+TOL = 1e-5  # float32 forward and gradient tolerance, max abs on unit-scale tensors
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+WORST: dict[str, float] = defaultdict(float)
+
+
+def record(component: str, err: float) -> float:
+    WORST[component] = max(WORST[component], float(err))
+    return float(err)
+
+
+def max_err(a, b) -> float:
+    a, b = np.asarray(to_np(a), np.float64), np.asarray(to_np(b), np.float64)
+    assert a.shape == b.shape, f"shape mismatch {a.shape} vs {b.shape}"
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def assert_close(a, b, component: str, tol: float = TOL, unit_scale: bool = False) -> float:
+    """max |a - b| <= tol; the error is recorded under ``component`` for the summary table.
+
+    unit_scale: divide the error by max(1, max |b|) first. Gradients summed over a batch are
+    not unit-scale tensors (a norm's scale gradient reaches ~60 in these tests), so they are
+    brought to unit scale before the 1e-5 bound applies; unit-scale tensors are unchanged.
+    """
+    err = max_err(a, b)
+    if unit_scale:
+        err /= max(1.0, float(np.max(np.abs(to_np(b)))) if np.size(to_np(b)) else 1.0)
+    err = record(component, err)
+    assert err <= tol, f"{component}: max abs error {err:.3e} > {tol:.0e}"
+    return err
+
+
+def to_np(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def randomize(params, seed: int = 0):
+    """Unit-scale weights: kernels N(0, 1/fan_in), everything else N(0, 1) around its init
+    (so norm scales are not all ones and biases not all zeros: bugs in either show up)."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    rng = np.random.default_rng(seed)
+    out = []
+    for path, leaf in leaves:
+        name = getattr(path[-1], "key", "")
+        shape = np.shape(leaf)
+        if name == "kernel":
+            v = rng.standard_normal(shape) / np.sqrt(shape[-2])
+        elif name == "scale":
+            v = 1.0 + 0.5 * rng.standard_normal(shape)
+        else:
+            v = 0.5 * rng.standard_normal(shape)
+        out.append(jnp.asarray(v, jnp.float32))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def load_into(torch_module, params, stacked=()):
+    sd = {k: torch.from_numpy(v.copy()) for k, v in params_to_state_dict(params, stacked=stacked).items()}
+    torch_module.load_state_dict(sd, strict=True)
+    return torch_module
+
+
+def torch_grads(torch_module, template, stacked=()):
+    """Gradients of the torch module's parameters, arranged like the Flax params."""
+    sd = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in torch_module.named_parameters()}
+    return state_dict_to_params(sd, template, stacked=stacked)
+
+
+def check_module(component, jax_module, torch_module, inputs, *, params=None, jax_kwargs=None,
+                 torch_kwargs=None, select=lambda out: out, grad_inputs=True, seed=0, tol=TOL):
+    """Forward and gradients (w.r.t. float inputs and every parameter) of a Flax module and its
+    torch mirror, on the same randomized weights. ``select`` picks the output array from what
+    the module returns. Returns the Flax params used."""
+    jax_kwargs, torch_kwargs = jax_kwargs or {}, torch_kwargs or {}
+    xs = [np.asarray(x) for x in inputs]
+    if params is None:
+        params = randomize(jax_module.init(jax.random.PRNGKey(0), *xs, **jax_kwargs)["params"], seed)
+    load_into(torch_module, params)
+
+    def f(p, *a):
+        return select(jax_module.apply({"params": p}, *a, **jax_kwargs))
+
+    y = f(params, *xs)
+    txs = [torch.tensor(x, requires_grad=grad_inputs and x.dtype.kind == "f") for x in xs]
+    ty = select(torch_module(*txs, **torch_kwargs))
+    assert_close(y, ty, f"{component} forward", tol)
+
+    cot = np.random.default_rng(seed + 1).standard_normal(np.shape(y)).astype(np.float32)
+    argnums = tuple(i + 1 for i, x in enumerate(xs) if grad_inputs and x.dtype.kind == "f")
+    grads = jax.grad(lambda p, *a: jnp.sum(f(p, *a) * cot), argnums=(0,) + argnums)(params, *xs)
+    (ty * torch.from_numpy(cot)).sum().backward()
+    tgrads = torch_grads(torch_module, params)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads[0]):
+        tg = tgrads
+        for k in path:
+            tg = tg[k.key]
+        assert_close(g, tg, f"{component} grad params", tol, unit_scale=True)
+    for gi, i in zip(grads[1:], argnums):
+        assert_close(gi, txs[i - 1].grad, f"{component} grad inputs", tol, unit_scale=True)
+    return params
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not WORST:
+        return
+    tr = terminalreporter
+    tr.section("parity: worst max-abs error per component (float32, tolerance 1e-5; grads / max(1, max|g|))")
+    width = max(len(k) for k in WORST)
+    for k in sorted(WORST):
+        tr.write_line(f"{k:<{width}}  {WORST[k]:.2e}")
+    report = os.environ.get("JAXGPT_PARITY_REPORT")
+    if report:
+        Path(report).write_text(json.dumps(dict(sorted(WORST.items())), indent=2) + "\n")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

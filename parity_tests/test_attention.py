@@ -1,0 +1,205 @@
+"""Attention: the pure SDPA core vs torch's F.scaled_dot_product_attention and torch_ref, the
+Attention module vs torch_ref and nn.MultiheadAttention, the seed's checks (sqrt(d_k) saturation,
+4 d^2 parameters) and KV-cached decoding == full causal attention, step by step."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_close, check_module, load_into, randomize
+from jaxgpt.attention import Attention, KVCache, causal_mask, scaled_dot_product_attention as sdpa
+from torch_ref import attention as tattn
+
+HEADS = [(4, 4), (4, 2), (4, 1), (6, 3)]  # (n_head, n_kv_head): MHA, GQA, MQA, GQA
+
+
+def _qkv(rng, b, tq, tk, h, h_kv, d):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    return f(b, tq, h, d), f(b, tk, h_kv, d), f(b, tk, h_kv, d)
+
+
+def _torch_bhtd(*xs):
+    return [torch.from_numpy(x).transpose(1, 2) for x in xs]
+
+
+@pytest.mark.parametrize("h,h_kv", HEADS)
+@pytest.mark.parametrize("t", [1, 8, 13])
+def test_sdpa_causal_matches_torch_builtin(h, h_kv, t, rng):
+    q, k, v = _qkv(rng, 2, t, t, h, h_kv, 16)
+    ref = F.scaled_dot_product_attention(*_torch_bhtd(q, k, v), is_causal=True, enable_gqa=h != h_kv)
+    assert_close(sdpa(q, k, v, is_causal=True), ref.transpose(1, 2), "sdpa vs F.sdpa")
+
+
+@pytest.mark.parametrize("h,h_kv", HEADS)
+def test_sdpa_bool_mask_matches_torch_builtin(h, h_kv, rng):
+    q, k, v = _qkv(rng, 2, 5, 7, h, h_kv, 8)
+    mask = rng.random((2, 1, 5, 7)) > 0.4
+    mask[0, 0, 2] = False  # a fully masked row: zeros on both sides
+    ref = F.scaled_dot_product_attention(*_torch_bhtd(q, k, v), attn_mask=torch.from_numpy(mask), enable_gqa=h != h_kv)
+    out = sdpa(q, k, v, mask=mask)
+    assert_close(out, ref.transpose(1, 2), "sdpa vs F.sdpa")
+    assert np.all(np.asarray(out)[0, 2] == 0.0)
+
+
+@pytest.mark.parametrize("h,h_kv", HEADS)
+def test_sdpa_per_head_mask_and_weights_match_torch_ref(h, h_kv, rng):
+    q, k, v = _qkv(rng, 2, 6, 6, h, h_kv, 8)
+    mask = rng.random((2, h, 6, 6)) > 0.3
+    out, w = sdpa(q, k, v, mask=mask, is_causal=True, return_weights=True)
+    tout, tw = tattn.scaled_dot_product_attention(*map(torch.from_numpy, (q, k, v)), mask=torch.from_numpy(mask),
+                                                  is_causal=True, return_weights=True)
+    assert_close(out, tout, "sdpa vs torch_ref")
+    assert_close(w, tw, "sdpa weights vs torch_ref")
+    fast = tattn.scaled_dot_product_attention(*map(torch.from_numpy, (q, k, v)), mask=torch.from_numpy(mask), is_causal=True)
+    assert_close(fast, tout, "sdpa vs torch_ref")  # torch_ref's fused path == its explicit path
+    w = np.asarray(w)
+    assert np.all(w[:, :, np.triu_indices(6, 1)[0], np.triu_indices(6, 1)[1]] == 0)  # causal
+    rows = w.sum(-1)
+    assert np.allclose(rows[rows > 0], 1, atol=1e-6)
+
+
+def test_sdpa_query_offset_equals_rows_of_full_causal(rng):
+    q, k, v = _qkv(rng, 1, 10, 10, 4, 2, 8)
+    full = np.asarray(sdpa(q, k, v, is_causal=True))
+    part = sdpa(q[:, 6:], k, v, is_causal=True, q_offset=6)
+    assert_close(part, full[:, 6:], "sdpa vs torch_ref")
+    assert causal_mask(2, 5, 3).tolist() == [[True] * 4 + [False], [True] * 5]
+
+
+def test_sdpa_kv_heads_first_layout(rng):
+    q, k, v = _qkv(rng, 2, 3, 9, 6, 2, 8)
+    a = sdpa(q, k, v, is_causal=True, q_offset=6)
+    b = sdpa(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), is_causal=True, q_offset=6, kv_heads_first=True)
+    assert_close(a, b, "sdpa vs torch_ref")
+
+
+def test_sdpa_rejects_bad_head_split(rng):
+    q, k, v = _qkv(rng, 1, 2, 2, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of key/value heads \(3\)"):
+        sdpa(q, k, v)
+
+
+def test_sqrt_dk_scaling_prevents_saturation():
+    """Seed 000: at d_k = 512, unscaled scores make softmax nearly one-hot; scaled ones do not."""
+    rng = np.random.default_rng(42)
+    q = rng.standard_normal((1, 8, 1, 512)).astype(np.float32)
+    k = rng.standard_normal((1, 8, 1, 512)).astype(np.float32)
+    v = np.zeros_like(k)
+    _, w_raw = sdpa(q, k, v, scale=1.0, return_weights=True)
+    _, w = sdpa(q, k, v, return_weights=True)
+    assert float(jnp.max(w_raw)) > 0.99  # saturated
+    assert float(jnp.mean(jnp.max(w_raw, -1))) > 0.9
+    assert float(jnp.mean(jnp.max(w, -1))) < 0.7  # scaled: spread out
+
+
+def _attention_pair(d, h, h_kv, **kw):
+    return (Attention(d_model=d, n_head=h, n_kv_head=h_kv, **kw),
+            tattn.Attention(d_model=d, n_head=h, n_kv_head=h_kv, **kw))
+
+
+@pytest.mark.parametrize("h,h_kv", HEADS)
+@pytest.mark.parametrize("rope,bias", [(False, False), (True, False), (True, True)])
+def test_self_attention_matches_torch_ref(h, h_kv, rope, bias, rng):
+    d = 8 * h
+    x = rng.standard_normal((2, 7, d)).astype(np.float32)
+    mask = rng.random((2, 1, 1, 7)) > 0.2  # padding-style key mask, combined with causal
+    mask[:, ..., 0] = True
+    ja, ta = _attention_pair(d, h, h_kv, rope=rope, qkv_bias=bias, o_bias=bias, rope_layout="interleaved" if bias else "half")
+    kw = dict(mask=mask, is_causal=True)
+    check_module("Attention", ja, ta.eval(), [x], jax_kwargs=kw,
+                 torch_kwargs=dict(mask=torch.from_numpy(mask), is_causal=True), select=lambda o: o[0])
+
+
+@pytest.mark.parametrize("h,h_kv", HEADS[:3])
+def test_cross_attention_matches_torch_ref(h, h_kv, rng):
+    d = 8 * h
+    x = rng.standard_normal((2, 5, d)).astype(np.float32)
+    ctx = rng.standard_normal((2, 9, d)).astype(np.float32)
+    mask = np.ones((2, 1, 1, 9), bool)
+    mask[1, ..., 6:] = False  # second source sequence is padded
+    ja, ta = _attention_pair(d, h, h_kv, qkv_bias=True, o_bias=True)
+    check_module("Attention (cross)", ja, ta, [x, ctx], jax_kwargs=dict(mask=mask),
+                 torch_kwargs=dict(mask=torch.from_numpy(mask)), select=lambda o: o[0])
+
+
+def test_attention_matches_nn_multiheadattention(rng):
+    d, h = 32, 4
+    x = rng.standard_normal((3, 6, d)).astype(np.float32)
+    ja = Attention(d_model=d, n_head=h, qkv_bias=True, o_bias=True)
+    p = randomize(ja.init(jax.random.PRNGKey(0), x)["params"])
+    mha = torch.nn.MultiheadAttention(d, h, batch_first=True)
+    with torch.no_grad():  # packed in-projection: rows [q; k; v], each (out, in)
+        mha.in_proj_weight.copy_(torch.from_numpy(np.concatenate([np.asarray(p[n]["kernel"]).T for n in ("q_proj", "k_proj", "v_proj")])))
+        mha.in_proj_bias.copy_(torch.from_numpy(np.concatenate([np.asarray(p[n]["bias"]) for n in ("q_proj", "k_proj", "v_proj")])))
+        mha.out_proj.weight.copy_(torch.from_numpy(np.asarray(p["o_proj"]["kernel"]).T.copy()))
+        mha.out_proj.bias.copy_(torch.tensor(np.asarray(p["o_proj"]["bias"])))
+    xt = torch.from_numpy(x)
+    causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)  # torch: True = *masked*
+    ref, ref_w = mha(xt, xt, xt, attn_mask=causal, need_weights=True, average_attn_weights=False)
+    y, _, w = ja.apply({"params": p}, x, is_causal=True, return_weights=True)
+    assert_close(y, ref, "Attention vs nn.MultiheadAttention")
+    assert_close(w, ref_w, "Attention vs nn.MultiheadAttention")
+
+
+def test_mha_parameter_count_is_4d2():
+    d = 64
+    p = Attention(d_model=d, n_head=4).init(jax.random.PRNGKey(0), jnp.zeros((1, 2, d)))["params"]
+    assert sum(x.size for x in jax.tree.leaves(p)) == 4 * d * d
+    assert sum(x.numel() for x in tattn.Attention(d, 4).parameters()) == 4 * d * d
+    gqa = Attention(d_model=d, n_head=4, n_kv_head=1).init(jax.random.PRNGKey(0), jnp.zeros((1, 2, d)))["params"]
+    assert sum(x.size for x in jax.tree.leaves(gqa)) == 2 * d * d + 2 * d * (d // 4)
+
+
+@pytest.mark.parametrize("h,h_kv,rope", [(4, 4, False), (4, 2, True), (4, 1, True)])
+def test_kv_cache_decoding_equals_full_causal(h, h_kv, rope, rng):
+    """Seed 000/003: prefill then one token at a time through the cache == one causal pass."""
+    d, t, prompt, cap = 8 * h, 10, 4, 16
+    x = rng.standard_normal((2, t, d)).astype(np.float32)
+    ja, ta = _attention_pair(d, h, h_kv, rope=rope, qkv_bias=True)
+    p = randomize(ja.init(jax.random.PRNGKey(0), x)["params"])
+    load_into(ta, p)
+    full = np.asarray(ja.apply({"params": p}, x, is_causal=True)[0])
+    tfull = ta(torch.from_numpy(x), is_causal=True)[0]
+    assert_close(full, tfull, "Attention")
+
+    step = jax.jit(lambda c, xs: ja.apply({"params": p}, xs, is_causal=True, cache=c)[:2])
+    cache = KVCache.init(2, h_kv, cap, d // h)
+    tcache = tattn.KVCache.init(2, h_kv, cap, d // h)
+    y, cache = step(cache, x[:, :prompt])
+    ty, tcache, _ = ta(torch.from_numpy(x[:, :prompt]), is_causal=True, cache=tcache)
+    outs, touts = [y], [ty]
+    for i in range(prompt, t):
+        y, cache = step(cache, x[:, i:i + 1])  # same shapes every step: compiled once
+        ty, tcache, _ = ta(torch.from_numpy(x[:, i:i + 1]), is_causal=True, cache=tcache)
+        outs.append(y)
+        touts.append(ty)
+    assert int(cache.index) == t and tcache.index == t
+    assert step._cache_size() == 2  # one trace for the prefill shape, one for the decode shape
+    assert_close(np.concatenate(outs, 1), full, "KV cache vs full causal")
+    assert_close(torch.cat(touts, 1), tfull, "KV cache vs full causal")
+    assert_close(cache.k, tcache.k, "KV cache vs full causal")
+
+
+def test_torch_kv_cache_overflow_is_an_error(rng):
+    ta = tattn.Attention(8, 2)
+    cache = tattn.KVCache.init(1, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"KV cache overflow: 0 cached \+ 5 new > capacity 4"):
+        ta(torch.zeros(1, 5, 8), is_causal=True, cache=cache)
+
+
+def test_attention_dropout_only_in_training(rng):
+    x = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    ja = Attention(d_model=16, n_head=2, attn_dropout=0.5)
+    p = ja.init(jax.random.PRNGKey(0), x)["params"]
+    det = ja.apply({"params": p}, x, is_causal=True)[0]
+    assert_close(det, ja.apply({"params": p}, x, is_causal=True)[0], "Attention")
+    r = {"dropout": jax.random.PRNGKey(1)}
+    a = ja.apply({"params": p}, x, is_causal=True, deterministic=False, rngs=r)[0]
+    b = ja.apply({"params": p}, x, is_causal=True, deterministic=False, rngs=r)[0]
+    assert np.array_equal(np.asarray(a), np.asarray(b))  # a pure function of the rng
+    assert np.abs(np.asarray(a) - np.asarray(det)).max() > 1e-3
+    ta = load_into(tattn.Attention(16, 2, attn_dropout=0.5), p)
+    assert_close(det, ta.eval()(torch.from_numpy(x), is_causal=True)[0], "Attention")
+    assert np.abs(ta.train()(torch.from_numpy(x), is_causal=True)[0].detach().numpy() - np.asarray(det)).max() > 1e-3

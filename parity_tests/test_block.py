@@ -1,0 +1,65 @@
+"""Block: Pre-LN and Post-LN, every norm and FFN kind, optional cross-attention, vs torch_ref."""
+import jax
+import numpy as np
+import pytest
+import torch
+
+from conftest import check_module, load_into, randomize
+from jaxgpt.block import Block
+from jaxgpt.config import ModelConfig
+from torch_ref.block import Block as TBlock
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+@pytest.mark.parametrize("norm,mlp,pos", [("rmsnorm", "swiglu", "rope"), ("layernorm", "gelu_tanh", "learned"),
+                                          ("layernorm", "relu", "none"), ("rmsnorm", "gelu", "rope")])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_block_matches_torch_ref(placement, norm, mlp, pos, n_kv_head, rng):
+    cfg = ModelConfig(d_model=32, n_head=4, n_kv_head=n_kv_head, norm=norm, mlp=mlp, pos=pos,
+                      norm_placement=placement, qkv_bias=norm == "layernorm", mlp_bias=norm == "layernorm")
+    x = rng.standard_normal((2, 6, 32)).astype(np.float32)
+    check_module(f"Block {placement}-LN", Block(cfg), TBlock(cfg), [x], select=lambda o: o[0])
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_block_with_cross_attention_matches_torch_ref(placement, rng):
+    cfg = ModelConfig(d_model=32, n_head=4, norm="layernorm", mlp="relu", norm_placement=placement,
+                      qkv_bias=True, o_bias=True, mlp_bias=True, pos="sinusoidal")
+    x = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    ctx = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    cmask = np.ones((2, 1, 1, 8), bool)
+    cmask[0, ..., 5:] = False
+    check_module("Block cross", Block(cfg, cross=True), TBlock(cfg, cross=True), [x, ctx],
+                 jax_kwargs=dict(context_mask=cmask), torch_kwargs=dict(context_mask=torch.from_numpy(cmask)),
+                 select=lambda o: o[0])
+
+
+def test_pre_and_post_ln_differ(rng):
+    x = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    pre, post = ModelConfig(d_model=16, n_head=2), ModelConfig(d_model=16, n_head=2, norm_placement="post")
+    p = randomize(Block(pre).init(jax.random.PRNGKey(0), x)["params"])
+    a = np.asarray(Block(pre).apply({"params": p}, x)[0])
+    b = np.asarray(Block(post).apply({"params": p}, x)[0])
+    assert np.abs(a - b).max() > 1e-2
+    # Post-LN ends in a norm: the output rows are normalised (RMS = scale's RMS-weighted 1).
+    tb = load_into(TBlock(post), p)
+    assert np.allclose(tb(torch.from_numpy(x))[0].detach().numpy(), b, atol=1e-5)
+
+
+def test_block_dropout_is_a_function_of_the_rng(rng):
+    cfg = ModelConfig(d_model=16, n_head=2, dropout=0.3)
+    x = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    blk = Block(cfg)
+    p = blk.init(jax.random.PRNGKey(0), x)["params"]
+    run = lambda k: np.asarray(blk.apply({"params": p}, x, deterministic=False, rngs={"dropout": k})[0])  # noqa: E731
+    assert np.array_equal(run(jax.random.PRNGKey(3)), run(jax.random.PRNGKey(3)))
+    assert not np.array_equal(run(jax.random.PRNGKey(3)), run(jax.random.PRNGKey(4)))
+    assert np.array_equal(np.asarray(blk.apply({"params": p}, x)[0]), np.asarray(blk.apply({"params": p}, x)[0]))
+
+
+def test_cross_block_requires_context(rng):
+    cfg = ModelConfig(d_model=16, n_head=2)
+    with pytest.raises(ValueError, match="pass context"):
+        Block(cfg, cross=True).init(jax.random.PRNGKey(0), np.zeros((1, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="pass context"):
+        TBlock(cfg, cross=True)(torch.zeros(1, 2, 16))

@@ -1,0 +1,142 @@
+"""Attention mirroring jaxgpt/attention.py: same function, class, argument and parameter names.
+
+Activations are (B, T, H, D) as in jaxgpt; the fast path hands transposed views to torch's fused
+F.scaled_dot_product_attention, the explicit path (attention weights requested) writes the math out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_ref.mlp import linear
+from torch_ref.positions import apply_rope
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values (B, H_kv, S, D) and the next write position."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index: int = 0
+
+    @classmethod
+    def init(cls, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype=torch.float32,
+             device=None) -> "KVCache":
+        shape = (batch, n_kv_head, max_len, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), 0)
+
+
+def causal_mask(q_len: int, k_len: int, q_offset: int = 0, device=None) -> torch.Tensor:
+    """(q_len, k_len) bool, True where query i (absolute position q_offset + i) may see key j."""
+    return torch.arange(k_len, device=device)[None, :] <= torch.arange(q_len, device=device)[:, None] + q_offset
+
+
+def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
+                                 return_weights=False, kv_heads_first=False, dropout_rate=0.0):
+    """Same contract as jaxgpt.attention.scaled_dot_product_attention (q: (B, Tq, H, D);
+    k, v: (B, Tk, H_kv, D) or (B, H_kv, Tk, D) with kv_heads_first; mask True = attend;
+    rows with no visible key give zeros). Returns out (B, Tq, H, D) [, weights (B, H, Tq, Tk)]."""
+    b, tq, h, d = q.shape
+    qh = q.transpose(1, 2)  # (B, H, Tq, D) views, no copies
+    kh, vh = (k, v) if kv_heads_first else (k.transpose(1, 2), v.transpose(1, 2))
+    h_kv, tk = kh.shape[1], kh.shape[2]
+    if h % h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+    allowed = None if mask is None else torch.as_tensor(mask, dtype=torch.bool, device=q.device)
+    if allowed is not None:
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    if is_causal:
+        c = causal_mask(tq, tk, q_offset, q.device)
+        allowed = c if allowed is None else allowed & c
+
+    if not return_weights:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, dropout_p=dropout_rate,
+                                             scale=scale, enable_gqa=h != h_kv)
+        return out.transpose(1, 2)
+
+    g = h // h_kv
+    scale = d ** -0.5 if scale is None else scale
+    kr, vr = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+    scores = (qh.float() @ kr.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores, dim=-1)
+    if allowed is not None:
+        weights = weights * allowed.any(-1, keepdim=True)
+    probs = F.dropout(weights, dropout_rate) if dropout_rate > 0.0 else weights
+    out = (probs.to(vr.dtype) @ vr).transpose(1, 2)
+    return out, weights
+
+
+class Attention(nn.Module):
+    """Multi-head attention: self-attention, or cross-attention when ``context`` is given."""
+
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, qkv_bias: bool = False,
+                 o_bias: bool = False, rope: bool = False, rope_base: float = 10000.0,
+                 rope_layout: str = "half", attn_dropout: float = 0.0, init_std: float = 0.02,
+                 out_init_std: float = 0.02):
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
+        self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
+        self.head_dim = d_model // n_head
+        self.rope, self.rope_base, self.rope_layout = rope, rope_base, rope_layout
+        self.attn_dropout = attn_dropout
+        self.q_proj = linear(d_model, n_head * self.head_dim, qkv_bias, init_std)
+        self.k_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
+        self.v_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
+        self.o_proj = linear(n_head * self.head_dim, d_model, o_bias, out_init_std)
+
+    def forward(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
+                return_weights=False):
+        """Returns (y (B, T, d_model), cache or None, weights (B, H, T, S) or None).
+        A given cache is written in place (its buffers) and returned with the index advanced."""
+        b, t, _ = x.shape
+        d, h_kv = self.head_dim, self.n_kv_head
+        src = x if context is None else context
+        q = self.q_proj(x).view(b, t, self.n_head, d)
+        k = self.k_proj(src).view(b, src.shape[1], h_kv, d)
+        v = self.v_proj(src).view(b, src.shape[1], h_kv, d)
+
+        offset = 0 if cache is None else cache.index
+        if self.rope:
+            if context is not None:
+                raise ValueError("RoPE applies to self-attention only")
+            if positions is None:
+                positions = offset + torch.arange(t, device=x.device)
+            q = apply_rope(q, positions, base=self.rope_base, layout=self.rope_layout)
+            k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
+
+        kv_heads_first = False
+        if cache is not None:
+            if context is not None:
+                raise ValueError("the KV cache holds self-attention keys; pass context=None")
+            if offset + t > cache.k.shape[2]:
+                raise ValueError(f"KV cache overflow: {offset} cached + {t} new > capacity {cache.k.shape[2]}")
+            cache.k[:, :, offset:offset + t] = k.transpose(1, 2)
+            cache.v[:, :, offset:offset + t] = v.transpose(1, 2)
+            cache = KVCache(cache.k, cache.v, offset + t)
+            # Read only the filled prefix: same result as masking the empty slots, less work.
+            k, v, kv_heads_first = cache.k[:, :, :offset + t], cache.v[:, :, :offset + t], True
+            if mask is not None:  # a mask spans the cache's S slots, as in jaxgpt
+                mask = torch.as_tensor(mask, dtype=torch.bool, device=x.device)[..., :offset + t]
+
+        rate = self.attn_dropout if self.training else 0.0
+        out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, q_offset=offset,
+                                           return_weights=return_weights, kv_heads_first=kv_heads_first,
+                                           dropout_rate=rate)
+        out, weights = out if return_weights else (out, None)
+        return self.o_proj(out.reshape(b, t, self.n_head * d)), cache, weights
+
+
+def attention_from_config(config, rope: bool | None = None) -> Attention:
+    """The Attention a ModelConfig describes (RoPE on when config.pos == 'rope', unless overridden)."""
+    return Attention(d_model=config.d_model, n_head=config.n_head, n_kv_head=config.kv_heads,
+                     qkv_bias=config.qkv_bias, o_bias=config.o_bias,
+                     rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
+                     rope_layout=config.rope_layout, attn_dropout=config.attn_dropout,
+                     init_std=config.init_std, out_init_std=config.out_init_std)

@@ -1,0 +1,48 @@
+"""Position information mirroring jaxgpt/positions.py (same float64-then-float32 constants)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
+    """(max_len, d_model) float32: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(base) / d_model))
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * div)
+    table[:, 1::2] = torch.cos(pos * div)
+    return table.float()
+
+
+def rope_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """(head_dim // 2,) float32: theta_i = base^(-2i / head_dim)."""
+    return (1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
+
+
+def rope_cos_sin(positions, head_dim: int, base: float = 10000.0):
+    """cos and sin of position * theta, each (..., head_dim // 2) float32."""
+    positions = torch.as_tensor(positions)
+    inv = rope_inv_freq(head_dim, base).to(positions.device)
+    angles = positions.float()[..., None] * inv
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half"):
+    """Rotate x: (B, T, H, D) by positions: (T,) or (B, T). Same layouts as jaxgpt.apply_rope."""
+    d = x.shape[-1]
+    cos, sin = rope_cos_sin(positions, d, base)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    if cos.dim() == 3:
+        cos, sin = cos[None], sin[None]
+    h = x.float()
+    if layout == "half":
+        x1, x2 = h[..., : d // 2], h[..., d // 2 :]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    elif layout == "interleaved":
+        x1, x2 = h[..., 0::2], h[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).reshape(h.shape)
+    else:
+        raise ValueError(f"unknown rope layout {layout!r}; expected 'half' or 'interleaved'")
+    return out.to(x.dtype)
