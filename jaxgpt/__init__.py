@@ -1,5 +1,17 @@
-"""jaxgpt: functional Flax transformers with a mirrored PyTorch reference (torch_ref)."""
-from jaxgpt.config import ModelConfig
+"""jaxgpt: functional Flax transformers with a mirrored PyTorch reference (torch_ref).
 
-__all__ = ["ModelConfig"]
+Importing ``jaxgpt`` or ``jaxgpt.config`` loads no framework (torch_ref shares the configs);
+``build`` and the other entry points import JAX/Flax on first use.
+"""
+from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, get_preset
+
+__all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "build", "get_preset"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "build":
+        from jaxgpt.models import build
+
+        return build
+    raise AttributeError(f"module 'jaxgpt' has no attribute {name!r}")

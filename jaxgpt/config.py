@@ -14,6 +14,9 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("relu", "gelu", "gelu_tanh", "swiglu")
 PLACEMENTS = ("pre", "post")
 ROPE_LAYOUTS = ("half", "interleaved")
+RESIDUALS = ("standard", "full_attnres", "block_attnres")
+ATTNRES_VARIANTS = ("seed", "paper")
+POOLERS = ("cls", "tanh")
 
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
@@ -66,6 +69,13 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     scale_out_init: bool = False  # GPT-2: o_proj/down_proj/fc_out std = init_std / sqrt(2 n_layer)
+    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (seed 004 encoder-decoder)
+    # Attention Residuals (seed 002 / arXiv 2603.15031): depth-wise softmax mixing of earlier outputs.
+    residual: str = "standard"
+    attnres_variant: str = "seed"  # 'seed': the seed's code exactly; 'paper': the published formulation
+    attnres_blocks: int = 4  # block_attnres: number of blocks N (seed: layers per block = max(1, n_layer // N))
+    attnres_eps: float | None = None  # key RMSNorm eps (None: norm_eps)
+    attnres_key_gain: bool = True  # learnable gain in the key RMSNorm (the paper leaves this open)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "max_len"):
@@ -79,6 +89,11 @@ class ModelConfig:
         _choice("norm", self.norm, NORMS)
         _choice("mlp", self.mlp, MLPS)
         _choice("norm_placement", self.norm_placement, PLACEMENTS)
+        _choice("residual", self.residual, RESIDUALS)
+        _choice("attnres_variant", self.attnres_variant, ATTNRES_VARIANTS)
+        _positive("attnres_blocks", self.attnres_blocks)
+        if self.residual != "standard" and self.norm_placement != "pre":
+            raise ValueError(f"residual={self.residual!r} mixes pre-norm sublayer outputs; it needs norm_placement='pre'")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
@@ -130,3 +145,138 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """An encoder with a sequence classifier: seed 004's MiniBERT or the standard BERT layout.
+
+    MiniBERT: learned positions, Pre-LN layers, final LayerNorm, classifier on the [CLS] vector.
+    BERT: + token-type embeddings and an embedding LayerNorm, Post-LN layers (no final norm),
+    tanh pooler (dense + tanh on [CLS]) before the classifier.
+    """
+
+    encoder: ModelConfig
+    n_classes: int = 2
+    type_vocab_size: int = 0  # 0: no token-type embeddings
+    embed_norm: bool = False  # LayerNorm on the summed embeddings
+    pooler: str = "cls"  # 'cls': classifier(h[:, 0]); 'tanh': classifier(tanh(dense(h[:, 0])))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.encoder, ModelConfig):
+            raise ValueError(f"encoder must be a ModelConfig, got {type(self.encoder).__name__}")
+        _positive("n_classes", self.n_classes)
+        if self.type_vocab_size < 0:
+            raise ValueError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
+        _choice("pooler", self.pooler, POOLERS)
+        if self.encoder.pos == "rope":
+            raise ValueError("BERT uses absolute positions: encoder.pos must not be 'rope'")
+
+    def replace(self, **changes: Any) -> "BertConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
+        return cls(**{**d, "encoder": ModelConfig.from_dict(d["encoder"])})
+
+
+@dataclass(frozen=True)
+class EncDecConfig:
+    """Encoder-decoder Transformer (seed 004): the decoder's blocks add cross-attention over the
+    encoder output; the output projection maps to decoder.vocab_size."""
+
+    encoder: ModelConfig
+    decoder: ModelConfig
+    out_bias: bool = True  # seed 004's output Linear has a bias
+
+    def __post_init__(self) -> None:
+        for name in ("encoder", "decoder"):
+            if not isinstance(getattr(self, name), ModelConfig):
+                raise ValueError(f"{name} must be a ModelConfig, got {type(getattr(self, name)).__name__}")
+        if self.encoder.d_model != self.decoder.d_model:
+            raise ValueError(f"encoder.d_model={self.encoder.d_model} != decoder.d_model={self.decoder.d_model}")
+
+    def replace(self, **changes: Any) -> "EncDecConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EncDecConfig":
+        return cls(**{**d, "encoder": ModelConfig.from_dict(d["encoder"]),
+                      "decoder": ModelConfig.from_dict(d["decoder"])})
+
+
+def _gpt2(d_model: int, n_layer: int, n_head: int, **kw: Any) -> ModelConfig:
+    base = dict(vocab_size=50257, max_len=1024, d_model=d_model, n_layer=n_layer, n_head=n_head, pos="learned",
+                norm="layernorm", norm_eps=1e-5, mlp="gelu_tanh", mlp_bias=True, qkv_bias=True, o_bias=True,
+                tie_embeddings=True, dropout=0.1, attn_dropout=0.1, scale_out_init=True)
+    return ModelConfig(**{**base, **kw})
+
+
+def _llama(vocab_size: int, d_model: int, n_layer: int, n_head: int, n_kv_head: int, d_ff: int, max_len: int,
+           **kw: Any) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                       d_ff=d_ff, max_len=max_len, pos="rope", rope_layout="half", norm="rmsnorm", norm_eps=1e-6,
+                       mlp="swiglu", **kw)
+
+
+# Seed 000's MiniGPT: sinusoidal positions, RMSNorm (eps 1e-6), Pre-LN, SwiGLU, untied head.
+_SEED_MINIGPT = ModelConfig(vocab_size=128, d_model=64, n_head=4, n_layer=4, d_ff=256, max_len=256,
+                            pos="sinusoidal", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu")
+# Seed 002's translation LM: no positions, torch nn.RMSNorm default eps, exact GELU 4x MLP, no biases.
+_SEED_ATTNRES = ModelConfig(vocab_size=147, d_model=128, n_head=4, n_layer=6, d_ff=512, max_len=128, pos="none",
+                            norm="rmsnorm", norm_eps=FLOAT32_EPS, mlp="gelu")
+# Seed 004's MiniBERT encoder: learned positions, Pre-LN, final LayerNorm, exact GELU, biases everywhere.
+_SEED_MINIBERT = ModelConfig(vocab_size=30522, d_model=128, n_head=4, n_layer=2, d_ff=256, max_len=256,
+                             pos="learned", norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True,
+                             qkv_bias=True, o_bias=True, dropout=0.1, attn_dropout=0.1)
+_BERT_BASE = ModelConfig(vocab_size=30522, d_model=768, n_head=12, n_layer=12, d_ff=3072, max_len=512,
+                         pos="learned", norm="layernorm", norm_eps=1e-12, mlp="gelu", mlp_bias=True, qkv_bias=True,
+                         o_bias=True, norm_placement="post", final_norm=False, dropout=0.1, attn_dropout=0.1)
+# Seed 004's encoder-decoder demo: sqrt(d)-scaled embeddings, sinusoidal positions, Post-LN, ReLU FFN.
+_SEED_ENCDEC = ModelConfig(vocab_size=10000, d_model=64, n_head=4, n_layer=1, d_ff=256, max_len=512,
+                           pos="sinusoidal", norm="layernorm", norm_eps=1e-5, mlp="relu", mlp_bias=True,
+                           qkv_bias=True, o_bias=True, norm_placement="post", final_norm=False, embed_scale=True)
+
+PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
+    "seed-minigpt": _SEED_MINIGPT,
+    "seed-minigpt-nopos": _SEED_MINIGPT.replace(pos="none"),
+    "seed-minigpt-postln": _SEED_MINIGPT.replace(norm_placement="post"),
+    "seed-minigpt-relu": _SEED_MINIGPT.replace(mlp="relu", mlp_bias=True),
+    "gpt2-small": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    # Seed 003 / nanoGPT shakespeare-char: nanoGPT and the seed use torch's exact nn.GELU.
+    "gpt2-shakespeare-char": _gpt2(384, 6, 6, vocab_size=65, max_len=256, mlp="gelu", dropout=0.2, attn_dropout=0.2),
+    "llama-tiny": _llama(512, 256, 4, 8, 2, 688, 512),
+    "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 2048),
+    "llama-1b": _llama(128256, 2048, 16, 32, 8, 8192, 8192, rope_base=500000.0, tie_embeddings=True),
+    "seed-attnres-standard": _SEED_ATTNRES,
+    "seed-attnres-full": _SEED_ATTNRES.replace(residual="full_attnres"),
+    "seed-attnres-block": _SEED_ATTNRES.replace(residual="block_attnres", attnres_blocks=3),
+    "seed-minibert": BertConfig(_SEED_MINIBERT, n_classes=2),
+    "bert-base": BertConfig(_BERT_BASE, n_classes=2, type_vocab_size=2, embed_norm=True, pooler="tanh"),
+    "seed-transformer": EncDecConfig(_SEED_ENCDEC, _SEED_ENCDEC.replace(vocab_size=8000)),
+}
+
+
+def get_preset(name: str) -> ModelConfig | BertConfig | EncDecConfig:
+    """PRESETS[name], with an error listing the names when it is unknown."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig | BertConfig | EncDecConfig:
+    """Inverse of ``config.to_dict()`` for any of the three config types."""
+    if "decoder" in d:
+        return EncDecConfig.from_dict(d)
+    if "encoder" in d:
+        return BertConfig.from_dict(d)
+    return ModelConfig.from_dict(d)

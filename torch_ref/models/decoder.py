@@ -1,0 +1,111 @@
+"""Decoder-only language model mirroring jaxgpt/models/decoder.py (tok_embed, pos_embed,
+layers.{i}, norm, lm_head)."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from jaxgpt.config import ModelConfig
+from torch_ref.attention import KVCache
+from torch_ref.block import Block
+from torch_ref.norms import make_norm
+from torch_ref.positions import sinusoidal_table
+
+
+class DecoderOutput(NamedTuple):
+    logits: torch.Tensor  # (B, T, vocab)
+    cache: list | None  # one KVCache per layer
+    attn_weights: torch.Tensor | None  # (L, B, H, T, S)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtype=torch.float32, device=None):
+    """One empty KVCache per layer, each (B, H_kv, max_len, D)."""
+    s = config.max_len if max_len is None else max_len
+    return [KVCache.init(batch, config.kv_heads, s, config.head_dim, dtype, device) for _ in range(config.n_layer)]
+
+
+def check_tokens(tokens: torch.Tensor, vocab_size: int, max_len: int, offset: int = 0) -> None:
+    """Raise ValueError for ids outside [0, vocab_size) or sequences past the context window."""
+    t = tokens.shape[-1]
+    if offset + t > max_len:
+        raise ValueError(f"{t} tokens after {offset} cached positions exceed max_len={max_len}")
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def add_embeddings(module: nn.Module, config: ModelConfig) -> None:
+    """Give ``module`` tok_embed (+ pos_embed or a sinusoidal buffer) and an embedding dropout,
+    the attribute names jaxgpt's embed_tokens uses."""
+    cfg = config
+    module.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    nn.init.normal_(module.tok_embed.weight, std=cfg.init_std)
+    if cfg.pos == "learned":
+        module.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model)
+        nn.init.normal_(module.pos_embed.weight, std=cfg.init_std)
+    elif cfg.pos == "sinusoidal":
+        module.register_buffer("pos_table", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False)
+    module.embed_drop = nn.Dropout(cfg.dropout)
+
+
+def embed_tokens(module: nn.Module, config: ModelConfig, tokens, positions):
+    """Token (+ absolute position) embeddings with dropout, from add_embeddings' attributes."""
+    x = module.tok_embed(tokens)
+    if config.embed_scale:
+        x = x * math.sqrt(config.d_model)
+    if config.pos == "learned":
+        x = x + module.pos_embed(positions)
+    elif config.pos == "sinusoidal":
+        x = x + module.pos_table[positions]
+    return module.embed_drop(x)
+
+
+class DecoderLM(nn.Module):
+    """Causal language model. ``model(tokens)`` -> logits (B, T, vocab)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = self.config = config
+        add_embeddings(self, cfg)
+        if cfg.residual == "standard":
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        else:
+            from torch_ref.attnres import AttnResLayers
+
+            self.layers = AttnResLayers(cfg)
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.final_norm else None
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+
+    def forward(self, tokens, *, positions=None, cache=None, mask=None, return_weights=False):
+        """Same contract as jaxgpt's DecoderLM: logits, or a DecoderOutput with a cache / weights."""
+        cfg = self.config
+        offset = 0 if cache is None else cache[0].index
+        check_tokens(tokens, cfg.vocab_size, cfg.max_len, offset)
+        if positions is None:
+            positions = offset + torch.arange(tokens.shape[-1], device=tokens.device)
+        x = embed_tokens(self, cfg, tokens, positions)
+        weights = None
+        if cfg.residual == "standard":
+            new_cache, all_w = [], []
+            for i, layer in enumerate(self.layers):
+                x, c, w = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i],
+                                return_weights=return_weights)
+                new_cache.append(c)
+                all_w.append(w)
+            cache = None if cache is None else new_cache
+            weights = torch.stack(all_w) if return_weights else None
+        else:
+            if cache is not None:
+                raise ValueError(f"residual={cfg.residual!r} does not support a KV cache; decode without one")
+            x, weights = self.layers(x, mask=mask, positions=positions, return_weights=return_weights)
+        if self.norm is not None:
+            x = self.norm(x)
+        logits = x @ self.tok_embed.weight.T if cfg.tie_embeddings else self.lm_head(x)
+        if cache is None and not return_weights:
+            return logits
+        return DecoderOutput(logits, cache, weights)
