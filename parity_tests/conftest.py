@@ -58,7 +58,7 @@ def to_np(x):
 
 
 def randomize(params, seed: int = 0):
-    """Unit-scale weights: kernels N(0, 1/fan_in), everything else N(0, 1) around its init
+    """Unit-scale weights: kernels N(0, 1/fan_in), embeddings N(0, 1/d), the rest N(0, 1/4) around its init
     (so norm scales are not all ones and biases not all zeros: bugs in either show up)."""
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
     rng = np.random.default_rng(seed)
@@ -68,6 +68,8 @@ def randomize(params, seed: int = 0):
         shape = np.shape(leaf)
         if name == "kernel":
             v = rng.standard_normal(shape) / np.sqrt(shape[-2])
+        elif name == "embedding":  # also a tied output head: keep its logits unit-scale
+            v = rng.standard_normal(shape) / np.sqrt(shape[-1])
         elif name == "scale":
             v = 1.0 + 0.5 * rng.standard_normal(shape)
         else:
@@ -89,7 +91,7 @@ def torch_grads(torch_module, template, stacked=()):
 
 
 def check_module(component, jax_module, torch_module, inputs, *, params=None, jax_kwargs=None,
-                 torch_kwargs=None, select=lambda out: out, grad_inputs=True, seed=0, tol=TOL):
+                 torch_kwargs=None, select=lambda out: out, grad_inputs=True, seed=0, tol=TOL, stacked=()):
     """Forward and gradients (w.r.t. float inputs and every parameter) of a Flax module and its
     torch mirror, on the same randomized weights. ``select`` picks the output array from what
     the module returns. Returns the Flax params used."""
@@ -97,7 +99,7 @@ def check_module(component, jax_module, torch_module, inputs, *, params=None, ja
     xs = [np.asarray(x) for x in inputs]
     if params is None:
         params = randomize(jax_module.init(jax.random.PRNGKey(0), *xs, **jax_kwargs)["params"], seed)
-    load_into(torch_module, params)
+    load_into(torch_module, params, stacked)
 
     def f(p, *a):
         return select(jax_module.apply({"params": p}, *a, **jax_kwargs))
@@ -111,7 +113,7 @@ def check_module(component, jax_module, torch_module, inputs, *, params=None, ja
     argnums = tuple(i + 1 for i, x in enumerate(xs) if grad_inputs and x.dtype.kind == "f")
     grads = jax.grad(lambda p, *a: jnp.sum(f(p, *a) * cot), argnums=(0,) + argnums)(params, *xs)
     (ty * torch.from_numpy(cot)).sum().backward()
-    tgrads = torch_grads(torch_module, params)
+    tgrads = torch_grads(torch_module, params, stacked)
     for path, g in jax.tree_util.tree_leaves_with_path(grads[0]):
         tg = tgrads
         for k in path:
@@ -133,6 +135,34 @@ def pytest_terminal_summary(terminalreporter):
     report = os.environ.get("JAXGPT_PARITY_REPORT")
     if report:
         Path(report).write_text(json.dumps(dict(sorted(WORST.items())), indent=2) + "\n")
+
+
+def seed_classes(filename: str, names: list[str]) -> dict:
+    """Execute the named top-level classes/functions of a seed document (read from ../shared at
+    test time, never copied into the repo) and return its namespace. Skips if it is missing."""
+    import math
+    import re
+
+    import torch.nn.functional as F
+
+    path = SHARED / "seeds" / filename
+    if not path.exists():
+        pytest.skip(f"seed file {path} not available (the shared folder is missing)")
+    text = path.read_text(encoding="utf-8")
+    from dataclasses import dataclass
+    from typing import Optional, Tuple
+
+    ns = {"torch": torch, "nn": torch.nn, "F": F, "math": math, "np": np, "dataclass": dataclass,
+          "Optional": Optional, "Tuple": Tuple, "Tensor": torch.Tensor}
+    for name in names:
+        starts = [m.start() for m in re.finditer(rf"^(?:@\w+\n)*(class|def) {name}\b", text, re.M)]
+        assert starts, f"{name} not found in {filename}"
+        lines = text[starts[-1]:].splitlines()
+        n = 1
+        while n < len(lines) and (not lines[n].strip() or lines[n][0] in " \t" or lines[n - 1].startswith("@")):
+            n += 1  # the next unindented line ends the definition
+        exec("\n".join(lines[:n]), ns)
+    return ns
 
 
 @pytest.fixture

@@ -1,0 +1,131 @@
+"""Sampling (pure) and compiled autoregressive decoding for DecoderLM.
+
+Cached decoding: one prefill call writes the prompt's keys/values into a preallocated cache,
+then a ``lax.while_loop`` feeds one token per step at fixed shapes, so the whole generation is
+one compiled program whatever the number of tokens. Uncached decoding recomputes a fixed
+(B, max_len) window every step (the reference the cache is tested against, and the fallback
+that crops to the context window when prompt + new tokens exceed ``max_len``).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache
+
+
+def sample_logits(logits, rng, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+    """Next tokens (B,) from logits (B, V). temperature 0 is greedy (argmax, rng unused).
+
+    top_k keeps the k largest logits; top_p keeps the smallest set of tokens whose probability
+    reaches p (the first token crossing p is kept, so at least one token always survives).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    neg = jnp.finfo(jnp.float32).min
+    if top_k is not None:
+        if not 0 < top_k:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        drop_sorted = jnp.cumsum(probs, axis=-1) - probs > top_p  # mass before this token already >= p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, neg, logits)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def _finish(tok, done, eos_id):
+    """After EOS a row keeps emitting EOS; returns (token, done)."""
+    if eos_id is None:
+        return tok, done
+    tok = jnp.where(done, eos_id, tok)
+    return tok, done | (tok == eos_id)
+
+
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"))
+def _generate_cached(params, prompt, rng, *, config, max_new_tokens, temperature, top_k, top_p, eos_id):
+    model = DecoderLM(config)
+    b, t0 = prompt.shape
+    sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    out = model.apply({"params": params}, prompt, cache=init_cache(config, b, t0 + max_new_tokens))
+    tok, done = _finish(sample(out.logits[:, -1], jax.random.fold_in(rng, 0)), jnp.zeros(b, bool), eos_id)
+    tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
+
+    def cond(state):
+        i, _, _, _, done = state
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def step(state):
+        i, tokens, cache, tok, done = state
+        out = model.apply({"params": params}, tok[:, None], cache=cache)
+        nxt, done = _finish(sample(out.logits[:, -1], jax.random.fold_in(rng, i)), done, eos_id)
+        return i + 1, tokens.at[:, i].set(nxt), out.cache, nxt, done
+
+    i, tokens, *_ , done = jax.lax.while_loop(cond, step, (jnp.int32(1), tokens, out.cache, tok, done))
+    if eos_id is not None:  # rows stopped early: fill the untouched tail with EOS
+        tokens = jnp.where(jnp.arange(max_new_tokens) >= i, eos_id, tokens)
+    return jnp.concatenate([prompt, tokens], axis=1)
+
+
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"))
+def _generate_uncached(params, prompt, rng, *, config, max_new_tokens, temperature, top_k, top_p, eos_id):
+    model = DecoderLM(config)
+    b, t0 = prompt.shape
+    w = config.max_len
+    sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    window = jnp.zeros((b, w), jnp.int32).at[:, :t0].set(prompt)  # causal: slots past `n` never leak back
+
+    def step(i, state):
+        window, n, tokens, done = state
+        logits = model.apply({"params": params}, window)  # (B, W, V)
+        last = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False)
+        tok, done = _finish(sample(last, jax.random.fold_in(rng, i)), done, eos_id)
+        full = n == w  # no room left: drop the oldest token (crop to the context window)
+        window = jnp.where(full, jnp.roll(window, -1, axis=1), window)
+        n = jnp.where(full, n - 1, n)
+        window = jax.lax.dynamic_update_slice(window, tok[:, None], (0, n))
+        return window, n + 1, tokens.at[:, i].set(tok), done
+
+    init = (window, jnp.int32(t0), jnp.zeros((b, max_new_tokens), jnp.int32), jnp.zeros(b, bool))
+    _, _, tokens, _ = jax.lax.fori_loop(0, max_new_tokens, step, init)
+    return jnp.concatenate([prompt, tokens], axis=1)
+
+
+def generate(config: ModelConfig, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, rng=None, eos_id: int | None = None,
+             use_cache: bool = True):
+    """Continue ``prompt`` (B, T0) int ids by ``max_new_tokens`` tokens -> (B, T0 + max_new_tokens).
+
+    temperature 0 is greedy. With ``eos_id``, a row that emits it is filled with it afterwards.
+    The KV cache is used when the whole sequence fits in ``config.max_len``; otherwise decoding
+    falls back to the uncached path, which crops the context to the last ``max_len`` tokens.
+    The same ``rng`` gives the same tokens with and without the cache.
+    """
+    prompt = jnp.asarray(np.asarray(prompt), jnp.int32)
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt must be (batch, length>=1) token ids, got shape {tuple(prompt.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if config.residual != "standard":
+        use_cache = False
+    check_tokens(prompt, config.vocab_size, config.max_len)
+    if eos_id is not None and not 0 <= eos_id < config.vocab_size:
+        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {config.vocab_size})")
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    fits = prompt.shape[1] + max_new_tokens <= config.max_len
+    fn = _generate_cached if use_cache and fits else _generate_uncached
+    return fn(params, prompt, rng, config=config, max_new_tokens=max_new_tokens, temperature=float(temperature),
+              top_k=top_k, top_p=top_p, eos_id=eos_id)
