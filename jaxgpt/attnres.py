@@ -1,0 +1,172 @@
+"""Attention Residuals (Kimi Team, arXiv 2603.15031; seed 002): each sublayer reads a softmax
+mixture over depth of earlier outputs instead of the running residual sum.
+
+    alpha_i = softmax_i(w . RMSNorm(v_i)),   h = sum_i alpha_i v_i,   v_i: (B, T, d) sources
+
+``config.residual``: 'full_attnres' (every sublayer output is a source) or 'block_attnres'
+(sources are the embedding and sums of sublayer outputs over blocks of layers).
+``config.attnres_variant``:
+
+- 'seed': seed 002's code exactly. Sources start as [embedding]; one zero-init pseudo-query per
+  sublayer (``w_attn``, ``w_mlp``) and one learnable key RMSNorm per layer (``key_norm``).
+  Full: the output is the last MLP output. Block: the partial block (zeros at the start) is
+  always a source; it is sealed after the *attention* sublayer of layer i when
+  (i + 1) % block_size == 0 (block_size = max(1, n_layer // attnres_blocks)) and reset to zeros;
+  the output is ``partial if sum|partial| > 0 else blocks[-1]`` (a jnp.where, so it jits).
+- 'paper': one pseudo-query and one key RMSNorm per sublayer (``w_attn`` + ``attn_key_norm``,
+  ``w_mlp`` + ``mlp_key_norm``). Block 0 is the embedding; a block is the sum of the sublayer
+  outputs of layers_per_block = max(1, n_layer // attnres_blocks) layers, sealed after a layer's
+  MLP, at most attnres_blocks blocks (the remainder joins the last one); an empty partial block
+  is not a source (no zero-valued sources). The output is a last zero-init aggregation over all
+  sources (``w_out``, ``out_key_norm``), which the model's final norm then normalises.
+
+Choices the paper leaves open, set by the config: the key RMSNorm has a learnable gain when
+``attnres_key_gain`` (the seed's nn.RMSNorm has one) and eps ``attnres_eps`` (None: ``norm_eps``).
+Sublayers are the library's ``attn_norm``/``attn``/``mlp_norm``/``mlp`` as in ``Block``; the
+key norm is always an RMSNorm whatever ``config.norm``; sublayer outputs get ``config.dropout``.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.attention import attention_from_config
+from jaxgpt.config import ModelConfig
+from jaxgpt.mlp import make_mlp
+from jaxgpt.norms import jax_rsqrt, make_norm
+
+
+def key_eps(config: ModelConfig) -> float:
+    return config.norm_eps if config.attnres_eps is None else config.attnres_eps
+
+
+def seal_schedule(config: ModelConfig) -> tuple[str | None, ...]:
+    """Per layer: after which sublayer ('attn' | 'mlp') the partial block is sealed, or None."""
+    cfg, n = config, config.n_layer
+    if cfg.residual == "full_attnres":
+        return (None,) * n
+    if cfg.residual != "block_attnres":
+        raise ValueError(f"AttnRes needs residual='full_attnres' or 'block_attnres', got {cfg.residual!r}")
+    size = max(1, n // cfg.attnres_blocks)  # layers per block
+    if cfg.attnres_variant == "seed":
+        return tuple("attn" if (i + 1) % size == 0 else None for i in range(n))
+    return tuple("mlp" if (i + 1) % size == 0 and (i + 1) // size < cfg.attnres_blocks and i < n - 1 else None
+                 for i in range(n))
+
+
+class KeyNorm(nn.Module):
+    """RMSNorm of the depth-attention keys, optional gain ``scale``. x: (..., d)."""
+
+    eps: float
+    gain: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        h = x.astype(jnp.float32)
+        y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
+        if self.gain:
+            y = y * self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        return y.astype(x.dtype)
+
+
+def depth_attention(query, key_norm, sources):
+    """query (d,), sources (N, B, T, d) -> (h (B, T, d), alpha (N, B, T)); softmax over N."""
+    logits = jnp.einsum("d,nbtd->nbt", query, key_norm(sources))  # (N, B, T)
+    alpha = jax.nn.softmax(logits, axis=0)
+    return jnp.einsum("nbt,nbtd->btd", alpha, sources), alpha
+
+
+def pad_depth_weights(alphas):
+    """[(N_q, B, T)] per query -> (Q, B, T, N_max), zero beyond each query's N_q sources."""
+    n = max(a.shape[0] for a in alphas)
+    return jnp.stack([jnp.pad(a, ((0, n - a.shape[0]), (0, 0), (0, 0))) for a in alphas]).transpose(0, 2, 3, 1)
+
+
+class AttnResLayer(nn.Module):
+    """One transformer layer (attention then MLP sublayer), each reading a depth mixture.
+
+    Params: attn_norm, attn, mlp_norm, mlp, w_attn (d,), w_mlp (d,) and key_norm (seed) or
+    attn_key_norm / mlp_key_norm (paper). ``seal``: seal the partial block after this sublayer.
+    """
+
+    config: ModelConfig
+    seal: str | None = None
+
+    @nn.compact
+    def __call__(self, sources, partial, *, mask=None, positions=None, return_weights=False, deterministic=True):
+        """sources: list of (B, T, d); partial: (B, T, d) or None (Full, or an empty paper block).
+        Returns (sources, partial, attention weights (B, H, T, T) or None, [alpha (N, B, T)] x 2)."""
+        cfg = self.config
+        seed, full = cfg.attnres_variant == "seed", cfg.residual == "full_attnres"
+        shared = KeyNorm(key_eps(cfg), cfg.attnres_key_gain, name="key_norm") if seed else None
+        drop = nn.Dropout(cfg.dropout)
+        out = {}
+
+        def attn(h):
+            y, _, out["weights"] = attention_from_config(cfg, "attn")(
+                h, mask=mask, is_causal=True, positions=positions, return_weights=return_weights,
+                deterministic=deterministic)
+            return y
+
+        alphas = []
+        for kind, f in (("attn", attn), ("mlp", make_mlp(cfg, "mlp"))):
+            query = self.param(f"w_{kind}", nn.initializers.zeros, (cfg.d_model,), jnp.float32)
+            key_norm = shared if seed else KeyNorm(key_eps(cfg), cfg.attnres_key_gain, name=f"{kind}_key_norm")
+            srcs = sources if partial is None else sources + [partial]
+            h, alpha = depth_attention(query, key_norm, jnp.stack(srcs))  # (B, T, d), (N, B, T)
+            alphas.append(alpha)
+            norm = make_norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name=f"{kind}_norm")
+            y = drop(f(norm(h)), deterministic=deterministic)  # (B, T, d)
+            if full:
+                sources = sources + [y]
+                continue
+            partial = y if partial is None else partial + y
+            if self.seal == kind:
+                sources, partial = sources + [partial], (jnp.zeros_like(partial) if seed else None)
+        return sources, partial, out["weights"], alphas
+
+
+class AttnResLayers(nn.Module):
+    """The n_layer AttnRes layers ``layers_{i}`` (+ ``w_out``, ``out_key_norm`` in 'paper').
+
+    ``__call__(x (B, T, d))`` -> (h (B, T, d) before the model's final norm, attention weights
+    (L, B, H, T, T) if ``return_weights`` else None), plus the depth weights (Q, B, T, N_max) as
+    a third element if ``return_depth_weights``: one row per pseudo-query (2L sublayers, then the
+    output aggregation in 'paper'), softmax over the last axis in source order, zero-padded past
+    that query's sources. They are also sown as intermediates 'depth_weights' when that
+    collection is mutable (``DecoderLM.apply(..., mutable=['intermediates'])``).
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, *, mask=None, positions=None, return_weights=False, return_depth_weights=False,
+                 deterministic=True):
+        cfg = self.config
+        seed, full = cfg.attnres_variant == "seed", cfg.residual == "full_attnres"
+        sources = [x]  # (B, T, d) each; the embedding is source / block 0
+        partial = jnp.zeros_like(x) if seed and not full else None
+        weights, alphas = [], []
+        for i, seal in enumerate(seal_schedule(cfg)):
+            sources, partial, w, a = AttnResLayer(cfg, seal=seal, name=f"layers_{i}")(
+                sources, partial, mask=mask, positions=positions, return_weights=return_weights,
+                deterministic=deterministic)
+            weights.append(w)
+            alphas += a
+        if seed and full:
+            h = sources[-1]  # the last MLP output
+        elif seed:
+            h = jnp.where(jnp.abs(partial).sum() > 0, partial, sources[-1])
+        else:
+            query = self.param("w_out", nn.initializers.zeros, (cfg.d_model,), jnp.float32)
+            srcs = sources if partial is None else sources + [partial]
+            h, alpha = depth_attention(query, KeyNorm(key_eps(cfg), cfg.attnres_key_gain, name="out_key_norm"),
+                                       jnp.stack(srcs))
+            alphas.append(alpha)
+        weights = jnp.stack(weights) if return_weights else None
+        depth = None
+        if return_depth_weights or self.is_mutable_collection("intermediates"):
+            depth = pad_depth_weights(alphas)  # (Q, B, T, N_max)
+            self.sow("intermediates", "depth_weights", depth)
+        return (h, weights, depth) if return_depth_weights else (h, weights)

@@ -1,0 +1,94 @@
+"""Encoder-decoder Transformer (seed 004): a bidirectional encoder stack, a causal decoder stack whose
+Blocks add cross-attention over the encoder output, and an output projection.
+
+Parameters: encoder/{tok_embed, pos_embed?, layers, norm?}, decoder/{tok_embed, pos_embed?, layers,
+norm?}, out_proj. ``layers`` are scanned (leading layer axis); ``to_state_dict`` / ``from_state_dict``
+map the nested stacks to torch_ref's ``encoder.layers.{i}.…`` keys.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxgpt.config import EncDecConfig, ModelConfig
+from jaxgpt.convert import params_to_state_dict, state_dict_to_params
+from jaxgpt.models.bert import key_mask
+from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
+from jaxgpt.norms import make_norm
+
+STACKS = ("encoder", "decoder")
+
+
+class Stack(nn.Module):
+    """Embeddings -> n_layer Blocks -> optional final norm. ``cross``: a decoder stack (causal
+    self-attention + cross-attention over ``memory``)."""
+
+    config: ModelConfig
+    cross: bool = False
+
+    @nn.compact
+    def __call__(self, ids, memory=None, memory_mask=None, self_mask=None, *, deterministic=True):
+        """ids: (B, T) int; memory: (B, S, d); masks: (B, 1, 1, S|T) bool. Returns (B, T, d)."""
+        cfg = self.config
+        check_tokens(ids, cfg.vocab_size, cfg.max_len)
+        positions = jnp.arange(ids.shape[-1])  # (T,)
+        tok_embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std),
+                             name="tok_embed")
+        x = embed_tokens(cfg, tok_embed, ids, positions, deterministic)  # (B, T, d)
+        x, _, _ = run_blocks(cfg, x, causal=self.cross, cross=self.cross, context=memory, mask=self_mask,
+                             context_mask=memory_mask, positions=positions, deterministic=deterministic)
+        if cfg.final_norm:
+            x = make_norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="norm")(x)
+        return x
+
+
+class EncoderDecoder(nn.Module):
+    """``apply({'params': p}, src_ids, tgt_ids, src_mask)`` -> logits (B, T_tgt, decoder.vocab_size)."""
+
+    config: EncDecConfig
+
+    def setup(self):
+        cfg = self.config
+        self.encoder = Stack(cfg.encoder)
+        self.decoder = Stack(cfg.decoder, cross=True)
+        self.out_proj = nn.Dense(cfg.decoder.vocab_size, use_bias=cfg.out_bias,
+                                 kernel_init=nn.initializers.normal(cfg.decoder.init_std))
+
+    def encode(self, src_ids, src_mask=None, *, deterministic=True):
+        """src_ids: (B, S) int; src_mask: (B, S), True = real token. Returns memory (B, S, d)."""
+        return self.encoder(src_ids, self_mask=key_mask(src_mask, src_ids.shape), deterministic=deterministic)
+
+    def decode(self, tgt_ids, memory, src_mask=None, *, deterministic=True):
+        """tgt_ids: (B, T) int; memory: (B, S, d) from ``encode``. Returns logits (B, T, vocab)."""
+        mask = key_mask(src_mask, memory.shape[:2])  # (B, 1, 1, S)
+        h = self.decoder(tgt_ids, memory, mask, deterministic=deterministic)  # (B, T, d)
+        return self.out_proj(h)
+
+    def __call__(self, src_ids, tgt_ids, src_mask=None, *, deterministic=True):
+        """Teacher-forced logits (B, T_tgt, decoder.vocab_size); src_mask (B, S), True = real token."""
+        memory = self.encode(src_ids, src_mask, deterministic=deterministic)
+        return self.decode(tgt_ids, memory, src_mask, deterministic=deterministic)
+
+
+def to_state_dict(params: Mapping) -> dict[str, Any]:
+    """EncoderDecoder params -> torch_ref state dict (NumPy): ``encoder.layers.{i}.…`` etc."""
+    out = params_to_state_dict({k: v for k, v in params.items() if k not in STACKS})
+    for name in STACKS:
+        out.update({f"{name}.{k}": v for k, v in params_to_state_dict(params[name], stacked=("layers",)).items()})
+    return out
+
+
+def from_state_dict(state_dict: Mapping[str, Any], template: Mapping) -> dict:
+    """torch_ref state dict -> EncoderDecoder params shaped like ``template`` (strict, as
+    jaxgpt.convert.state_dict_to_params: unknown keys are reported under the top level)."""
+    parts: dict[str, dict] = {name: {} for name in STACKS}
+    rest = {}
+    for k, v in state_dict.items():
+        head, _, tail = k.partition(".")
+        (parts[head] if head in parts else rest)[tail if head in parts else k] = v
+    out = state_dict_to_params(rest, {k: v for k, v in template.items() if k not in STACKS})
+    for name in STACKS:
+        out[name] = state_dict_to_params(parts[name], template[name], stacked=("layers",))
+    return out
