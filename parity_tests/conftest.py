@@ -90,35 +90,42 @@ def torch_grads(torch_module, template, stacked=()):
     return state_dict_to_params(sd, template, stacked=stacked)
 
 
+def assert_trees_close(tree, ref_tree, component: str, tol: float = TOL, unit_scale: bool = False) -> None:
+    """assert_close on every leaf of ``tree`` against the leaf at the same path of ``ref_tree``."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        ref = ref_tree
+        for k in path:
+            ref = ref[k.key]
+        assert_close(leaf, ref, component, tol, unit_scale)
+
+
 def check_module(component, jax_module, torch_module, inputs, *, params=None, jax_kwargs=None,
                  torch_kwargs=None, select=lambda out: out, grad_inputs=True, seed=0, tol=TOL, stacked=()):
     """Forward and gradients (w.r.t. float inputs and every parameter) of a Flax module and its
     torch mirror, on the same randomized weights. ``select`` picks the output array from what
-    the module returns. Returns the Flax params used."""
+    the module returns; ``None`` inputs are passed through as None. The torch module runs in eval
+    mode (dropout is tested on its own). Returns the Flax params used."""
     jax_kwargs, torch_kwargs = jax_kwargs or {}, torch_kwargs or {}
-    xs = [np.asarray(x) for x in inputs]
+    xs = [None if x is None else np.asarray(x) for x in inputs]
     if params is None:
         params = randomize(jax_module.init(jax.random.PRNGKey(0), *xs, **jax_kwargs)["params"], seed)
-    load_into(torch_module, params, stacked)
+    load_into(torch_module, params, stacked).eval()
 
     def f(p, *a):
         return select(jax_module.apply({"params": p}, *a, **jax_kwargs))
 
     y = f(params, *xs)
-    txs = [torch.tensor(x, requires_grad=grad_inputs and x.dtype.kind == "f") for x in xs]
+    differentiable = [x is not None and grad_inputs and x.dtype.kind == "f" for x in xs]
+    txs = [None if x is None else torch.tensor(x, requires_grad=d) for x, d in zip(xs, differentiable)]
     ty = select(torch_module(*txs, **torch_kwargs))
     assert_close(y, ty, f"{component} forward", tol)
 
     cot = np.random.default_rng(seed + 1).standard_normal(np.shape(y)).astype(np.float32)
-    argnums = tuple(i + 1 for i, x in enumerate(xs) if grad_inputs and x.dtype.kind == "f")
+    argnums = tuple(i + 1 for i, d in enumerate(differentiable) if d)
     grads = jax.grad(lambda p, *a: jnp.sum(f(p, *a) * cot), argnums=(0,) + argnums)(params, *xs)
     (ty * torch.from_numpy(cot)).sum().backward()
-    tgrads = torch_grads(torch_module, params, stacked)
-    for path, g in jax.tree_util.tree_leaves_with_path(grads[0]):
-        tg = tgrads
-        for k in path:
-            tg = tg[k.key]
-        assert_close(g, tg, f"{component} grad params", tol, unit_scale=True)
+    assert_trees_close(grads[0], torch_grads(torch_module, params, stacked), f"{component} grad params", tol,
+                       unit_scale=True)
     for gi, i in zip(grads[1:], argnums):
         assert_close(gi, txs[i - 1].grad, f"{component} grad inputs", tol, unit_scale=True)
     return params

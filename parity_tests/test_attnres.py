@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import SHARED, assert_close, load_into, randomize, torch_grads
+from conftest import SHARED, assert_close, assert_trees_close, load_into, randomize, torch_grads
 from jaxgpt.attnres import AttnResLayers
 from jaxgpt.config import ModelConfig, get_preset
 from jaxgpt.convert import params_to_state_dict
@@ -59,18 +59,13 @@ def test_attnres_lm_matches_torch_ref(variant, kind, extra):
     assert_close(f(p), ty, f"AttnRes {variant} {kind} LM forward", unit_scale=True)
     grads = jax.grad(lambda q: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(f(q)), y[..., None], -1)))(p)
     torch.nn.functional.cross_entropy(ty.flatten(0, 1), torch.from_numpy(y).long().flatten()).backward()
-    tgrads = torch_grads(tmod, p)
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        tg = tgrads
-        for k in path:
-            tg = tg[k.key]
-        assert_close(g, tg, f"AttnRes {variant} {kind} LM grads", tol=1e-4)
+    assert_trees_close(grads, torch_grads(tmod, p), f"AttnRes {variant} {kind} LM grads", tol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["seed", "paper"])
 def test_depth_weights_match_torch_ref(variant):
     cfg = tiny(variant, "block")
-    toks, mask = tokens(), np.ones((2, 1, 1, 7), bool)
+    mask = np.ones((2, 1, 1, 7), bool)
     mask[1, ..., :2] = False  # left padding in the second row
     x = np.random.default_rng(1).standard_normal((2, 7, 32)).astype(np.float32)
     p = randomize(AttnResLayers(cfg).init(jax.random.PRNGKey(0), x)["params"])

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED, assert_close, randomize
+from conftest import SHARED, assert_close, check_module, load_into, randomize
 from jaxgpt.config import PRESETS, BertConfig, ModelConfig
-from jaxgpt.convert import params_to_state_dict, state_dict_to_params
 from jaxgpt.convert import from_seed_minibert
 from jaxgpt.convert.bert import from_hf_bert, to_hf_bert
 from jaxgpt.models.bert import BertClassifier, BertOutput, count_params
@@ -44,46 +43,16 @@ def init_params(config, seed=0):
     return randomize(shapes["params"], seed)
 
 
-def check_model(component, jmodel, tmodel, params, args, to_sd, from_sd, seed=0):
-    """Forward and gradients w.r.t. every parameter of a whole model and its torch mirror.
-    to_sd: params -> state dict; from_sd: (state dict, template) -> params."""
-    tmodel.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in to_sd(params).items()}, strict=True)
-    tmodel.eval()
-    f = lambda p: jmodel.apply({"params": p}, *args)  # noqa: E731
-    y = f(params)
-    ty = tmodel(*[None if a is None else torch.from_numpy(np.asarray(a)) for a in args])
-    assert_close(y, ty, f"{component} forward")
-    cot = np.random.default_rng(seed + 1).standard_normal(np.shape(y)).astype(np.float32)
-    grads = jax.grad(lambda p: jnp.sum(f(p) * cot))(params)
-    (ty * torch.from_numpy(cot)).sum().backward()
-    tgrads = from_sd({k: p.grad for k, p in tmodel.named_parameters()}, params)
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        tg = tgrads
-        for k in path:
-            tg = tg[k.key]
-        assert_close(g, tg, f"{component} grad params", unit_scale=True)
-    assert set(to_sd(grads)) == {k for k, _ in tmodel.named_parameters()}  # every parameter was compared
-
-
-def bert_sd(p):
-    return params_to_state_dict(p, stacked=STACKED)
-
-
-def bert_params(sd, template):
-    return state_dict_to_params(sd, template, stacked=STACKED)
-
-
 @pytest.mark.parametrize("name,config", [("MiniBERT", MINIBERT), ("BERT", BERT)])
 def test_bert_matches_torch_ref(name, config):
     ids, mask, types = batch()
     params = init_params(config)
     tt = types if config.type_vocab_size else None
-    check_model(f"Bert {name}", BertClassifier(config), TBertClassifier(config), params, [ids, mask, tt],
-                bert_sd, bert_params)
+    check_module(f"Bert {name}", BertClassifier(config), TBertClassifier(config), [ids, mask, tt], params=params,
+                 stacked=STACKED, grad_inputs=False)
     # Per-layer attention weights agree too, and padded keys get exactly zero weight.
     out = BertClassifier(config).apply({"params": params}, ids, mask, tt, return_weights=True)
-    tout = TBertClassifier(config)
-    tout.load_state_dict({k: torch.from_numpy(v) for k, v in bert_sd(params).items()})
+    tout = load_into(TBertClassifier(config), params, STACKED)
     tw = tout.eval()(torch.from_numpy(ids), torch.from_numpy(mask),
                      None if tt is None else torch.from_numpy(tt), return_weights=True)
     assert isinstance(out, BertOutput) and out.attn_weights.shape == (2, 3, 4, 9, 9)

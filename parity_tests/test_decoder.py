@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, load_into, randomize, seed_classes, torch_grads
+from conftest import assert_close, assert_trees_close, load_into, randomize, seed_classes, torch_grads
 from jaxgpt import PRESETS, build
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import (abstract_params, from_hf, from_nanogpt, from_seed_gpt, from_seed_minigpt,
@@ -56,9 +56,7 @@ def test_logits_and_loss_grads_match_torch_ref(name):
     tloss = torch.nn.functional.cross_entropy(tlogits.flatten(0, 1), torch.from_numpy(y).long().flatten())
     tloss.backward()
     assert_close(value, tloss, f"DecoderLM {name} loss")
-    tgrads = torch_grads(t, p, ("layers",))
-    for (path, g), tg in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(tgrads)):
-        assert_close(g, tg, f"DecoderLM {name} grads")
+    assert_trees_close(grads, torch_grads(t, p, ("layers",)), f"DecoderLM {name} grads")
 
 
 @pytest.mark.parametrize("name", ["seed-minigpt", "gpt2", "llama-gqa"])

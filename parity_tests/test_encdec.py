@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED, assert_close, randomize
+from conftest import SHARED, assert_close, check_module, load_into, randomize
 from jaxgpt.config import PRESETS, EncDecConfig, ModelConfig
 from jaxgpt.models.bert import count_params
-from jaxgpt.models.encdec import EncoderDecoder, from_state_dict, to_state_dict
+from jaxgpt.convert import params_to_state_dict, state_dict_to_params
+from jaxgpt.models.encdec import STACKED, EncoderDecoder
 from torch_ref.models.encdec import EncoderDecoder as TEncoderDecoder
 
 SEED_004 = SHARED / "seeds" / "004_eaf793378c12c25d.cells.txt"
@@ -43,31 +44,16 @@ def init_params(config, seed=0):
 
 
 def load(tmodel, params):
-    tmodel.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in to_state_dict(params).items()},
-                           strict=True)
-    return tmodel.eval()
+    return load_into(tmodel, params, STACKED).eval()
 
 
 @pytest.mark.parametrize("name,config", [("seed-like", SEEDLIKE), ("pre-LN", PRELN)])
 def test_encdec_matches_torch_ref(name, config):
     src, tgt, mask = batch()
     params = init_params(config)
-    model, tmodel = EncoderDecoder(config), load(TEncoderDecoder(config), params)
-    f = lambda p: model.apply({"params": p}, src, tgt, mask)  # noqa: E731
-    y = f(params)
-    assert y.shape == (3, 7, 30)
-    ty = tmodel(*(torch.from_numpy(a) for a in (src, tgt, mask)))
-    assert_close(y, ty, f"EncDec {name} forward")
-    cot = np.random.default_rng(1).standard_normal(y.shape).astype(np.float32)
-    grads = jax.grad(lambda p: jnp.sum(f(p) * cot))(params)
-    (ty * torch.from_numpy(cot)).sum().backward()
-    tgrads = from_state_dict({k: p.grad for k, p in tmodel.named_parameters()}, params)
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        tg = tgrads
-        for k in path:
-            tg = tg[k.key]
-        assert_close(g, tg, f"EncDec {name} grad params", unit_scale=True)
-    assert set(to_state_dict(grads)) == {k for k, _ in tmodel.named_parameters()}
+    assert EncoderDecoder(config).apply({"params": params}, src, tgt, mask).shape == (3, 7, 30)
+    check_module(f"EncDec {name}", EncoderDecoder(config), TEncoderDecoder(config), [src, tgt, mask],
+                 params=params, stacked=STACKED, grad_inputs=False)
 
 
 def test_encode_decode_masking_and_causality():
@@ -99,7 +85,7 @@ def test_seed_transformer_preset_shapes_and_parameter_count():
     tmodel = TEncoderDecoder(_SEED)
     assert count_params(params) == sum(p.numel() for p in tmodel.parameters())
     zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params)
-    assert set(to_state_dict(zeros)) == set(tmodel.state_dict())
+    assert set(params_to_state_dict(zeros, stacked=STACKED)) == set(tmodel.state_dict())
 
 
 # seed 004 Transformer module names -> torch_ref EncoderDecoder names.
@@ -141,7 +127,7 @@ def test_seed_transformer_matches_jaxgpt():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn(p.shape))
     config = SEEDLIKE
-    params = from_state_dict(seed_state_dict_to_ours(seed.state_dict()), init_params(config))
+    params = state_dict_to_params(seed_state_dict_to_ours(seed.state_dict()), init_params(config), stacked=STACKED)
     src, tgt, _ = batch(seed=3)
     want = seed(torch.from_numpy(src).long(), torch.from_numpy(tgt).long())
     assert_close(EncoderDecoder(config).apply({"params": params}, src, tgt), want, "EncDec vs seed Transformer")

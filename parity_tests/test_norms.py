@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, check_module, load_into, randomize
+from conftest import assert_close, check_module, randomize
 from jaxgpt import norms
 from jaxgpt.config import FLOAT32_EPS
 from torch_ref import norms as tnorms

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-import jax
 import numpy as np
 
 from jaxgpt.config import PRESETS, BertConfig, ModelConfig
+from jaxgpt.convert.external import abstract_params
 from jaxgpt.convert.rule import params_to_state_dict, state_dict_to_params, to_numpy
 
 _HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -33,15 +33,6 @@ _SEED_LAYER = {"attn.q_proj": "attn.q_proj", "attn.k_proj": "attn.k_proj", "attn
                "ffn.fc2": "mlp.fc_out", "norm2": "mlp_norm"}
 _SEED_TOP = {"token_emb": "tok_embed", "pos_emb": "pos_embed", "norm": "norm", "classifier": "classifier"}
 _IS_NORM = re.compile(r"(^|\.)(norm|attn_norm|mlp_norm|embed_norm)$")
-
-
-def _template(config: BertConfig) -> dict:
-    """Abstract params (ShapeDtypeStructs) of BertClassifier(config), without running init."""
-    from jaxgpt.models.bert import BertClassifier
-
-    ids = np.zeros((1, 1), np.int32)
-    shapes = jax.eval_shape(lambda: BertClassifier(config).init(jax.random.PRNGKey(0), ids))
-    return shapes["params"]
 
 
 def _rename(sd: Mapping[str, Any], top: Mapping[str, str], layer: Mapping[str, str],
@@ -112,7 +103,7 @@ def from_hf_bert(hf_model) -> tuple[BertConfig, dict]:
     has_pooler = "pooler.dense.weight" in sd
     config = BertConfig(encoder, n_classes=hc.num_labels, type_vocab_size=hc.type_vocab_size, embed_norm=True,
                         pooler="tanh" if has_pooler else "cls")
-    template = _template(config)
+    template = abstract_params(config)
     if not has_head:
         template = {k: v for k, v in template.items() if k != "classifier"}
     return config, state_dict_to_params(_hf_to_ours(sd), template, stacked=("layers",))
@@ -180,4 +171,4 @@ def from_seed_minibert(state_dict: Mapping[str, Any], config: BertConfig | None 
                                        max_len=sd["pos_emb.weight"].shape[0])
         config = base.replace(encoder=encoder, n_classes=sd["classifier.weight"].shape[0])
     ours = _rename(sd, _SEED_TOP, _SEED_LAYER, "layers")
-    return config, state_dict_to_params(ours, _template(config), stacked=("layers",))
+    return config, state_dict_to_params(ours, abstract_params(config), stacked=("layers",))

@@ -19,12 +19,14 @@ from jaxgpt.convert.rule import params_to_state_dict, state_dict_to_params, to_n
 STACKED = ("layers",)
 
 
-def abstract_params(config: ModelConfig) -> dict:
-    """The decoder's parameter shapes (ShapeDtypeStructs), computed without allocating."""
+def abstract_params(config) -> dict:
+    """Parameter shapes (ShapeDtypeStructs) of ``build(config)`` for any config, without allocating."""
+    from jaxgpt.config import EncDecConfig
     from jaxgpt.models import build
 
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: build(config).init(jax.random.PRNGKey(0), tokens))["params"]
+    inputs = (tokens, tokens) if isinstance(config, EncDecConfig) else (tokens,)
+    return jax.eval_shape(lambda: build(config).init(jax.random.PRNGKey(0), *inputs))["params"]
 
 
 def _rename(sd: Mapping[str, Any], rules: list[tuple[str, str]], skip: Callable[[str], bool] = lambda k: False):
@@ -58,20 +60,20 @@ def _load(config: ModelConfig, sd: dict) -> dict:
 
 
 # GPT-2 family: HF GPT2LMHeadModel, nanoGPT and seed 003 share one layout up to a prefix -----
-_GPT_RULES = [
-    (r"(?:transformer\.)?wte\.weight", "tok_embed.weight"),
-    (r"(?:transformer\.)?wpe\.weight", "pos_embed.weight"),
-    (r"(?:transformer\.)?h\.(\d+)\.ln_1\.weight", r"layers.\1.attn_norm.scale"),
-    (r"(?:transformer\.)?h\.(\d+)\.ln_1\.bias", r"layers.\1.attn_norm.bias"),
-    (r"(?:transformer\.)?h\.(\d+)\.ln_2\.weight", r"layers.\1.mlp_norm.scale"),
-    (r"(?:transformer\.)?h\.(\d+)\.ln_2\.bias", r"layers.\1.mlp_norm.bias"),
-    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_attn\.(\w+)", r"layers.\1.attn.c_attn.\2"),
-    (r"(?:transformer\.)?h\.(\d+)\.attn\.c_proj\.(\w+)", r"layers.\1.attn.o_proj.\2"),
-    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_fc\.(\w+)", r"layers.\1.mlp.fc_in.\2"),
-    (r"(?:transformer\.)?h\.(\d+)\.mlp\.c_proj\.(\w+)", r"layers.\1.mlp.fc_out.\2"),
-    (r"(?:transformer\.)?ln_f\.weight", "norm.scale"),
-    (r"(?:transformer\.)?ln_f\.bias", "norm.bias"),
-]
+_GPT_RULES = [(r"(?:transformer\.)?" + pattern, repl) for pattern, repl in [
+    (r"wte\.weight", "tok_embed.weight"),
+    (r"wpe\.weight", "pos_embed.weight"),
+    (r"h\.(\d+)\.ln_1\.weight", r"layers.\1.attn_norm.scale"),
+    (r"h\.(\d+)\.ln_1\.bias", r"layers.\1.attn_norm.bias"),
+    (r"h\.(\d+)\.ln_2\.weight", r"layers.\1.mlp_norm.scale"),
+    (r"h\.(\d+)\.ln_2\.bias", r"layers.\1.mlp_norm.bias"),
+    (r"h\.(\d+)\.attn\.c_attn\.(\w+)", r"layers.\1.attn.c_attn.\2"),
+    (r"h\.(\d+)\.attn\.c_proj\.(\w+)", r"layers.\1.attn.o_proj.\2"),
+    (r"h\.(\d+)\.mlp\.c_fc\.(\w+)", r"layers.\1.mlp.fc_in.\2"),
+    (r"h\.(\d+)\.mlp\.c_proj\.(\w+)", r"layers.\1.mlp.fc_out.\2"),
+    (r"ln_f\.weight", "norm.scale"),
+    (r"ln_f\.bias", "norm.bias"),
+]]
 
 
 def _is_mask_buffer(key: str) -> bool:

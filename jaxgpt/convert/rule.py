@@ -5,7 +5,8 @@ The generic rule, used for torch_ref (whose attribute names equal jaxgpt's modul
   a/b_3/c/kernel (in, out)   <-> a.b.3.c.weight (out, in)   transposed once, here
   a/embed/embedding          <-> a.embed.weight
   a/norm/scale, .../bias     <-> a.norm.scale, ....bias     unchanged
-A module stacked by ``nn.scan`` (one leaf with a leading layer axis) maps to ``name.{i}.…``.
+A module stacked by ``nn.scan`` (one leaf with a leading layer axis), named in ``stacked`` by its
+Flax path ('layers', 'encoder/layers'), maps to ``name.{i}.…``.
 Conversion is strict: every missing, unexpected or mis-shaped key is named in one ValueError.
 This module never imports torch: tensors are read through ``.detach().cpu().numpy()`` if present.
 """
@@ -44,21 +45,22 @@ def _leaf_rule(leaf: str, ndim: int) -> tuple[str, bool]:
 
 
 def _rules(template: Mapping, stacked: Iterable[str]):
-    """Yield (flax path, torch key, transpose, layer index or None, per-layer shape)."""
+    """Yield (flax path, torch key, transpose, layer index or None, per-layer shape).
+
+    ``stacked`` names scanned modules by their Flax path ('layers', 'encoder/layers'): their
+    leaves carry a leading layer axis, and layer i becomes '<path>.{i}.…' in torch keys.
+    """
     stacked = set(stacked)
     for path, leaf in traverse_util.flatten_dict(dict(template)).items():
-        shape = tuple(leaf.shape)
-        if path[0] in stacked:
-            shape = shape[1:]
+        depth = next((k for k in range(1, len(path)) if "/".join(path[:k]) in stacked), 0)
+        shape = tuple(leaf.shape)[1:] if depth else tuple(leaf.shape)
         name, transpose = _leaf_rule(path[-1], len(shape))
-        prefix = ".".join(_module_key(p) for p in path[1:-1])
-        if path[0] in stacked:
+        mods = [_module_key(p) for p in path[:-1]]
+        if depth:
             for i in range(leaf.shape[0]):
-                key = ".".join(filter(None, [path[0], str(i), prefix, name]))
-                yield path, key, transpose, i, shape
+                yield path, ".".join(mods[:depth] + [str(i)] + mods[depth:] + [name]), transpose, i, shape
         else:
-            key = ".".join(filter(None, [_module_key(path[0]), prefix, name])) if len(path) > 1 else name
-            yield path, key, transpose, None, shape
+            yield path, ".".join(mods + [name]), transpose, None, shape
 
 
 def params_to_state_dict(params: Mapping, *, stacked: Iterable[str] = ()) -> dict[str, np.ndarray]:

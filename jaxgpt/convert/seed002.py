@@ -15,10 +15,9 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-import jax
-import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig, get_preset
+from jaxgpt.convert.external import abstract_params
 from jaxgpt.convert.rule import state_dict_to_params, to_numpy
 
 SEED_PRESETS = {"standard": "seed-attnres-standard", "full": "seed-attnres-full", "block": "seed-attnres-block"}
@@ -79,9 +78,6 @@ def from_seed_attnres(state_dict: Mapping[str, Any], kind: str, *, n_head: int =
     ``layers``), 'full' or 'block' (AttnRes layers ``layers/layers_{i}``, variant 'seed').
     n_head / attnres_blocks: the seed constructor's n_heads / n_blocks (main() uses 4 and 3).
     """
-    from jaxgpt.models.decoder import DecoderLM
-
     config = seed_config(state_dict, kind, n_head=n_head, attnres_blocks=attnres_blocks)
-    template = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
     stacked = ("layers",) if kind == "standard" else ()
-    return config, state_dict_to_params(seed_to_ref(state_dict, kind), template["params"], stacked=stacked)
+    return config, state_dict_to_params(seed_to_ref(state_dict, kind), abstract_params(config), stacked=stacked)

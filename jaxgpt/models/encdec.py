@@ -2,23 +2,20 @@
 Blocks add cross-attention over the encoder output, and an output projection.
 
 Parameters: encoder/{tok_embed, pos_embed?, layers, norm?}, decoder/{tok_embed, pos_embed?, layers,
-norm?}, out_proj. ``layers`` are scanned (leading layer axis); ``to_state_dict`` / ``from_state_dict``
-map the nested stacks to torch_ref's ``encoder.layers.{i}.…`` keys.
+norm?}, out_proj. ``layers`` are scanned (leading layer axis); the converter maps them to torch_ref's
+``encoder.layers.{i}.…`` keys with ``stacked=STACKED``.
 """
 from __future__ import annotations
-
-from typing import Any, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxgpt.config import EncDecConfig, ModelConfig
-from jaxgpt.convert import params_to_state_dict, state_dict_to_params
 from jaxgpt.models.bert import key_mask
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
 from jaxgpt.norms import make_norm
 
-STACKS = ("encoder", "decoder")
+STACKED = ("encoder/layers", "decoder/layers")  # the scanned stacks, for jaxgpt.convert
 
 
 class Stack(nn.Module):
@@ -70,25 +67,3 @@ class EncoderDecoder(nn.Module):
         """Teacher-forced logits (B, T_tgt, decoder.vocab_size); src_mask (B, S), True = real token."""
         memory = self.encode(src_ids, src_mask, deterministic=deterministic)
         return self.decode(tgt_ids, memory, src_mask, deterministic=deterministic)
-
-
-def to_state_dict(params: Mapping) -> dict[str, Any]:
-    """EncoderDecoder params -> torch_ref state dict (NumPy): ``encoder.layers.{i}.…`` etc."""
-    out = params_to_state_dict({k: v for k, v in params.items() if k not in STACKS})
-    for name in STACKS:
-        out.update({f"{name}.{k}": v for k, v in params_to_state_dict(params[name], stacked=("layers",)).items()})
-    return out
-
-
-def from_state_dict(state_dict: Mapping[str, Any], template: Mapping) -> dict:
-    """torch_ref state dict -> EncoderDecoder params shaped like ``template`` (strict, as
-    jaxgpt.convert.state_dict_to_params: unknown keys are reported under the top level)."""
-    parts: dict[str, dict] = {name: {} for name in STACKS}
-    rest = {}
-    for k, v in state_dict.items():
-        head, _, tail = k.partition(".")
-        (parts[head] if head in parts else rest)[tail if head in parts else k] = v
-    out = state_dict_to_params(rest, {k: v for k, v in template.items() if k not in STACKS})
-    for name in STACKS:
-        out[name] = state_dict_to_params(parts[name], template[name], stacked=("layers",))
-    return out
