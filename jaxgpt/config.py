@@ -37,8 +37,19 @@ def _probability(name: str, value: float) -> None:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
+class _Config:
+    """replace / to_dict shared by the three frozen config dataclasses."""
+
+    def replace(self, **changes: Any):
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Config):
     """One transformer stack. Variants are knobs, not subclasses.
 
     Sizes: ``d_model`` is split into ``n_head`` heads of ``head_dim``; keys and values use
@@ -131,12 +142,6 @@ class ModelConfig:
         """Init std of the projections that write into the residual stream."""
         return self.init_std / (2 * self.n_layer) ** 0.5 if self.scale_out_init else self.init_std
 
-    def replace(self, **changes: Any) -> "ModelConfig":
-        """A copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -148,7 +153,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(_Config):
     """An encoder with a sequence classifier: seed 004's MiniBERT or the standard BERT layout.
 
     MiniBERT: learned positions, Pre-LN layers, final LayerNorm, classifier on the [CLS] vector.
@@ -172,11 +177,6 @@ class BertConfig:
         if self.encoder.pos == "rope":
             raise ValueError("BERT uses absolute positions: encoder.pos must not be 'rope'")
 
-    def replace(self, **changes: Any) -> "BertConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
@@ -184,7 +184,7 @@ class BertConfig:
 
 
 @dataclass(frozen=True)
-class EncDecConfig:
+class EncDecConfig(_Config):
     """Encoder-decoder Transformer (seed 004): the decoder's blocks add cross-attention over the
     encoder output; the output projection maps to decoder.vocab_size."""
 
@@ -199,11 +199,6 @@ class EncDecConfig:
         if self.encoder.d_model != self.decoder.d_model:
             raise ValueError(f"encoder.d_model={self.encoder.d_model} != decoder.d_model={self.decoder.d_model}")
 
-    def replace(self, **changes: Any) -> "EncDecConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "EncDecConfig":
