@@ -3,9 +3,9 @@
 Importing ``jaxgpt`` or ``jaxgpt.config`` loads no framework (torch_ref shares the configs);
 ``build`` and the other entry points import JAX/Flax on first use.
 """
-from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, get_preset
+from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset
 
-__all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "build", "get_preset"]
+__all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "TrainConfig", "build", "get_preset"]
 __version__ = "0.1.0"
 
 

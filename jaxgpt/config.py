@@ -6,6 +6,7 @@ objects, so a config means the same architecture on both sides.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +38,18 @@ def _probability(name: str, value: float) -> None:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError for sampling settings that cannot sample (jaxgpt and torch_ref generation)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and not top_k >= 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 class _Config:
-    """replace / to_dict shared by the three frozen config dataclasses."""
+    """replace / to_dict / from_dict shared by the frozen config dataclasses."""
 
     def replace(self, **changes: Any):
         """A copy with ``changes`` applied (validated again)."""
@@ -46,6 +57,15 @@ class _Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        """Inverse of ``to_dict``; unknown keys are an error (nested configs override this)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -143,15 +163,6 @@ class ModelConfig(_Config):
         return self.init_std / (2 * self.n_layer) ** 0.5 if self.scale_out_init else self.init_std
 
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
-        return cls(**d)
-
-
 @dataclass(frozen=True)
 class BertConfig(_Config):
     """An encoder with a sequence classifier: seed 004's MiniBERT or the standard BERT layout.
@@ -204,6 +215,88 @@ class EncDecConfig(_Config):
     def from_dict(cls, d: dict[str, Any]) -> "EncDecConfig":
         return cls(**{**d, "encoder": ModelConfig.from_dict(d["encoder"]),
                       "decoder": ModelConfig.from_dict(d["decoder"])})
+
+
+SCHEDULES = ("cosine", "constant")
+DECAY = ("all", "linear")
+TOKENIZERS = ("char", "bpe")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Config):
+    """Optimisation and data settings, shared by jaxgpt.train and torch_ref.train.
+
+    Defaults are seed 000's: AdamW(lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on every
+    parameter), cosine annealing to 0.1 * lr, gradient clipping at 1.0, batches of 32 x 64.
+    """
+
+    steps: int = 500
+    batch_size: int = 32  # sequences per optimizer step (split into grad_accum micro-batches)
+    seq_len: int = 64  # LM window; pair and classification data: padded sequence length
+    grad_accum: int = 1
+    lr: float = 3e-4
+    schedule: str = "cosine"  # 'cosine': linear warmup, then cosine to lr * min_lr_ratio; 'constant'
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay: str = "all"  # 'all': every parameter (the seeds, torch AdamW); 'linear': Linear kernels only
+    grad_clip: float | None = 1.0  # global-norm clip; None = off
+    seed: int = 0  # init, batch order and dropout all derive from it
+    tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)
+    bpe_vocab: int = 1024
+    val_fraction: float = 0.1
+    eval_every: int = 100  # 0 = only at the end
+    eval_batches: int = 10
+    log_every: int = 10
+    ckpt_every: int = 100  # 0 = only at the end
+    keep: int = 3  # checkpoints kept on disk
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
+            _positive(name, getattr(self, name))
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("decay", self.decay, DECAY)
+        _choice("tokenizer", self.tokenizer, TOKENIZERS)
+        if self.bpe_vocab < 257:
+            raise ValueError(f"bpe_vocab must be >= 257 (256 byte tokens + merges), got {self.bpe_vocab!r}")
+        if self.warmup_steps >= self.steps and self.schedule == "cosine" and self.warmup_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be < steps={self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        _probability("beta1", self.beta1)
+        _probability("beta2", self.beta2)
+        if self.weight_decay < 0 or self.eps <= 0:
+            raise ValueError(f"need weight_decay >= 0 and eps > 0, got {self.weight_decay!r}, {self.eps!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch_size // self.grad_accum
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of update ``step`` (0-based): linear warmup over ``warmup_steps`` (reaching
+        lr at step warmup_steps - 1), then cosine from lr to lr * min_lr_ratio at ``steps``.
+        jaxgpt.train.optim.schedule is the same formula in jnp."""
+        if self.schedule == "constant":
+            return self.lr
+        w, floor = self.warmup_steps, self.lr * self.min_lr_ratio
+        if step < w:
+            return self.lr * (step + 1) / w
+        progress = min(max((step - w) / max(self.steps - w, 1), 0.0), 1.0)
+        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _gpt2(d_model: int, n_layer: int, n_head: int, **kw: Any) -> ModelConfig:

@@ -19,6 +19,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
+
 # Opt-in target value for "no loss here" (the torch and Hugging Face convention). Seed 002
 # keeps <pad> in its targets and passes ignore_index=pad_id to the loss instead; encode_pairs
 # does the same unless asked for IGNORE_INDEX.
@@ -150,6 +152,15 @@ class PairTokenizer:
     def vocab_size(self) -> int:
         return len(self.vocab)
 
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` -> ids (T,) int32, spaces written as ``'▁'``; no specials added."""
+        return np.asarray(_lookup(text.replace(" ", SPACE), self._ids, f"text {text!r:.40}"), np.int32)
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> PairTokenizer:
+        """The same vocabulary built from single texts (classification, both seq2seq sides)."""
+        return cls([*cls.SPECIALS, *sorted(set().union(*(t.replace(" ", SPACE) for t in texts)))])
+
     def prompt(self, zh: str) -> np.ndarray:
         """``<bos> zh <sep>``: ids (len(zh) + 2,) int32, the context for generating English."""
         return np.asarray([self.bos_id, *_lookup(zh, self._ids, f"zh {zh!r}"), self.sep_id], np.int32)
@@ -267,6 +278,20 @@ def tokenizer_from_dict(d: dict) -> CharTokenizer | PairTokenizer | BPETokenizer
     if kind not in _TOKENIZERS:
         raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {tuple(_TOKENIZERS)}")
     return _TOKENIZERS[kind].from_dict(d)
+
+
+# The batch dict each model kind trains on: inputs in call order, then the targets.
+BATCH_KEYS = {
+    ModelConfig: ("x", "y"),  # x (B, T) ids, y (B, T) next ids (IGNORE_INDEX = no loss)
+    BertConfig: ("input_ids", "attention_mask", "labels"),  # (B, T), (B, T) bool, (B,)
+    EncDecConfig: ("src", "tgt", "src_mask", "labels"),  # (B, S), (B, T), (B, S) bool, (B, T)
+}
+
+
+def batch_keys(config) -> tuple[str, ...]:
+    """Keys of the batch dict ``config``'s model trains on: its inputs in call order, then targets."""
+    return BATCH_KEYS[type(config)]
+
 
 
 # --- Built-in corpora --------------------------------------------------------------------------

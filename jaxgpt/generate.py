@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, check_sampling
 from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache
 
 
@@ -24,24 +24,19 @@ def sample_logits(logits, rng, *, temperature: float = 1.0, top_k: int | None = 
     top_k keeps the k largest logits; top_p keeps the smallest set of tokens whose probability
     reaches p (the first token crossing p is kept, so at least one token always survives).
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
     neg = jnp.finfo(jnp.float32).min
     if top_k is not None:
-        if not 0 < top_k:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, neg, logits)
     if top_p is not None:
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
-        drop_sorted = jnp.cumsum(probs, axis=-1) - probs > top_p  # mass before this token already >= p
+        drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= top_p  # mass before this token already >= p
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
         logits = jnp.where(drop, neg, logits)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
@@ -129,3 +124,41 @@ def generate(config: ModelConfig, params, prompt, max_new_tokens: int, *, temper
     fn = _generate_cached if use_cache and fits else _generate_uncached
     return fn(params, prompt, rng, config=config, max_new_tokens=max_new_tokens, temperature=float(temperature),
               top_k=top_k, top_p=top_p, eos_id=eos_id)
+
+
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "bos_id", "eos_id"))
+def _generate_seq2seq(params, src, src_mask, rng, *, config, max_new_tokens, temperature, top_k, top_p, bos_id,
+                      eos_id):
+    from jaxgpt.models.encdec import EncoderDecoder
+
+    model = EncoderDecoder(config)
+    sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    memory = model.apply({"params": params}, src, src_mask, method=EncoderDecoder.encode)  # (B, S, d)
+    b = src.shape[0]
+    tgt = jnp.zeros((b, max_new_tokens + 1), jnp.int32).at[:, 0].set(bos_id)  # causal: later slots unseen
+
+    def step(i, state):
+        tgt, done = state
+        logits = model.apply({"params": params}, tgt, memory, src_mask, method=EncoderDecoder.decode)
+        last = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)  # (B, V)
+        tok, done = _finish(sample(last, jax.random.fold_in(rng, i)), done, eos_id)
+        return jax.lax.dynamic_update_slice(tgt, tok[:, None], (0, i + 1)), done
+
+    tgt, _ = jax.lax.fori_loop(0, max_new_tokens, step, (tgt, jnp.zeros(b, bool)))
+    return tgt[:, 1:]
+
+
+def generate_seq2seq(config, params, src, src_mask, max_new_tokens: int, *, bos_id: int, eos_id: int | None = None,
+                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, rng=None):
+    """Encoder-decoder decoding: encode ``src`` (B, S) once, then feed ``<bos>`` + the tokens so
+    far to the decoder (one fixed (B, max_new_tokens + 1) window, no recompilation per token).
+    Returns the new tokens (B, max_new_tokens); rows that emit ``eos_id`` are filled with it."""
+    src = jnp.asarray(np.asarray(src), jnp.int32)
+    src_mask = jnp.asarray(np.asarray(src_mask), bool)
+    if max_new_tokens < 1 or max_new_tokens + 1 > config.decoder.max_len:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, decoder.max_len - 1 = "
+                         f"{config.decoder.max_len - 1}]")
+    check_tokens(src, config.encoder.vocab_size, config.encoder.max_len)
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    return _generate_seq2seq(params, src, src_mask, rng, config=config, max_new_tokens=max_new_tokens,
+                             temperature=float(temperature), top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from jaxgpt.config import check_sampling
 from torch_ref.models.decoder import DecoderLM, init_cache
 
 
@@ -11,6 +12,7 @@ def sample_logits(logits, *, temperature: float = 1.0, top_k: int | None = None,
                   generator: torch.Generator | None = None):
     """Next tokens (B,) from logits (B, V); temperature 0 is greedy. Same filtering as jaxgpt
     (torch draws its own random numbers, so only greedy decoding matches token for token)."""
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -21,7 +23,7 @@ def sample_logits(logits, *, temperature: float = 1.0, top_k: int | None = None,
     if top_p is not None:
         sorted_logits, order = logits.sort(-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        drop_sorted = probs.cumsum(-1) - probs > top_p
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), neg)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 

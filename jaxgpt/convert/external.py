@@ -10,7 +10,6 @@ import re
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
@@ -21,12 +20,9 @@ STACKED = ("layers",)
 
 def abstract_params(config) -> dict:
     """Parameter shapes (ShapeDtypeStructs) of ``build(config)`` for any config, without allocating."""
-    from jaxgpt.config import EncDecConfig
-    from jaxgpt.models import build
+    from jaxgpt.models import init_params
 
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    inputs = (tokens, tokens) if isinstance(config, EncDecConfig) else (tokens,)
-    return jax.eval_shape(lambda: build(config).init(jax.random.PRNGKey(0), *inputs))["params"]
+    return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
 
 
 def _rename(sd: Mapping[str, Any], rules: list[tuple[str, str]], skip: Callable[[str], bool] = lambda k: False):

@@ -16,6 +16,7 @@ import numpy as np
 from jaxgpt.attention import KVCache
 from jaxgpt.block import Block
 from jaxgpt.config import ModelConfig
+from jaxgpt.mlp import dense
 from jaxgpt.norms import make_norm
 from jaxgpt.positions import sinusoidal_table
 
@@ -124,8 +125,7 @@ class DecoderLM(nn.Module):
         if cfg.tie_embeddings:
             logits = tok_embed.attend(x)  # x @ embedding.T
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=nn.initializers.normal(cfg.init_std),
-                              name="lm_head")(x)
+            logits = dense(cfg.vocab_size, False, cfg.init_std, "lm_head")(x)
         if cache is None and not return_weights:
             return logits
         return DecoderOutput(logits, cache, weights)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxgpt.config import EncDecConfig, ModelConfig
 from jaxgpt.models.bert import key_mask
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
+from jaxgpt.mlp import dense
 from jaxgpt.norms import make_norm
 
 STACKED = ("encoder/layers", "decoder/layers")  # the scanned stacks, for jaxgpt.convert
@@ -50,8 +51,7 @@ class EncoderDecoder(nn.Module):
         cfg = self.config
         self.encoder = Stack(cfg.encoder)
         self.decoder = Stack(cfg.decoder, cross=True)
-        self.out_proj = nn.Dense(cfg.decoder.vocab_size, use_bias=cfg.out_bias,
-                                 kernel_init=nn.initializers.normal(cfg.decoder.init_std))
+        self.out_proj = dense(cfg.decoder.vocab_size, cfg.out_bias, cfg.decoder.init_std, "out_proj")
 
     def encode(self, src_ids, src_mask=None, *, deterministic=True):
         """src_ids: (B, S) int; src_mask: (B, S), True = real token. Returns memory (B, S, d)."""

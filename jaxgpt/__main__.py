@@ -1,0 +1,5 @@
+import sys
+
+from jaxgpt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,34 @@
+"""Losses shared by every model kind: token cross entropy with an ignore index, returned as a
+(sum, count) pair so that micro-batches and eval batches combine into an exact token mean."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.data import IGNORE_INDEX, batch_keys
+from jaxgpt.models import build
+
+def cross_entropy(logits, targets, ignore_index: int = IGNORE_INDEX):
+    """logits (..., V), targets (...) int -> (sum of -log p(target), number of kept targets,
+    number of kept targets that are the argmax). Computed in float32 like torch's F.cross_entropy."""
+    logits = logits.astype(jnp.float32)
+    keep = targets != ignore_index
+    safe = jnp.where(keep, targets, 0)  # any valid index; the term is zeroed below
+    picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    nll = jnp.where(keep, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+    correct = keep & (jnp.argmax(logits, axis=-1) == targets)
+    return nll.sum(), keep.sum(), correct.sum()
+
+
+def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) -> dict:
+    """Forward pass + cross entropy on one batch -> {'loss_sum', 'count', 'correct'} scalars.
+
+    Language models: next-token loss over y != IGNORE_INDEX. Classifiers: one label per row.
+    Encoder-decoder: teacher-forced loss over labels != IGNORE_INDEX. ``train`` turns dropout on
+    (then ``rng`` is required).
+    """
+    *inputs, targets = (batch[k] for k in batch_keys(config))
+    rngs = {"dropout": rng} if train else {}
+    logits = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs)
+    loss_sum, count, correct = cross_entropy(logits, targets)
+    return {"loss_sum": loss_sum, "count": count, "correct": correct}

@@ -1,0 +1,40 @@
+"""AdamW as the seeds and torch configure it: decoupled weight decay on every parameter or on
+Linear kernels only, warmup + cosine or constant learning rate, global-norm clipping."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxgpt.config import TrainConfig
+
+
+def schedule(tc: TrainConfig):
+    """optax schedule: ``TrainConfig.lr_at`` in jnp (update count -> learning rate)."""
+    if tc.schedule == "constant":
+        return optax.constant_schedule(tc.lr)
+    w, floor = tc.warmup_steps, tc.lr * tc.min_lr_ratio
+
+    def lr(count):
+        progress = jnp.clip((count - w) / max(tc.steps - w, 1), 0.0, 1.0)
+        cosine = floor + (tc.lr - floor) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        return jnp.where(count < w, tc.lr * (count + 1) / max(w, 1), cosine)
+
+    return lr
+
+
+def decay_mask(params):
+    """True on Dense kernels only: norms, biases, embeddings and AttnRes queries are not decayed
+    (the torch mirror decays exactly the nn.Linear weights)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """clip (torch's clip_grad_norm_) -> AdamW(b1, b2, eps, weight decay x lr) with the schedule."""
+    adamw = optax.adamw(schedule(tc), b1=tc.beta1, b2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
+                        mask=decay_mask if tc.decay == "linear" else None)
+    if tc.grad_clip is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)

@@ -1,0 +1,93 @@
+"""Train state (a pytree) and the pure, jitted train and eval steps.
+
+``train_step(state, batch) -> (state, metrics)`` is compiled once per batch shape with the state
+donated, so params and optimizer moments are updated in place. Every random number derives from
+``state.rng`` and ``state.step``, and every batch from (seed, step): a run restored at step s
+continues bit for bit as if it had never stopped.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxgpt.config import TrainConfig
+from jaxgpt.models import init_params
+from jaxgpt.train.losses import loss_terms
+from jaxgpt.train.optim import make_optimizer, schedule
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array  # () int32: updates applied so far
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # (2,) uint32: dropout keys are fold_in(rng, step)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "params": self.params, "opt_state": self.opt_state, "rng": self.rng}
+
+
+def init_state(config, tc: TrainConfig, params=None) -> TrainState:
+    """Step 0: params from ``init_params(config, fold_in(PRNGKey(seed), 0))`` unless given."""
+    key = jax.random.PRNGKey(tc.seed)
+    if params is None:
+        params = jax.jit(init_params, static_argnums=0)(config, jax.random.fold_in(key, 0))
+    params = jax.tree.map(jnp.asarray, params)
+    return TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(tc).init(params),
+                      rng=jax.random.fold_in(key, 1))
+
+
+def abstract_state(config, tc: TrainConfig) -> TrainState:
+    """Shapes and dtypes of ``init_state`` (jax.eval_shape: nothing allocated), the restore target."""
+    return jax.eval_shape(lambda: init_state(config, tc))
+
+
+def make_train_step(config, tc: TrainConfig):
+    """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
+
+    batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
+    (grad_accum, micro_batch, ...). Gradients of the summed loss are accumulated over the
+    micro-batches and divided by the total target count, so the update is the one a single
+    batch of ``batch_size`` would give. metrics: loss (token mean), accuracy, grad_norm (before
+    clipping), lr (of this update).
+    """
+    optimizer, lr = make_optimizer(tc), schedule(tc)
+
+    def micro_grads(params, micro, rng):
+        def f(p):
+            terms = loss_terms(config, p, micro, rng=rng, train=True)
+            return terms["loss_sum"], terms
+        return jax.grad(f, has_aux=True)(params)
+
+    def train_step(state: TrainState, batch: dict):
+        rng = jax.random.fold_in(state.rng, state.step)
+        n_micro = jax.tree.leaves(batch)[0].shape[0]
+        if n_micro == 1:
+            grads, terms = micro_grads(state.params, jax.tree.map(lambda a: a[0], batch), rng)
+        else:
+            def body(acc, xs):
+                i, micro = xs
+                g, t = micro_grads(state.params, micro, jax.random.fold_in(rng, i))
+                return jax.tree.map(jnp.add, acc, (g, t)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_grads, state.params,
+                                                               jax.tree.map(lambda a: a[0], batch), rng))
+            (grads, terms), _ = jax.lax.scan(body, zeros, (jnp.arange(n_micro), batch))
+        count = jnp.maximum(terms["count"], 1)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": terms["loss_sum"] / count, "accuracy": terms["correct"] / count,
+                   "grad_norm": optax.tree.norm(grads), "lr": lr(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_step(config):
+    """-> jitted ``eval_step(params, batch) -> {'loss_sum', 'count', 'correct'}`` (no dropout);
+    batch without the micro-batch axis. Sum over batches, then divide by the count."""
+    return jax.jit(lambda params, batch: loss_terms(config, params, batch, train=False))

@@ -1,0 +1,190 @@
+"""Training: schedule, loss, optimizer and whole training runs against torch_ref.
+
+Tolerances: learning rates 1e-6 relative (float32 jnp vs Python float); cross entropy 1e-5;
+20-step loss curves 1e-4 (the issue's bound; measured <= 1e-6, see the summary table).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import torch_ref
+from jaxgpt.config import EncDecConfig, ModelConfig, TrainConfig, get_preset
+from jaxgpt.data import IGNORE_INDEX, builtin_pairs
+from jaxgpt.train import cross_entropy, init_state, make_train_step, schedule
+from jaxgpt.train.optim import decay_mask
+from jaxgpt.train.tasks import classify_task, fit_config, load_task, pairs_task
+from conftest import assert_close
+from torch_ref.convert import load_params
+from torch_ref.train import make_optimizer, train
+
+TINY = dict(d_model=32, n_layer=2, n_head=4, max_len=64)
+
+
+def test_schedule_is_lr_at_and_the_seeds_cosine():
+    tc = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    f = jax.jit(schedule(tc))
+    ours = np.array([float(f(s)) for s in range(tc.steps)])
+    ref = np.array([tc.lr_at(s) for s in range(tc.steps)])
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+    assert ours[9] == pytest.approx(1e-3) and ours[0] == pytest.approx(1e-4)  # warmup reaches lr
+    # torch_ref's LambdaLR follows lr_at
+    model = torch.nn.Linear(2, 2)
+    opt, sched = make_optimizer(model, tc)
+    lrs = []
+    for _ in range(tc.steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    np.testing.assert_allclose(lrs, ref, rtol=1e-12)
+    # No warmup: seed 000's CosineAnnealingLR(T_max=steps, eta_min=0.1 lr)
+    tc0 = tc.replace(warmup_steps=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc0.lr)
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=tc0.steps, eta_min=tc0.lr * 0.1)
+    seed_lrs = []
+    for _ in range(tc0.steps):
+        seed_lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        cos.step()
+    np.testing.assert_allclose([tc0.lr_at(s) for s in range(tc0.steps)], seed_lrs, rtol=1e-9)
+
+
+def test_cross_entropy_matches_torch_with_ignore_index(rng):
+    logits = rng.standard_normal((3, 7, 11)).astype(np.float32) * 3
+    targets = rng.integers(0, 11, (3, 7))
+    targets[0, :3] = IGNORE_INDEX
+    total, count, correct = cross_entropy(logits, targets)
+    ref = torch.nn.functional.cross_entropy(torch.from_numpy(logits).flatten(0, 1), torch.from_numpy(targets).flatten(),
+                                            ignore_index=IGNORE_INDEX, reduction="sum")
+    assert int(count) == 18
+    assert_close(float(total) / 18, float(ref) / 18, "cross entropy (ignore index) vs F.cross_entropy")
+    keep = targets != IGNORE_INDEX
+    assert int(correct) == int(((logits.argmax(-1) == targets) & keep).sum())
+
+
+def test_linear_decay_mask_is_torchs_linear_weights():
+    cfg = get_preset("llama-tiny").replace(**TINY, tie_embeddings=False)
+    params = init_state(cfg, TrainConfig()).params
+    mask = decay_mask(params)
+    decayed = sum(p.size for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m)
+    model = torch_ref.build(cfg)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert decayed == linear > 0
+    assert decayed < sum(p.size for p in jax.tree.leaves(params))  # norms and embeddings are excluded
+
+
+def _classify_rows(n=48, seed=0):
+    r = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        text = "".join(r.choice(list("abcxyz "), size=r.integers(5, 20)))
+        rows.append((str(int("a" in text)), text))
+    return rows
+
+
+CASES = {
+    # seed 000 defaults: decay everything, cosine to 0.1 lr, clip 1.0
+    "seed-minigpt": (lambda: get_preset("seed-minigpt"), dict(), "seed-synthetic"),
+    # LLaMA-style GQA + tied embeddings, decay on Linear kernels only, warmup, accumulation
+    "llama-gqa-accum": (lambda: get_preset("llama-tiny").replace(**TINY, n_kv_head=2, tie_embeddings=True),
+                        dict(decay="linear", weight_decay=0.5, warmup_steps=5, grad_accum=2), "seed-synthetic"),
+    # GPT-2 style: learned positions, LayerNorm + biases, tanh GELU; constant lr, no clipping
+    "gpt2-constant": (lambda: get_preset("gpt2-small").replace(**TINY, dropout=0.0, attn_dropout=0.0),
+                      dict(schedule="constant", grad_clip=None, lr=1e-3), "seed-synthetic"),
+    # decoder on padded zh-en pairs: padding targets are IGNORE_INDEX
+    "pairs-lm": (lambda: get_preset("seed-attnres-standard").replace(**TINY), dict(seq_len=40), "zh-en"),
+    "attnres-block": (lambda: get_preset("seed-attnres-block").replace(**{**TINY, "n_layer": 4}, attnres_blocks=2),
+                      dict(seq_len=40), "zh-en"),
+    "encdec": (lambda: EncDecConfig(get_preset("seed-transformer").encoder.replace(**TINY),
+                                    get_preset("seed-transformer").decoder.replace(**TINY)), dict(seq_len=40), "zh-en"),
+    "minibert": (lambda: get_preset("seed-minibert").replace(
+        encoder=get_preset("seed-minibert").encoder.replace(**TINY, dropout=0.0, attn_dropout=0.0)), dict(), None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_loss_curve_matches_torch_ref(name):
+    make_config, train_kw, corpus = CASES[name]
+    tc = TrainConfig(steps=20, batch_size=8, seq_len=32, lr=3e-3, seed=3).replace(**train_kw)
+    config = make_config()
+    if corpus is None:
+        task = classify_task(_classify_rows(), tc)
+    else:
+        task = load_task(config, tc, corpus=corpus)
+    config = fit_config(config, task)
+    state = init_state(config, tc)
+    model = load_params(torch_ref.build(config), jax.device_get(state.params))
+    step = make_train_step(config, tc)
+    ours = []
+    for s in range(tc.steps):
+        state, m = step(state, task.batch(tc, s))
+        ours.append(float(m["loss"]))
+    ref = [m["loss"] for m in train(model, tc, task)]
+    assert ours[-1] < ours[0]  # it learns
+    assert_close(np.array(ours), np.array(ref), f"training: 20-step losses vs torch_ref ({name})", tol=1e-4)
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    config = get_preset("seed-minigpt").replace(n_layer=2)
+    tc = TrainConfig(steps=5, batch_size=8, seq_len=32)
+    task = load_task(config, tc, corpus="seed-synthetic")
+    config = fit_config(config, task)
+    losses = {}
+    for accum in (1, 4):
+        t = tc.replace(grad_accum=accum)
+        state, step = init_state(config, t), make_train_step(config, t)
+        losses[accum] = []
+        for s in range(t.steps):
+            state, m = step(state, task.batch(t, s))
+            losses[accum].append(float(m["loss"]))
+    assert task.batch(tc.replace(grad_accum=4), 0)["x"].shape == (4, 2, 32)
+    assert_close(np.array(losses[4]), np.array(losses[1]), "gradient accumulation 4x2 vs 1x8 losses", tol=1e-5)
+
+
+def test_train_step_compiles_once_and_donates_the_state():
+    config = get_preset("seed-minigpt").replace(n_layer=1)
+    tc = TrainConfig(steps=4, batch_size=4, seq_len=16)
+    task = load_task(config, tc, corpus="seed-synthetic")
+    config = fit_config(config, task)
+    state, step = init_state(config, tc), make_train_step(config, tc)
+    old = state
+    for s in range(3):
+        state, metrics = step(state, task.batch(tc, s))
+    assert step._cache_size() == 1
+    assert jax.tree.leaves(old.params)[0].is_deleted()  # donated: updated in place
+    assert int(state.step) == 3 and set(metrics) == {"loss", "accuracy", "grad_norm", "lr"}
+    assert math.isfinite(float(metrics["grad_norm"]))
+
+
+def test_dropout_keys_depend_on_the_step_only():
+    config = get_preset("seed-minigpt").replace(n_layer=1, dropout=0.3)
+    tc = TrainConfig(steps=2, batch_size=4, seq_len=16)
+    task = load_task(config, tc, corpus="seed-synthetic")
+    config = fit_config(config, task)
+    step = make_train_step(config, tc)
+    batch = task.batch(tc, 0)
+    a = float(step(init_state(config, tc), batch)[1]["loss"])
+    b = float(step(init_state(config, tc), batch)[1]["loss"])
+    c = float(step(init_state(config, tc.replace(seed=1)).replace(params=init_state(config, tc).params), batch)[1]["loss"])
+    assert a == b and a != c
+
+
+def test_task_errors_name_the_problem():
+    tc = TrainConfig(seq_len=8)
+    with pytest.raises(ValueError, match="classifier trains on --data FILE.tsv"):
+        load_task(get_preset("seed-minibert"), tc, corpus="seed-synthetic")
+    with pytest.raises(ValueError, match="encoder-decoder trains on pairs"):
+        load_task(get_preset("seed-transformer"), tc, corpus="seed-synthetic")
+    with pytest.raises(ValueError, match="longest pair needs seq_len >= "):
+        pairs_task(builtin_pairs(), tc, seq2seq=False)
+    with pytest.raises(ValueError, match="label 'x' is not a non-negative integer"):
+        classify_task([("x", "text")] * 40, tc)
+    with pytest.raises(ValueError, match="batch_size=32"):
+        classify_task(_classify_rows(n=10), tc)
+    with pytest.raises(ValueError, match="not divisible by grad_accum"):
+        TrainConfig(batch_size=6, grad_accum=4)
+    assert isinstance(fit_config(ModelConfig(), load_task(ModelConfig(), tc, corpus="seed-synthetic")), ModelConfig)

@@ -1,0 +1,67 @@
+"""The torch training loop mirroring jaxgpt.train: same losses, AdamW settings, schedule,
+clipping, gradient accumulation and batches (jaxgpt.train.tasks is NumPy, shared as is).
+From the same initial weights on the same batches both give the same loss curve."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jaxgpt.config import TrainConfig
+from jaxgpt.data import IGNORE_INDEX, batch_keys
+
+
+def loss_terms(model: nn.Module, batch: dict) -> dict:
+    """Forward + summed cross entropy on one batch -> {'loss_sum', 'count', 'correct'} (tensors)."""
+    *inputs, targets = (torch.as_tensor(batch[k]) for k in batch_keys(model.config))
+    inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
+    logits = model(*inputs).float()
+    targets = targets.long()
+    keep = targets != IGNORE_INDEX
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    correct = (keep & (logits.argmax(-1) == targets)).sum()
+    return {"loss_sum": loss_sum, "count": keep.sum(), "correct": correct}
+
+
+def make_optimizer(model: nn.Module, tc: TrainConfig):
+    """AdamW over every parameter ('all') or with decay on nn.Linear weights only ('linear'),
+    and a LambdaLR following ``tc.lr_at``. Returns (optimizer, scheduler)."""
+    params = list(model.parameters())
+    if tc.decay == "all":
+        groups = [{"params": params, "weight_decay": tc.weight_decay}]
+    else:
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        groups = [{"params": [p for p in params if id(p) in linear], "weight_decay": tc.weight_decay},
+                  {"params": [p for p in params if id(p) not in linear], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: tc.lr_at(step) / tc.lr)
+    return opt, sched
+
+
+def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> dict:
+    """One update from a batch with a leading micro-batch axis (grad_accum, micro_batch, ...):
+    gradients of the summed loss over all micro-batches, divided by the target count."""
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    loss_sum = count = correct = 0
+    for i in range(tc.grad_accum):
+        terms = loss_terms(model, {k: v[i] for k, v in batch.items()})
+        terms["loss_sum"].backward()
+        loss_sum, count, correct = loss_sum + terms["loss_sum"].item(), count + terms["count"].item(), \
+            correct + terms["correct"].item()
+    count = max(count, 1)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= count
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+    lr = opt.param_groups[0]["lr"]
+    opt.step()
+    sched.step()
+    return {"loss": loss_sum / count, "accuracy": correct / count, "grad_norm": float(grad_norm), "lr": lr}
+
+
+def train(model: nn.Module, tc: TrainConfig, task, steps: int | None = None) -> list[dict]:
+    """``steps`` (default tc.steps) updates on ``task.batch(tc, step)``; per-step metrics."""
+    opt, sched = make_optimizer(model, tc)
+    return [train_step(model, opt, sched, tc, task.batch(tc, s)) for s in range(tc.steps if steps is None else steps)]
