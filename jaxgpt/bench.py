@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxgpt.config import PRESETS, ModelConfig, TrainConfig, get_preset
 from jaxgpt.generate import generate
+from jaxgpt.models.bert import count_params
 from jaxgpt.train.step import init_state, make_train_step
 
 
@@ -73,24 +74,25 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
     # One (T+1)-token window per row gives inputs and shifted targets, like the LM data pipeline.
     windows = _random_tokens(seed, (steps + 1, 1, batch_size, seq_len + 1), config.vocab_size)
     # Batches go to the device before the clock starts: the step is measured, not the transfer.
-    batches = [{"x": jax.device_put(w[:, :, :-1]), "y": jax.device_put(w[:, :, 1:])} for w in windows]
+    batches = [{"x": w[:, :, :-1], "y": w[:, :, 1:]} for w in windows]  # (1, B, T): one micro-batch
+    device_batches = [jax.tree.map(jax.device_put, b) for b in batches]
     prompt = _random_tokens(seed + 1, (decode_batch, prompt_len), config.vocab_size)
 
     state = init_state(config, tc)
-    n_params = int(sum(np.size(p) for p in jax.tree.leaves(state.params)))
+    n_params = count_params(state.params)
     t = time.perf_counter()
     # Compiled ahead so compile time is reported apart from the warm-up step's run time.
-    step = make_train_step(config, tc).lower(state, batches[0]).compile()
+    step = make_train_step(config, tc).lower(state, device_batches[0]).compile()
     compile_s = time.perf_counter() - t
-    state, metrics = step(state, batches[0])
+    state, metrics = step(state, device_batches[0])
     jax.block_until_ready(metrics)
     t = time.perf_counter()
-    for b in batches[1:]:  # no sync inside the loop: dispatch overlaps compute, as in training
+    for b in device_batches[1:]:  # no sync inside the loop: dispatch overlaps compute, as in training
         state, metrics = step(state, b)
     jax.block_until_ready((state, metrics))
     train_s = time.perf_counter() - t
     params = state.params
-    del state, batches  # free the optimizer moments before decoding (big presets)
+    del state, device_batches  # free the optimizer moments before decoding (big presets)
 
     result = {"preset": name, "config": config.to_dict(), "backend": jax.default_backend(),
               "device": str(jax.devices()[0]), "params": n_params, "batch_size": batch_size,
@@ -108,44 +110,32 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
         result[key] = decode_batch * new_tokens / _best_seconds(run)
     params = None  # drop jaxgpt's weights before torch builds its own copy (big presets)
     if torch:
-        result.update(_bench_torch(config, tc, steps, prompt, new_tokens, seed, has_cache))
+        result.update(_bench_torch(config, tc, batches, prompt, new_tokens, seed, has_cache))
     return result
 
 
-def _bench_torch(config: ModelConfig, tc: TrainConfig, steps: int, prompt: np.ndarray, new_tokens: int,
+def _bench_torch(config: ModelConfig, tc: TrainConfig, batches: list[dict], prompt: np.ndarray, new_tokens: int,
                  seed: int, has_cache: bool) -> dict:
-    """The same measurements for torch_ref (eager, float32, CPU, default thread count), with
-    torch's AdamW configured like jaxgpt's default optimizer (same work per step)."""
+    """The same measurements for torch_ref (eager, float32, CPU, default thread count): its
+    training loop (torch_ref.train) with the same optimizer settings on the same batches."""
     import torch  # lazily: jaxgpt itself does not depend on torch
 
     import torch_ref
     from torch_ref.generate import generate as torch_generate
+    from torch_ref.train import make_optimizer, train_step
 
     torch.manual_seed(seed)
-    model = torch_ref.build(config).float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps,
-                            weight_decay=tc.weight_decay)
-    windows = torch.from_numpy(_random_tokens(seed, (steps + 1, tc.batch_size, tc.seq_len + 1),
-                                              config.vocab_size)).long()
-
-    def train_step(w):
-        logits = model(w[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        return loss
-
-    train_step(windows[0])  # warm-up: allocator, AdamW state creation
+    model = torch_ref.build(config).float()
+    opt, sched = make_optimizer(model, tc)
+    train_step(model, opt, sched, tc, batches[0])  # warm-up: allocator, AdamW state creation
+    steps = len(batches) - 1
     t = time.perf_counter()
-    for w in windows[1:]:
-        loss = train_step(w)
+    for b in batches[1:]:
+        metrics = train_step(model, opt, sched, tc, b)
     train_s = time.perf_counter() - t
     out = {"torch_version": torch.__version__, "torch_device": "cpu", "torch_threads": torch.get_num_threads(),
            "torch_train_tok_s": tc.batch_size * tc.seq_len * steps / train_s,
-           "torch_train_ms_step": 1e3 * train_s / steps, "torch_final_loss": loss.item()}
+           "torch_train_ms_step": 1e3 * train_s / steps, "torch_final_loss": metrics["loss"]}
     tp = torch.from_numpy(prompt).long()
     for key, use_cache in (("torch_decode_cached_tok_s", True), ("torch_decode_uncached_tok_s", False)):
         if use_cache and not has_cache:

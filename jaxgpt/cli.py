@@ -38,6 +38,7 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
     stacks, or one with an ``encoder.``/``decoder.`` prefix)."""
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    own = {f.name for f in dataclasses.fields(config)} - {"encoder", "decoder"}
     train: dict = {}
     model: dict[str, dict] = {}
     for item in items:
@@ -49,7 +50,6 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
             train[key] = value
             continue
         target, _, name = key.rpartition(".")
-        own = {f.name for f in dataclasses.fields(config)} - {"encoder", "decoder"}
         if isinstance(config, ModelConfig) and not target and name in model_fields:
             model.setdefault("", {})[name] = value
         elif not isinstance(config, ModelConfig) and not target and name in own:
@@ -153,9 +153,10 @@ def cmd_eval(args) -> int:
         source = meta.get("source", "")
         corpus, data = (source.removeprefix("corpus:"), None) if source.startswith("corpus:") else (None, source)
     task = load_task(config, tc, data=data, corpus=corpus, tokenizer=meta["tokenizer"])
-    result = evaluate(config, params, task.eval_batches(tc))
+    batches = task.eval_batches(tc)
+    result = evaluate(config, params, batches)
     metric = "accuracy" if task.kind == "classify" else "token accuracy"
-    print(f"{task.source} (validation split, {len(task.eval_batches(tc))} batches): loss {result['val_loss']:.4f} "
+    print(f"{task.source} (validation split, {len(batches)} batches): loss {result['val_loss']:.4f} "
           f"| perplexity {result['val_ppl']:.3f} | {metric} {result['val_accuracy']:.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,7 +1,7 @@
 """Training: schedule, loss, optimizer and whole training runs against torch_ref.
 
 Tolerances: learning rates 1e-6 relative (float32 jnp vs Python float); cross entropy 1e-5;
-20-step loss curves 1e-4 (the issue's bound; measured <= 1e-6, see the summary table).
+20-step loss curves 1e-5 (AttnRes: 1e-4, as for its gradients; see the summary table).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jaxgpt.data import IGNORE_INDEX, builtin_pairs
 from jaxgpt.train import cross_entropy, init_state, make_train_step, schedule
 from jaxgpt.train.optim import decay_mask
 from jaxgpt.train.tasks import classify_task, fit_config, load_task, pairs_task
-from conftest import assert_close
+from conftest import TOL, assert_close
 from torch_ref.convert import load_params
 from torch_ref.train import make_optimizer, train
 
@@ -125,7 +125,9 @@ def test_training_loss_curve_matches_torch_ref(name):
         ours.append(float(m["loss"]))
     ref = [m["loss"] for m in train(model, tc, task)]
     assert ours[-1] < ours[0]  # it learns
-    assert_close(np.array(ours), np.array(ref), f"training: 20-step losses vs torch_ref ({name})", tol=1e-4)
+    # AttnRes: 1e-4, the conditioning bound of its gradients (test_attnres.py); all others 1e-5.
+    tol = 1e-4 if name.startswith("attnres") else TOL
+    assert_close(np.array(ours), np.array(ref), f"training: 20-step losses vs torch_ref ({name})", tol=tol)
 
 
 def test_grad_accumulation_equals_one_big_batch():

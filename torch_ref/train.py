@@ -44,13 +44,12 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
     gradients of the summed loss over all micro-batches, divided by the target count."""
     model.train()
     opt.zero_grad(set_to_none=True)
-    loss_sum = count = correct = 0
+    totals = dict.fromkeys(("loss_sum", "count", "correct"), 0.0)
     for i in range(tc.grad_accum):
         terms = loss_terms(model, {k: v[i] for k, v in batch.items()})
         terms["loss_sum"].backward()
-        loss_sum, count, correct = loss_sum + terms["loss_sum"].item(), count + terms["count"].item(), \
-            correct + terms["correct"].item()
-    count = max(count, 1)
+        totals = {k: totals[k] + terms[k].item() for k in totals}
+    count = max(totals["count"], 1)
     for p in model.parameters():
         if p.grad is not None:
             p.grad /= count
@@ -58,7 +57,7 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
     lr = opt.param_groups[0]["lr"]
     opt.step()
     sched.step()
-    return {"loss": loss_sum / count, "accuracy": correct / count, "grad_norm": float(grad_norm), "lr": lr}
+    return {"loss": totals["loss_sum"] / count, "accuracy": totals["correct"] / count, "grad_norm": float(grad_norm), "lr": lr}
 
 
 def train(model: nn.Module, tc: TrainConfig, task, steps: int | None = None) -> list[dict]:

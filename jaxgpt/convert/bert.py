@@ -15,6 +15,7 @@ import numpy as np
 from jaxgpt.config import PRESETS, BertConfig, ModelConfig
 from jaxgpt.convert.external import abstract_params
 from jaxgpt.convert.rule import params_to_state_dict, state_dict_to_params, to_numpy
+from jaxgpt.models import stacked_paths
 
 _HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # torch_ref key (with {i} for the layer) <-> HF BertModel key. LayerNorm weight <-> our ``scale``.
@@ -106,7 +107,7 @@ def from_hf_bert(hf_model) -> tuple[BertConfig, dict]:
     template = abstract_params(config)
     if not has_head:
         template = {k: v for k, v in template.items() if k != "classifier"}
-    return config, state_dict_to_params(_hf_to_ours(sd), template, stacked=("layers",))
+    return config, state_dict_to_params(_hf_to_ours(sd), template, stacked=stacked_paths(config))
 
 
 def to_hf_bert(config: BertConfig, params: Mapping, *, attn_implementation: str = "eager"):
@@ -142,7 +143,7 @@ def to_hf_bert(config: BertConfig, params: Mapping, *, attn_implementation: str 
         initializer_range=enc.init_std, num_labels=config.n_classes, attn_implementation=attn_implementation)
     model = transformers.BertForSequenceClassification(hc)
     sd = {k: torch.from_numpy(np.ascontiguousarray(v))
-          for k, v in _ours_to_hf(params_to_state_dict(params, stacked=("layers",))).items()}
+          for k, v in _ours_to_hf(params_to_state_dict(params, stacked=stacked_paths(config))).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     buffers = {k for k, _ in model.named_buffers()}
     missing = [k for k in missing if k not in buffers]
@@ -171,4 +172,4 @@ def from_seed_minibert(state_dict: Mapping[str, Any], config: BertConfig | None 
                                        max_len=sd["pos_emb.weight"].shape[0])
         config = base.replace(encoder=encoder, n_classes=sd["classifier.weight"].shape[0])
     ours = _rename(sd, _SEED_TOP, _SEED_LAYER, "layers")
-    return config, state_dict_to_params(ours, abstract_params(config), stacked=("layers",))
+    return config, state_dict_to_params(ours, abstract_params(config), stacked=stacked_paths(config))

@@ -14,14 +14,12 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert.rule import params_to_state_dict, state_dict_to_params, to_numpy
+from jaxgpt.models import init_params, stacked_paths
 
-STACKED = ("layers",)
 
 
 def abstract_params(config) -> dict:
     """Parameter shapes (ShapeDtypeStructs) of ``build(config)`` for any config, without allocating."""
-    from jaxgpt.models import init_params
-
     return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
 
 
@@ -52,7 +50,7 @@ def _split_packed(sd: dict, packed: str, sizes: tuple[int, int, int], axis: int)
 
 
 def _load(config: ModelConfig, sd: dict) -> dict:
-    return state_dict_to_params(sd, abstract_params(config), stacked=STACKED)
+    return state_dict_to_params(sd, abstract_params(config), stacked=stacked_paths(config))
 
 
 # GPT-2 family: HF GPT2LMHeadModel, nanoGPT and seed 003 share one layout up to a prefix -----
@@ -248,7 +246,7 @@ def to_hf(config, params):
         from jaxgpt.convert.bert import to_hf_bert
 
         return to_hf_bert(config, params)
-    ref = params_to_state_dict(params, stacked=STACKED)
+    ref = params_to_state_dict(params, stacked=stacked_paths(config))
     if config.pos == "learned" and config.norm == "layernorm" and config.tie_embeddings:
         from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -14,6 +14,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxgpt.config import BertConfig, EncDecConfig, config_from_dict
+from jaxgpt.models import stacked_paths
 
 FORMATS = ("jaxgpt", "safetensors", "torch", "hf", "nanogpt")
 
@@ -100,7 +101,6 @@ def load_weights(path: str | Path, fmt: str | None = None) -> tuple[Any, dict, d
 
         from jaxgpt.convert.external import abstract_params, from_nanogpt
         from jaxgpt.convert.rule import state_dict_to_params
-        from jaxgpt.models import stacked_paths
 
         obj = torch.load(p, map_location="cpu", weights_only=False)
         if isinstance(obj, dict) and "model_args" in obj:
@@ -139,7 +139,6 @@ def save_weights(path: str | Path, fmt: str, config, params, extras: Mapping[str
         import torch
 
         from jaxgpt.convert.rule import params_to_state_dict
-        from jaxgpt.models import stacked_paths
 
         sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in
               params_to_state_dict(params, stacked=stacked_paths(config)).items()}

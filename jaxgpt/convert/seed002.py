@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from jaxgpt.config import ModelConfig, get_preset
 from jaxgpt.convert.external import abstract_params
 from jaxgpt.convert.rule import state_dict_to_params, to_numpy
+from jaxgpt.models import stacked_paths
 
 SEED_PRESETS = {"standard": "seed-attnres-standard", "full": "seed-attnres-full", "block": "seed-attnres-block"}
 
@@ -79,5 +80,5 @@ def from_seed_attnres(state_dict: Mapping[str, Any], kind: str, *, n_head: int =
     n_head / attnres_blocks: the seed constructor's n_heads / n_blocks (main() uses 4 and 3).
     """
     config = seed_config(state_dict, kind, n_head=n_head, attnres_blocks=attnres_blocks)
-    stacked = ("layers",) if kind == "standard" else ()
-    return config, state_dict_to_params(seed_to_ref(state_dict, kind), abstract_params(config), stacked=stacked)
+    return config, state_dict_to_params(seed_to_ref(state_dict, kind), abstract_params(config),
+                                        stacked=stacked_paths(config))

@@ -33,11 +33,12 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     checkpoint the run resumes with the saved tokenizer, and any difference between the given and
     the saved configs (or data) is an error: resuming is exact or it does not happen.
     """
-    ckpts = Checkpoints(out, keep=tc.keep)
-    if ckpts.latest_step() is None:
+    ckpts = Checkpoints(out, create=False) if (Path(out) / "checkpoints").is_dir() else None  # read-only
+    if ckpts is None or ckpts.latest_step() is None:
         task = load_task(config, tc, data=data, corpus=corpus)
         return fit_config(config, task), tc, task, None
     saved_config, saved_tc, state, meta = ckpts.restore()
+    ckpts.close()
     task = load_task(saved_config, saved_tc, data=data, corpus=corpus, tokenizer=meta["tokenizer"])
     diffs = _differences(fit_config(config, task), saved_config) + _differences(tc, saved_tc)
     if task.source != meta["source"]:
@@ -108,42 +109,40 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
     train_step, eval_step, eval_batches = make_train_step(config, tc), make_eval_step(config), task.eval_batches(tc)
     bar = Progress(tc.steps, start, enabled=progress)
     tokens = task.tokens_per_step(tc)
-    pending: list[tuple[int, dict]] = []
-    t_flush, n_since = time.perf_counter(), 0
+    pending: list[tuple[int, dict]] = []  # (step, metrics still on the device)
+    t_flush = time.perf_counter()
 
-    def flush(step: int) -> None:
-        nonlocal t_flush, n_since
-        now = time.perf_counter()
-        tok_s = tokens * n_since / max(now - t_flush, 1e-9)
-        rows = [{"step": s, **{k: float(v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
-                for s, m in zip([s for s, _ in pending], jax.device_get([m for _, m in pending]))]
+    def record(rows: list[dict]) -> None:
         with metrics_path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         history.extend(rows)
+
+    def flush(step: int) -> None:
+        nonlocal t_flush
+        now = time.perf_counter()
+        tok_s = tokens * len(pending) / max(now - t_flush, 1e-9)
+        steps, metrics = zip(*pending)
+        record([{"step": s, **{k: float(v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
+                for s, m in zip(steps, jax.device_get(metrics))])
         pending.clear()
         if bar.t0 is None:  # the first flush includes compilation: rates count from here
             bar.t0, bar.start = now, step
-        bar.update(step, rows[-1]["loss"], tok_s)
-        t_flush, n_since = now, 0
+        bar.update(step, history[-1]["loss"], tok_s)
+        t_flush = now
 
     def save() -> None:
         if ckpts.latest_step() != int(state.step):
             ckpts.save(state, meta)
 
-    step = start
     try:
         for step in range(start, tc.steps):
             state, m = train_step(state, task.batch(tc, step))
-            pending.append((step + 1, m))
-            n_since += 1
             done = step + 1
+            pending.append((done, m))
             if done % tc.log_every == 0 or done == tc.steps:
                 flush(done)
             if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
-                row = {"step": done, **evaluate(config, state.params, eval_batches, eval_step)}
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                history.append(row)
+                record([{"step": done, **evaluate(config, state.params, eval_batches, eval_step)}])
             if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
                 save()
     except KeyboardInterrupt:
