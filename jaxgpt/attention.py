@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxgpt import checks, validate
 from jaxgpt.mlp import dense
 from jaxgpt.positions import apply_rope
 
@@ -42,7 +43,8 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
 
     q: (B, Tq, H, D). k, v: (B, Tk, H_kv, D), or (B, H_kv, Tk, D) when ``kv_heads_first`` (the
     KV-cache layout). H must be a multiple of H_kv (GQA; H_kv = 1 is MQA).
-    mask: bool, broadcastable to (B, H, Tq, Tk); True means *attend*.
+    mask: bool, broadcastable to (B, H, Tq, Tk); True means *attend*. Any other dtype or shape is a
+    ValueError (a float 0/-inf mask cast to bool would invert it; a (B, T) mask would be read as (Tq, Tk)).
     is_causal: query i sees keys j <= q_offset + i (q_offset may be a traced cache index).
     scale: defaults to 1/sqrt(D).
     A query row with no visible key returns zeros (as torch's SDPA does), not the mean of v.
@@ -62,7 +64,8 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
 
     allowed = None
     if mask is not None:
-        m = jnp.asarray(mask, bool)
+        m = jnp.asarray(mask)
+        validate.check_mask(m.shape, m.dtype, (b, h, tq, tk))
         m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B|1, H|1, Tq|1, Tk)
         m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
         allowed = m  # (B|1, H_kv|1, G|1, Tq|1, Tk)
@@ -124,6 +127,11 @@ class Attention(nn.Module):
         v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj")(src).reshape(b, src.shape[1], h_kv, d)
 
         offset = 0 if cache is None else cache.index
+        if cache is not None:  # dynamic_update_slice would clamp the start and overwrite the last slots
+            if checks.is_traced(offset):
+                checks.check_cache_room(offset, t, cache.k.shape[2])  # checked mode (checkify) only
+            else:
+                validate.check_cache_room(int(offset), t, cache.k.shape[2])
         if self.rope:
             if context is not None:
                 raise ValueError("RoPE applies to self-attention only")
@@ -142,7 +150,10 @@ class Attention(nn.Module):
             cache = KVCache(kc, vc, offset + t)
             k, v, kv_heads_first = kc, vc, True
             filled = jnp.arange(kc.shape[2]) < offset + t  # slots past the write index are empty
-            mask = filled if mask is None else jnp.asarray(mask, bool) & filled
+            if mask is not None:  # a mask spans the cache's S slots
+                mask = jnp.asarray(mask)
+                validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, kc.shape[2]))
+            mask = filled if mask is None else mask & filled
 
         rate = 0.0 if deterministic else self.attn_dropout
         out = scaled_dot_product_attention(

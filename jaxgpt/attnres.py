@@ -33,26 +33,9 @@ import jax.numpy as jnp
 
 from jaxgpt.attention import attention_from_config
 from jaxgpt.config import ModelConfig
+from jaxgpt.layout import key_eps, seal_schedule  # framework-free: torch_ref shares them
 from jaxgpt.mlp import make_mlp
 from jaxgpt.norms import jax_rsqrt, make_norm
-
-
-def key_eps(config: ModelConfig) -> float:
-    return config.norm_eps if config.attnres_eps is None else config.attnres_eps
-
-
-def seal_schedule(config: ModelConfig) -> tuple[str | None, ...]:
-    """Per layer: after which sublayer ('attn' | 'mlp') the partial block is sealed, or None."""
-    cfg, n = config, config.n_layer
-    if cfg.residual == "full_attnres":
-        return (None,) * n
-    if cfg.residual != "block_attnres":
-        raise ValueError(f"AttnRes needs residual='full_attnres' or 'block_attnres', got {cfg.residual!r}")
-    size = max(1, n // cfg.attnres_blocks)  # layers per block
-    if cfg.attnres_variant == "seed":
-        return tuple("attn" if (i + 1) % size == 0 else None for i in range(n))
-    return tuple("mlp" if (i + 1) % size == 0 and (i + 1) // size < cfg.attnres_blocks and i < n - 1 else None
-                 for i in range(n))
 
 
 class KeyNorm(nn.Module):

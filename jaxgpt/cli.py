@@ -1,4 +1,4 @@
-"""``jaxgpt train | sample | eval | convert | bench`` (also ``python -m jaxgpt``).
+"""``jaxgpt train | sample | eval | convert | bench | parity`` (also ``python -m jaxgpt``).
 
 Expected failures (missing file, unknown preset, bad ``--set``, invalid config) print one line
 on stderr and exit with 2; ``--debug`` shows the traceback instead. Heavy imports (JAX, orbax)
@@ -14,7 +14,9 @@ from pathlib import Path
 
 from jaxgpt.config import PRESETS, EncDecConfig, ModelConfig, TrainConfig, get_preset
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+# FloatingPointError: training met a NaN/inf loss (jaxgpt.train.loop.NonFiniteLoss).
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+               FloatingPointError)
 
 
 def parse_value(text: str):
@@ -32,6 +34,11 @@ def parse_value(text: str):
     return text
 
 
+def _as_field(cls, name: str, raw: str, value):
+    """A string field keeps the text as typed ('none' is a value of ``pos``, '1' could be a name)."""
+    return raw if cls.field_types()[name] == (str,) else value
+
+
 def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
     """``key=value`` settings -> (model config, TrainConfig). Training keys go to TrainConfig;
     model keys to the config (BERT: its own fields or the encoder's; encoder-decoder: both
@@ -47,9 +54,13 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
             raise ValueError(f"--set expects key=value, got {item!r}")
         value = parse_value(raw)
         if key in train_fields:
-            train[key] = value
+            train[key] = _as_field(TrainConfig, key, raw, value)
             continue
         target, _, name = key.rpartition(".")
+        if name in model_fields:
+            value = _as_field(ModelConfig, name, raw, value)
+        elif name in own:
+            value = _as_field(type(config), name, raw, value)
         if isinstance(config, ModelConfig) and not target and name in model_fields:
             model.setdefault("", {})[name] = value
         elif not isinstance(config, ModelConfig) and not target and name in own:
@@ -73,29 +84,98 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
 
 # --- commands ---------------------------------------------------------------------------------
 
+def _init_from(args):
+    """``train --init SRC``: fine-tune the weights of a jaxgpt checkpoint, .safetensors, .pt or HF
+    directory with its own tokenizer. Returns what ``prepare`` does; a rerun resumes as usual."""
+    import jax
+
+    from jaxgpt.config import ModelConfig
+    from jaxgpt.models import abstract_params
+    from jaxgpt.convert.files import detect_format, load_weights
+    from jaxgpt.train.loop import prepare
+    from jaxgpt.train.step import init_state
+    from jaxgpt.train.tasks import fit_config, load_task
+
+    fmt = detect_format(args.init)
+    config, params, extras = _load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
+    config, tc = apply_sets(config, args.set)
+    shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
+    if shapes(abstract_params(config)) != shapes(params):
+        raise ValueError(f"--set changes the shapes of {args.init}'s parameters; only shape-free settings "
+                         "(dropout, training keys) apply to --init")
+    if (Path(args.out) / "checkpoints").is_dir():
+        from jaxgpt.train.checkpoint import Checkpoints
+
+        ckpts = Checkpoints(args.out, create=False)
+        saved = ckpts.latest_step() is not None
+        ckpts.close()
+        if saved:  # resume the fine-tuning run exactly
+            return prepare(args.out, config, tc, data=args.data, corpus=args.corpus)
+    tok = extras.get("tokenizer")
+    if tok is None:
+        raise ValueError(f"{args.init} has no tokenizer (imported weights without tokenizer.json): "
+                         "it cannot encode the training data")
+    if tok.get("kind") == "hf" and not isinstance(config, ModelConfig):
+        raise ValueError(f"{args.init}: fine-tuning from an HF directory supports decoder LMs (GPT-2, LLaMA), "
+                         f"not {type(config).__name__}")
+    task = load_task(config, tc, data=args.data, corpus=args.corpus, tokenizer=tok)
+    fitted = fit_config(config, task)
+    if fitted != config:
+        have = config.to_dict()
+        diffs = [f"{k}={v!r} (the weights have {have[k]!r})" for k, v in fitted.to_dict().items() if have[k] != v]
+        raise ValueError(f"{args.init} does not fit this data: it needs {', '.join(diffs)}")
+    return config, tc, task, init_state(config, tc, params)
+
+
 def cmd_train(args) -> int:
-    from jaxgpt.models.bert import count_params
-    from jaxgpt.convert.external import abstract_params
+    from jaxgpt.models import count_params
+    from jaxgpt.models import abstract_params
     from jaxgpt.train.loop import fit, prepare
 
-    config, tc = apply_sets(get_preset(args.preset), args.set)
-    config, tc, task, state = prepare(args.out, config, tc, data=args.data, corpus=args.corpus)
+    if args.init:
+        config, tc, task, state = _init_from(args)
+    else:
+        config, tc = apply_sets(get_preset(args.preset), args.set)
+        config, tc, task, state = prepare(args.out, config, tc, data=args.data, corpus=args.corpus)
     n = count_params(abstract_params(config))
-    where = f"resuming at step {int(state.step)}" if state is not None else "from scratch"
-    print(f"{args.preset}: {n:,} parameters | {task.kind} on {task.source} | vocab {task.tokenizer.vocab_size} | "
+    where = f"resuming at step {int(state.step)}" if state is not None and int(state.step) else (
+        f"from {args.init}" if args.init else "from scratch")
+    print(f"{args.preset or args.init}: {n:,} parameters | {task.kind} on {task.source} | vocab {task.tokenizer.vocab_size} | "
           f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} | {where} | out {args.out}", flush=True)
     summary = fit(config, tc, task, args.out, state=state, progress=not args.quiet)
     print(f"done: final loss {summary['final_loss']:.4f} (mean of the last 20 steps), val loss "
           f"{summary['val_loss']:.4f}, {summary['tok_s'] or 0:,.0f} tok/s | {args.out}/metrics.jsonl"
-          + (f", {summary['plot']}" if summary["plot"] else ""))
+          + (f", {summary['plot']}" if summary["plot"] else "")
+          + (f" | skipped {summary['skipped']} updates with a non-finite loss" if summary.get("skipped") else ""))
     return 0
 
 
+def _load_hf_dir(path: str) -> tuple[object, dict, dict]:
+    """(config, params, extras) of a Hugging Face model directory, its tokenizer.json included."""
+    from jaxgpt.convert.files import load_weights
+    from jaxgpt.hf_tokenizer import tokenizer_dict
+
+    config, params, extras = load_weights(path, "hf")
+    return config, params, {**extras, "tokenizer": extras.get("tokenizer") or tokenizer_dict(path),
+                            "source": f"hf:{path}"}
+
+
+def _is_hf_dir(path: str) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file() and not (p / "checkpoints").is_dir()
+
+
 def _load_for_inference(ckpt: str, step: int | None):
+    """A jaxgpt run/checkpoint directory or a Hugging Face model directory -> (config, params, meta, tokenizer)."""
     from jaxgpt.data import tokenizer_from_dict
     from jaxgpt.train.checkpoint import Checkpoints
 
-    config, params, meta = Checkpoints(ckpt, create=False).restore_params(step)
+    if _is_hf_dir(ckpt):
+        if step is not None:
+            raise ValueError(f"--step {step}: {ckpt} is a Hugging Face directory, which holds one set of weights")
+        config, params, meta = _load_hf_dir(ckpt)
+    else:
+        config, params, meta = Checkpoints(ckpt, create=False).restore_params(step)
     tok = tokenizer_from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None
     return config, params, meta, tok
 
@@ -125,13 +205,17 @@ def cmd_sample(args) -> int:
                                               bos_id=tok.bos_id, eos_id=tok.eos_id, **kw))
             texts = [tok.decode_en([tok.sep_id, *row]) for row in out]
         else:
-            eos = tok.eos_id if kind == "pairs" else None
+            eos = tok.eos_id if kind == "pairs" or getattr(tok, "kind", None) == "hf" else None
             out = np.asarray(generate(config, params, np.repeat(prompt[None], args.num_samples, 0),
                                       args.max_new_tokens, eos_id=eos, **kw))
             if tok is None:
                 texts = [",".join(map(str, row)) for row in out]
             elif kind == "pairs":
                 texts = [tok.decode_en(row) for row in out]
+            elif eos is not None:  # HF: up to and including the first EOS, as transformers' generate stops
+                n = len(prompt)
+                texts = [tok.decode(row[:n + (list(row[n:]).index(eos) + 1 if eos in row[n:] else len(row))])
+                         for row in out]
             else:
                 texts = [tok.decode(row) for row in out]
         label = "greedy" if t == 0 else f"temperature {t}"
@@ -145,7 +229,12 @@ def cmd_eval(args) -> int:
     from jaxgpt.train.tasks import load_task
 
     config, params, meta, _ = _load_for_inference(args.ckpt, args.step)
-    tc = TrainConfig.from_dict(meta["train"])
+    if "train" not in meta and args.data is None and args.corpus is None:
+        raise ValueError(f"{args.ckpt} records no training data (a Hugging Face directory): pass --data FILE "
+                         "or --corpus NAME")
+    if meta.get("tokenizer") is None:
+        raise ValueError(f"{args.ckpt} has no tokenizer (no tokenizer.json): it cannot encode --data")
+    tc = TrainConfig.from_dict(meta["train"]) if "train" in meta else TrainConfig()
     if args.batches:
         tc = tc.replace(eval_batches=args.batches)
     data, corpus = args.data, args.corpus
@@ -169,10 +258,24 @@ def cmd_convert(args) -> int:
     src_fmt = args.src_format or detect_format(args.src)
     dst_fmt = args.to or {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}.get(Path(args.dst).suffix,
                                                                                             "jaxgpt")
-    config, params, extras = load_weights(args.src, src_fmt)
+    if src_fmt == "hf":
+        config, params, extras = _load_hf_dir(args.src)
+    else:
+        config, params, extras = load_weights(args.src, src_fmt)
     save_weights(args.dst, dst_fmt, config, params, {**extras, "source": str(args.src)})
     print(f"{args.src} ({src_fmt}) -> {args.dst} ({dst_fmt}): {type(config).__name__}")
     return 0
+
+
+def cmd_parity(args) -> int:
+    from jaxgpt.parity import format_table, run, write_json
+
+    report = run(args.model, prompt=args.prompt, batch=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                 dtype=args.dtype, tol=args.tol, grads=args.grads, generate=args.generate)
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+    return 0 if report["ok"] else 1
 
 
 def cmd_bench(args) -> int:
@@ -196,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a preset on a text file or a built-in corpus")
-    t.add_argument("--preset", required=True, help=f"one of: {', '.join(PRESETS)}")
+    start = t.add_mutually_exclusive_group(required=True)
+    start.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
+    start.add_argument("--init", help="fine-tune these weights: jaxgpt checkpoint, .safetensors, .pt or HF model dir")
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="UTF-8 text file, or .tsv (src<TAB>tgt pairs; label<TAB>text for classifiers)")
     src.add_argument("--corpus", help="built-in corpus: seed-synthetic, zh-en")
@@ -247,6 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--torch", action="store_true", help="also time torch_ref on the same machine")
     b.add_argument("--json", help="write the results as JSON here")
     b.set_defaults(fn=cmd_bench)
+
+    q = sub.add_parser("parity", help="compare a torch checkpoint with its jaxgpt conversion, layer by layer "
+                                      "(exit 1 when anything exceeds --tol)")
+    q.add_argument("model", help="HF model directory, nanoGPT ckpt.pt or torch_ref .pt (from jaxgpt convert)")
+    q.add_argument("--prompt", help="text to run (needs the directory's tokenizer.json); default: random ids")
+    q.add_argument("--batch-size", type=int, default=2)
+    q.add_argument("--seq-len", type=int, default=16)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    q.add_argument("--tol", type=float, help="max error / max(1, max|torch|) (default 1e-5; bfloat16 5e-2)")
+    q.add_argument("--grads", action="store_true", help="also every parameter's loss gradient and one AdamW step")
+    q.add_argument("--generate", type=int, default=8, metavar="N", help="greedy tokens to compare (0: skip)")
+    q.add_argument("--json", help="also write the full report here")
+    q.set_defaults(fn=cmd_parity)
     return p
 
 

@@ -6,7 +6,11 @@ objects, so a config means the same architecture on both sides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +52,55 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def _type_name(t: type) -> str:
+    if t is type(None):
+        return "None"
+    return f"{'an' if t.__name__[0] in 'aeiou' else 'a'} {t.__name__}"
+
+
 class _Config:
-    """replace / to_dict / from_dict shared by the frozen config dataclasses."""
+    """Type checking and replace / to_dict / from_dict shared by the frozen config dataclasses.
+
+    ``__post_init__`` checks every field against its annotation before the subclass's
+    ``_validate`` checks ranges, so a new field is type-checked without extra code. Ints are
+    accepted for float fields (and stored as floats); bool is not accepted as an int.
+    """
+
+    @classmethod
+    @functools.cache
+    def field_types(cls) -> dict[str, tuple[type, ...]]:
+        """Field name -> the types its annotation allows (``int | None`` -> (int, NoneType))."""
+        hints = typing.get_type_hints(cls)
+        out = {}
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            out[f.name] = typing.get_args(t) if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union \
+                else (t,)
+        return out
+
+    def __post_init__(self) -> None:
+        for name, allowed in self.field_types().items():
+            value = getattr(self, name)
+            if value is None and type(None) in allowed:
+                continue
+            if isinstance(value, bool) or type(value).__name__ == "bool_":  # bool subclasses int: not a number here
+                ok, value = bool in allowed, bool(value)
+            elif isinstance(value, numbers.Integral) and (int in allowed or float in allowed):
+                ok, value = True, (int if int in allowed else float)(value)
+            elif isinstance(value, numbers.Real) and float in allowed:
+                ok, value = True, float(value)
+                if not math.isfinite(value):
+                    raise ValueError(f"{name} must be a finite number, got {value!r}")
+            else:
+                ok = any(t not in (int, float, bool) and isinstance(value, t) for t in allowed)
+            if not ok:
+                expected = " or ".join(_type_name(t) for t in allowed)
+                raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, value)  # frozen: normalise 1 -> 1.0, np.int64 -> int
+        self._validate()
+
+    def _validate(self) -> None:
+        """Ranges and cross-field rules (the types are already checked)."""
 
     def replace(self, **changes: Any):
         """A copy with ``changes`` applied (validated again)."""
@@ -108,7 +159,7 @@ class ModelConfig(_Config):
     attnres_eps: float | None = None  # key RMSNorm eps (None: norm_eps)
     attnres_key_gain: bool = True  # learnable gain in the key RMSNorm (the paper leaves this open)
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "max_len"):
             _positive(name, getattr(self, name))
         if self.n_kv_head is not None:
@@ -178,9 +229,7 @@ class BertConfig(_Config):
     embed_norm: bool = False  # LayerNorm on the summed embeddings
     pooler: str = "cls"  # 'cls': classifier(h[:, 0]); 'tanh': classifier(tanh(dense(h[:, 0])))
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.encoder, ModelConfig):
-            raise ValueError(f"encoder must be a ModelConfig, got {type(self.encoder).__name__}")
+    def _validate(self) -> None:
         _positive("n_classes", self.n_classes)
         if self.type_vocab_size < 0:
             raise ValueError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
@@ -203,10 +252,7 @@ class EncDecConfig(_Config):
     decoder: ModelConfig
     out_bias: bool = True  # seed 004's output Linear has a bias
 
-    def __post_init__(self) -> None:
-        for name in ("encoder", "decoder"):
-            if not isinstance(getattr(self, name), ModelConfig):
-                raise ValueError(f"{name} must be a ModelConfig, got {type(getattr(self, name)).__name__}")
+    def _validate(self) -> None:
         if self.encoder.d_model != self.decoder.d_model:
             raise ValueError(f"encoder.d_model={self.encoder.d_model} != decoder.d_model={self.decoder.d_model}")
 
@@ -220,6 +266,7 @@ class EncDecConfig(_Config):
 SCHEDULES = ("cosine", "constant")
 DECAY = ("all", "linear")
 TOKENIZERS = ("char", "bpe")
+ON_NONFINITE = ("stop", "skip")
 
 
 @dataclass(frozen=True)
@@ -252,9 +299,12 @@ class TrainConfig(_Config):
     eval_batches: int = 10
     log_every: int = 10
     ckpt_every: int = 100  # 0 = only at the end
-    keep: int = 3  # checkpoints kept on disk
+    keep: int = 3  # checkpoints kept on disk (plus the newest until it has been read back intact)
+    # A NaN/inf loss or gradient norm: 'stop' (error naming the step, nothing saved after it) or 'skip' (the
+    # jitted step keeps the old params and optimizer state; the batch is consumed, metrics count it).
+    on_nonfinite: str = "stop"
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
             _positive(name, getattr(self, name))
         for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
@@ -265,6 +315,7 @@ class TrainConfig(_Config):
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("decay", self.decay, DECAY)
         _choice("tokenizer", self.tokenizer, TOKENIZERS)
+        _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.bpe_vocab < 257:
             raise ValueError(f"bpe_vocab must be >= 257 (256 byte tokens + merges), got {self.bpe_vocab!r}")
         if self.warmup_steps >= self.steps and self.schedule == "cosine" and self.warmup_steps:

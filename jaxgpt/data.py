@@ -275,8 +275,13 @@ _TOKENIZERS = {cls.kind: cls for cls in (CharTokenizer, PairTokenizer, BPETokeni
 def tokenizer_from_dict(d: dict) -> CharTokenizer | PairTokenizer | BPETokenizer:
     """Inverse of every tokenizer's ``to_dict``, dispatching on ``d['kind']``."""
     kind = d.get("kind")
+    if kind == "hf":  # an HF directory's tokenizer.json (jaxgpt.hf_tokenizer)
+        from jaxgpt.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_dict(d)
     if kind not in _TOKENIZERS:
-        raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {tuple(_TOKENIZERS)}")
+        raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {tuple(_TOKENIZERS)} "
+                         "or 'hf' (an HF directory's tokenizer.json)")
     return _TOKENIZERS[kind].from_dict(d)
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt import validate
 from jaxgpt.config import ModelConfig, check_sampling
 from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache
 
@@ -55,7 +56,9 @@ def _generate_cached(params, prompt, rng, *, config, max_new_tokens, temperature
     model = DecoderLM(config)
     b, t0 = prompt.shape
     sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    out = model.apply({"params": params}, prompt, cache=init_cache(config, b, t0 + max_new_tokens))
+    # the cache holds K/V in the params' dtype (bf16 params write bf16 K/V)
+    cache = init_cache(config, b, t0 + max_new_tokens, jnp.result_type(*jax.tree.leaves(params)))
+    out = model.apply({"params": params}, prompt, cache=cache)
     tok, done = _finish(sample(out.logits[:, -1], jax.random.fold_in(rng, 0)), jnp.zeros(b, bool), eos_id)
     tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
 
@@ -154,11 +157,15 @@ def generate_seq2seq(config, params, src, src_mask, max_new_tokens: int, *, bos_
     far to the decoder (one fixed (B, max_new_tokens + 1) window, no recompilation per token).
     Returns the new tokens (B, max_new_tokens); rows that emit ``eos_id`` are filled with it."""
     src = jnp.asarray(np.asarray(src), jnp.int32)
+    validate.check_padding_mask(np.asarray(src_mask), src.shape, where="src_mask")  # no float masks cast to bool
     src_mask = jnp.asarray(np.asarray(src_mask), bool)
     if max_new_tokens < 1 or max_new_tokens + 1 > config.decoder.max_len:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, decoder.max_len - 1 = "
                          f"{config.decoder.max_len - 1}]")
     check_tokens(src, config.encoder.vocab_size, config.encoder.max_len)
+    for name, i in (("bos_id", bos_id), ("eos_id", eos_id)):  # fed to the jitted decoder, which would clamp
+        if i is not None and not 0 <= i < config.decoder.vocab_size:
+            raise ValueError(f"{name} {i} is outside the decoder vocabulary [0, {config.decoder.vocab_size})")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return _generate_seq2seq(params, src, src_mask, rng, config=config, max_new_tokens=max_new_tokens,
                              temperature=float(temperature), top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id)

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import SHARED, assert_close, assert_trees_close, load_into, randomize, torch_grads
+from conftest import (SHARED, TOL, assert_close, assert_grads_close, assert_self_consistent, grads_err, load_into,
+                      random_params, randomize, require_shared)
 from jaxgpt.attnres import AttnResLayers
 from jaxgpt.config import ModelConfig, get_preset
-from jaxgpt.convert import params_to_state_dict
+from jaxgpt.layout import params_to_state_dict, state_dict_to_params
 from jaxgpt.convert import from_seed_attnres
 from jaxgpt.models.decoder import DecoderLM
 from torch_ref.attnres import AttnResLayers as TLayers
@@ -39,27 +40,62 @@ def init(cfg, toks):
 
 
 # (1) jaxgpt vs torch_ref ----------------------------------------------------------------------
+def lm_grads_torch(cfg, p, x, y, dtype=torch.float32):
+    """torch_ref's logits and next-token cross-entropy gradients (in ``dtype``), as Flax-shaped trees."""
+    tmod = load_into(TDecoderLM(cfg), p).to(dtype)
+    ty = tmod(torch.from_numpy(x).long())
+    F.cross_entropy(ty.flatten(0, 1), torch.from_numpy(y).long().flatten()).backward()
+    sd = {k: torch.zeros_like(q) if q.grad is None else q.grad for k, q in tmod.named_parameters()}
+    template = jax.tree.map(lambda a: np.zeros(a.shape, np.float64 if dtype == torch.float64 else np.float32), p)
+    return ty, state_dict_to_params(sd, template)
+
+
+def lm_grads_jax(cfg, p, x, y):
+    """jaxgpt's logits and cross-entropy gradients, jitted (one compilation beats eager dispatch)."""
+    f = lambda q: DecoderLM(cfg).apply({"params": q}, x)  # noqa: E731
+    loss = lambda q: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(f(q)), y[..., None], -1))  # noqa: E731
+    return jax.jit(f)(p), jax.jit(jax.grad(loss))(p)
+
+
 @pytest.mark.parametrize("variant", ["seed", "paper"])
-@pytest.mark.parametrize("kind,extra", [("full", {}), ("block", {}), ("block", dict(n_layer=5, pos="rope")),
+@pytest.mark.parametrize("kind,extra", [("full", {}), ("block", {}),
                                         ("block", dict(mlp="gelu", norm="layernorm", attnres_key_gain=False))])
 def test_attnres_lm_matches_torch_ref(variant, kind, extra):
     """Logits (at unit scale: error / max(1, max|ref|), the logits reach ~4 here) and the gradient
-    of the next-token cross-entropy w.r.t. every parameter. The gradient bound is 1e-4, not 1e-5
-    (an open item): with random non-zero pseudo-queries the depth softmaxes are sharp and the
-    5-layer RoPE block models reach 1.4e-5 (seed) and 5.4e-5 (paper) while the 4-layer models
-    stay under 1e-5; a wiring error would show as >= 1e-2."""
+    of the next-token cross-entropy w.r.t. every parameter, under the common rule (1e-5 after
+    error / max(1, max|g|)); measured worst 6.1e-6 over randomize seeds 0-2."""
     cfg, toks = tiny(variant, kind, **extra), tokens()
-    tmod = TDecoderLM(cfg)
-    p = randomize(init(cfg, toks))
-    assert set(params_to_state_dict(p)) == set(tmod.state_dict())  # no `stacked` needed
-    load_into(tmod, p)
+    p = random_params(DecoderLM(cfg), toks)
+    assert set(params_to_state_dict(p)) == set(TDecoderLM(cfg).state_dict())  # no `stacked` needed
     x, y = toks[:, :-1], toks[:, 1:]
-    f = lambda q: DecoderLM(cfg).apply({"params": q}, x)  # noqa: E731
-    ty = tmod(torch.from_numpy(x).long())
-    assert_close(f(p), ty, f"AttnRes {variant} {kind} LM forward", unit_scale=True)
-    grads = jax.grad(lambda q: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(f(q)), y[..., None], -1)))(p)
-    torch.nn.functional.cross_entropy(ty.flatten(0, 1), torch.from_numpy(y).long().flatten()).backward()
-    assert_trees_close(grads, torch_grads(tmod, p), f"AttnRes {variant} {kind} LM grads", tol=1e-4)
+    logits, grads = lm_grads_jax(cfg, p, x, y)
+    tlogits, tgrads = lm_grads_torch(cfg, p, x, y)
+    assert_close(logits, tlogits, f"AttnRes {variant} {kind} LM forward", unit_scale=True)
+    assert_grads_close(grads, tgrads, f"AttnRes {variant} {kind} LM grads")
+
+
+@pytest.mark.parametrize("variant", ["seed", "paper"])
+def test_attnres_deep_rope_lm_grads_as_accurate_as_torch_ref(variant):
+    """5-layer RoPE Block AttnRes: an ill-conditioned problem in float32, so the reference is
+    torch_ref in float64 and the bound is max(1e-5, 3 x torch_ref's own float32 error).
+
+    Random non-zero pseudo-queries make the depth softmaxes sharp; through 5 layers the float32
+    gradients of *each* implementation are far from the exact (float64) ones. Measured (error /
+    max(1, max|g|) per leaf, randomize seeds 0-2, jitted jaxgpt as below): jaxgpt float32 vs
+    float64 up to 1.7e-5 (eager op-by-op: 4.1e-5), torch_ref float32 vs float64 up to 1.7e-5,
+    jaxgpt vs torch_ref float32 up to 2.8e-5 (eager: 5.7e-5); the 4-layer models of the test
+    above stay under 6.1e-6 on all three. No normalisation brings the two float32 results within
+    1e-5 of each other; what can be asked is that jaxgpt is as accurate as torch (ratio <= 1.5
+    measured; 2.4 eager). A wiring error shows as >= 1e-2."""
+    cfg, toks = tiny(variant, "block", n_layer=5, pos="rope"), tokens()
+    p = random_params(DecoderLM(cfg), toks)
+    x, y = toks[:, :-1], toks[:, 1:]
+    logits, grads = lm_grads_jax(cfg, p, x, y)
+    tlogits, tgrads = lm_grads_torch(cfg, p, x, y)
+    _, exact = lm_grads_torch(cfg, p, x, y, torch.float64)
+    assert_close(logits, tlogits, f"AttnRes {variant} deep RoPE LM forward", unit_scale=True)
+    torch_err = grads_err(tgrads, exact)  # torch_ref's own float32 rounding on this problem
+    assert_grads_close(grads, exact, f"AttnRes {variant} deep RoPE LM grads vs float64", tol=max(TOL, 3 * torch_err))
 
 
 @pytest.mark.parametrize("variant", ["seed", "paper"])
@@ -93,9 +129,7 @@ def test_seed_preset_parameter_counts(name, count):
 @pytest.fixture(scope="module")
 def seed():
     """Seed 002's final model code (SimpleAttention .. BlockAttnResTransformer), exec'd."""
-    if not SEED_FILE.exists():
-        pytest.skip(f"seed 002 text not found at {SEED_FILE} (/work/shared is missing)")
-    lines = SEED_FILE.read_text(encoding="utf-8").splitlines()
+    lines = require_shared(SEED_FILE, "seed 002 text").read_text(encoding="utf-8").splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("class SimpleAttention")]
     end_cls = next(i for i, line in enumerate(lines) if line.startswith("class BlockAttnResTransformer"))
     end = next(i for i in range(end_cls + 1, len(lines)) if lines[i].startswith(("def ", "class ", "# ═")))
@@ -202,6 +236,6 @@ def test_depth_weights_uniform_at_init(variant, kind):
 @pytest.mark.parametrize("variant", ["seed", "paper"])
 def test_block_attnres_jits(variant):
     cfg, toks = tiny(variant, "block"), tokens()
-    p = randomize(init(cfg, toks))
+    p = random_params(DecoderLM(cfg), toks)
     eager = DecoderLM(cfg).apply({"params": p}, toks)
-    assert_close(jax.jit(DecoderLM(cfg).apply)({"params": p}, toks), eager, f"AttnRes {variant} block jit")
+    assert_self_consistent(jax.jit(DecoderLM(cfg).apply)({"params": p}, toks), eager, f"AttnRes {variant} block jit vs eager")

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED, assert_close, check_module, load_into, randomize
+from conftest import SHARED, assert_close, check_module, load_into, randomize, require_shared
 from jaxgpt.config import PRESETS, BertConfig, ModelConfig
 from jaxgpt.convert import from_seed_minibert
-from jaxgpt.convert.bert import from_hf_bert, to_hf_bert
-from jaxgpt.models.bert import BertClassifier, BertOutput, count_params
+from jaxgpt.convert import from_hf, to_hf
+from jaxgpt.models import count_params
+from jaxgpt.models.bert import BertClassifier, BertOutput
 from torch_ref.models.bert import BertClassifier as TBertClassifier
 
 STACKED = ("layers",)
@@ -101,7 +102,7 @@ def perturb(module, seed=0):
 def test_hf_bert_import_matches_transformers():
     transformers, hc = hf_config()
     hf = perturb(transformers.BertForSequenceClassification(hc))
-    config, params = from_hf_bert(hf)
+    config, params = from_hf(hf)
     assert config.encoder.norm_eps == 1e-12 and config.pooler == "tanh" and config.n_classes == 3
     ids, mask, types = batch()
     want = hf(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask),
@@ -111,7 +112,7 @@ def test_hf_bert_import_matches_transformers():
     assert_close(BertClassifier(config).apply({"params": params}, ids), want0, "Bert vs HF logits")
 
     bare = perturb(transformers.BertModel(hc), seed=1)  # no classifier: compare hidden states
-    config, params = from_hf_bert(bare)
+    config, params = from_hf(bare)
     assert "classifier" not in params and "pooler" in params
     want = bare(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask),
                 token_type_ids=torch.from_numpy(types).long()).last_hidden_state
@@ -123,24 +124,22 @@ def test_hf_bert_export_round_trip():
     pytest.importorskip("transformers")
     config = BERT.replace(encoder=BERT.encoder.replace(init_std=0.02))
     params = init_params(config, seed=3)
-    hf = to_hf_bert(config, params)
+    hf = to_hf(config, params)
     ids, mask, types = batch(seed=1)
     want = BertClassifier(config).apply({"params": params}, ids, mask, types)
     got = hf(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask),
              token_type_ids=torch.from_numpy(types).long()).logits
     assert_close(want, got, "Bert to HF logits")
-    config2, params2 = from_hf_bert(hf)
+    config2, params2 = from_hf(hf)
     assert config2 == config
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2)
-    with pytest.raises(ValueError, match="norm_placement='post', got 'pre'"):
-        to_hf_bert(MINIBERT, init_params(MINIBERT))
+    with pytest.raises(ValueError, match=r"encoder.norm_placement='pre' \(HF BERT needs 'post'\)"):
+        to_hf(MINIBERT, init_params(MINIBERT))
 
 
 def seed_minibert_class():
     """Exec the last BertSelfAttention..MiniBert block of seed 004 and return its MiniBert class."""
-    if not SEED_004.exists():
-        pytest.skip(f"seed sources not available: {SEED_004} is missing")
-    text = SEED_004.read_text(encoding="utf-8")
+    text = require_shared(SEED_004, "seed 004 sources").read_text(encoding="utf-8")
     start = [m.start() for m in re.finditer(r"^class BertSelfAttention\(nn\.Module\):", text, re.M)][-1]
     end = re.compile(r"^(def collate_fn|# ====== 数据预处理|----- )", re.M).search(text, start).start()
     namespace = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "print": lambda *a, **k: None,

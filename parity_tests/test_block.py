@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import check_module, load_into, randomize
+from conftest import assert_close, check_module, load_into, randomize
 from jaxgpt.block import Block
 from jaxgpt.config import ModelConfig
+from jaxgpt.layout import params_to_state_dict, state_dict_to_params, to_numpy
 from torch_ref.block import Block as TBlock
+from torch_ref.convert import module_params
 
 
 @pytest.mark.parametrize("placement", ["pre", "post"])
@@ -43,7 +45,7 @@ def test_pre_and_post_ln_differ(rng):
     assert np.abs(a - b).max() > 1e-2
     # Post-LN ends in a norm: the output rows are normalised (RMS = scale's RMS-weighted 1).
     tb = load_into(TBlock(post), p)
-    assert np.allclose(tb(torch.from_numpy(x))[0].detach().numpy(), b, atol=1e-5)
+    assert_close(b, tb(torch.from_numpy(x))[0], "Block post-LN forward")
 
 
 def test_block_dropout_is_a_function_of_the_rng(rng):
@@ -63,3 +65,31 @@ def test_cross_block_requires_context(rng):
         Block(cfg, cross=True).init(jax.random.PRNGKey(0), np.zeros((1, 2, 16), np.float32))
     with pytest.raises(ValueError, match="pass context"):
         TBlock(cfg, cross=True)(torch.zeros(1, 2, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_torch_weights_upcast_exactly(dtype):
+    """A torch_ref Block in bf16/fp16 -> state dict -> params: exactly the float32 upcast of its
+    weights (bf16 tensors have no .numpy(); the converter upcasts explicitly, which is exact)."""
+    cfg = ModelConfig(d_model=16, n_head=2, n_kv_head=1, norm="layernorm", mlp="gelu", qkv_bias=True)
+    x = np.zeros((1, 3, 16), np.float32)
+    template = randomize(Block(cfg).init(jax.random.PRNGKey(0), x)["params"])
+    tb = load_into(TBlock(cfg), template).to(dtype)
+    sd = tb.state_dict()
+    want = {k: v.float().numpy() for k, v in sd.items()}  # torch's own upcast, the reference
+    assert not all(np.array_equal(want[k], v) for k, v in params_to_state_dict(template).items())  # rounded
+    for params in (state_dict_to_params(sd, template), module_params(tb, template)):
+        got = params_to_state_dict(params)
+        assert set(got) == set(want)
+        for k in want:
+            assert got[k].dtype == np.float32 and np.array_equal(got[k], want[k]), k
+    # NumPy float16 and ml_dtypes bfloat16 arrays are upcast the same way.
+    half = {k: (v.numpy() if dtype == torch.float16 else np.asarray(jax.numpy.asarray(v.float().numpy(),
+                                                                                     jax.numpy.bfloat16)))
+            for k, v in sd.items()}
+    assert {a.dtype.name for a in half.values()} == {"float16" if dtype == torch.float16 else "bfloat16"}
+    got = params_to_state_dict(state_dict_to_params(half, template))
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    assert {to_numpy(v).dtype for v in (*sd.values(), *half.values())} == {np.dtype(np.float32)}
+    halved = jax.tree.map(lambda a: a.astype(next(iter(half.values())).dtype), template)  # half-precision params
+    assert all(v.dtype == np.float32 for v in params_to_state_dict(halved).values())

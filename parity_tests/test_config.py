@@ -1,5 +1,6 @@
-"""ModelConfig validation and derived sizes."""
+"""Config validation (the type of every field of every config, ranges) and derived sizes."""
 import dataclasses
+import re
 
 import pytest
 
@@ -41,3 +42,59 @@ def test_dict_round_trip():
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match=r"unknown ModelConfig fields: \['n_embd'\]"):
         ModelConfig.from_dict({"n_embd": 3})
+
+
+# --- types: every field of every config, from its annotation -------------------------------------
+
+from jaxgpt.config import BertConfig, EncDecConfig, TrainConfig  # noqa: E402
+
+_BASES = {ModelConfig: ModelConfig(), TrainConfig: TrainConfig(), BertConfig: BertConfig(ModelConfig(pos="learned")),
+          EncDecConfig: EncDecConfig(ModelConfig(), ModelConfig())}
+
+
+def _wrong_values(allowed: tuple) -> list:
+    """Values of the wrong type for a field allowing ``allowed``: strings for numbers, bools for
+    ints (bool subclasses int), ints for bools and strings, fractions for ints, dicts for configs."""
+    out = []
+    if str not in allowed:
+        out.append("abc")
+    if int in allowed or float in allowed:
+        out.append(True)
+    if int in allowed:
+        out.append(1.5)
+    if bool in allowed or str in allowed:
+        out.append(1)
+    if ModelConfig in allowed:
+        out.append({"d_model": 64})
+    return out
+
+
+_CASES = [(cls, name, bad) for cls in _BASES for name, allowed in cls.field_types().items()
+          for bad in _wrong_values(allowed)]
+
+
+@pytest.mark.parametrize("cls, name, bad", _CASES, ids=[f"{c.__name__}.{n}={b!r}" for c, n, b in _CASES])
+def test_every_field_rejects_a_wrong_type(cls, name, bad):
+    with pytest.raises(ValueError, match=rf"^{name} must be .+, got {re.escape(repr(bad))} \({type(bad).__name__}\)$"):
+        dataclasses.replace(_BASES[cls], **{name: bad})
+
+
+def test_every_field_is_covered():
+    names = {(c, n) for c, n, _ in _CASES}
+    assert names == {(c, f.name) for c in _BASES for f in dataclasses.fields(c)}
+
+
+def test_numbers_are_normalised_and_must_be_finite():
+    import numpy as np
+
+    tc = TrainConfig(lr=1, grad_clip=2, steps=np.int64(7))  # ints for floats, NumPy ints for ints
+    assert (tc.lr, tc.grad_clip, tc.steps) == (1.0, 2.0, 7)
+    assert type(tc.lr) is float and type(tc.steps) is int
+    assert type(ModelConfig(rope_base=500000).rope_base) is float
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"^lr must be a finite number, got {bad}$"):
+            TrainConfig(lr=bad)
+    with pytest.raises(ValueError, match=r"^n_kv_head must be an int or None, got '2' \(str\)$"):
+        ModelConfig(n_kv_head="2")
+    with pytest.raises(ValueError, match=r"^on_nonfinite='ignore' is not one of \('stop', 'skip'\)$"):
+        TrainConfig(on_nonfinite="ignore")

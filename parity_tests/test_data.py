@@ -1,7 +1,8 @@
 """jaxgpt.data: tokenizers, built-in corpora and batching, checked against the seeds' own code.
 
 Seed snippets are read from ../shared/seeds at test time and executed, so "matches the seed"
-means the seed's code, not a transcription of it; those tests skip when the folder is missing.
+means the seed's code, not a transcription of it; those tests skip when the folder is missing
+(and fail when CI=true: conftest.require_shared).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import require_shared
 from jaxgpt import data as D
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,9 +26,7 @@ SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 
 
 def seed_source(name: str) -> str:
-    path = SEEDS / name
-    if not path.is_file():
-        pytest.skip(f"seed file {path} not available (the shared folder is missing)")
+    path = require_shared(SEEDS / name, "seed file")  # skips, or fails under CI=true
     return path.read_text(encoding="utf-8")
 
 

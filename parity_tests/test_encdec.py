@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED, assert_close, check_module, load_into, randomize
+from conftest import SHARED, assert_close, check_module, load_into, randomize, require_shared
 from jaxgpt.config import PRESETS, EncDecConfig, ModelConfig
-from jaxgpt.models.bert import count_params
+from jaxgpt.models import count_params
 from jaxgpt.convert import params_to_state_dict, state_dict_to_params
 from jaxgpt.models.encdec import STACKED, EncoderDecoder
 from torch_ref.models.encdec import EncoderDecoder as TEncoderDecoder
@@ -113,9 +113,7 @@ def seed_state_dict_to_ours(sd):
 
 
 def test_seed_transformer_matches_jaxgpt():
-    if not SEED_004.exists():
-        pytest.skip(f"seed sources not available: {SEED_004} is missing")
-    text = SEED_004.read_text(encoding="utf-8")
+    text = require_shared(SEED_004, "seed 004 sources").read_text(encoding="utf-8")
     start = text.index("def get_attention_mask", text.index("### 标准Transformer架构"))
     end = text.index('if __name__ == "__main__":', start)
     ns = {"torch": torch, "nn": torch.nn, "math": __import__("math"), "print": lambda *a, **k: None}

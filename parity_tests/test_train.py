@@ -18,7 +18,7 @@ from jaxgpt.data import IGNORE_INDEX, builtin_pairs
 from jaxgpt.train import cross_entropy, init_state, make_train_step, schedule
 from jaxgpt.train.optim import decay_mask
 from jaxgpt.train.tasks import classify_task, fit_config, load_task, pairs_task
-from conftest import TOL, assert_close
+from conftest import TOL, assert_close, assert_self_consistent
 from torch_ref.convert import load_params
 from torch_ref.train import make_optimizer, train
 
@@ -144,7 +144,7 @@ def test_grad_accumulation_equals_one_big_batch():
             state, m = step(state, task.batch(t, s))
             losses[accum].append(float(m["loss"]))
     assert task.batch(tc.replace(grad_accum=4), 0)["x"].shape == (4, 2, 32)
-    assert_close(np.array(losses[4]), np.array(losses[1]), "gradient accumulation 4x2 vs 1x8 losses", tol=1e-5)
+    assert_self_consistent(np.array(losses[4]), np.array(losses[1]), "training: gradient accumulation 4x2 vs 1x8 losses")
 
 
 def test_train_step_compiles_once_and_donates_the_state():
@@ -158,7 +158,7 @@ def test_train_step_compiles_once_and_donates_the_state():
         state, metrics = step(state, task.batch(tc, s))
     assert step._cache_size() == 1
     assert jax.tree.leaves(old.params)[0].is_deleted()  # donated: updated in place
-    assert int(state.step) == 3 and set(metrics) == {"loss", "accuracy", "grad_norm", "lr"}
+    assert int(state.step) == 3 and set(metrics) == {"loss", "accuracy", "grad_norm", "lr", "nonfinite"}
     assert math.isfinite(float(metrics["grad_norm"]))
 
 
@@ -190,3 +190,134 @@ def test_task_errors_name_the_problem():
     with pytest.raises(ValueError, match="not divisible by grad_accum"):
         TrainConfig(batch_size=6, grad_accum=4)
     assert isinstance(fit_config(ModelConfig(), load_task(ModelConfig(), tc, corpus="seed-synthetic")), ModelConfig)
+
+
+# --- non-finite losses: skipped inside the jitted step, or training stops before saving -----------------------
+
+def _poisoning(monkeypatch):
+    """Make a batch whose inputs are all one token give a NaN loss and NaN gradients (a stand-in
+    for a real overflow); every other batch trains as usual."""
+    import jax.numpy as jnp
+
+    import jaxgpt.train.step as step_module
+
+    real = step_module.loss_terms
+
+    def loss_terms(config, params, batch, **kw):
+        terms = real(config, params, batch, **kw)
+        x = batch["x"]
+        poison = jnp.where(jnp.all(x == x.reshape(-1)[0]), jnp.nan, 1.0)
+        return {**terms, "loss_sum": terms["loss_sum"] * poison}
+
+    monkeypatch.setattr(step_module, "loss_terms", loss_terms)
+
+
+def _poisoned_task(task, bad_step: int):
+    def batch(tc, step, _batch=task.batch):
+        b = _batch(tc, step)
+        return {**b, "x": np.ones_like(b["x"])} if step == bad_step else b
+
+    object.__setattr__(task, "batch", batch)  # frozen dataclass: patch this instance only
+    return task
+
+
+def _host(tree):
+    return [np.array(a) for a in jax.tree.leaves(jax.device_get(tree))]
+
+
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_nonfinite_update_is_skipped_inside_the_jitted_step(monkeypatch, mode):
+    _poisoning(monkeypatch)
+    config = get_preset("seed-minigpt").replace(n_layer=1, d_model=32, d_ff=64)
+    tc = TrainConfig(steps=4, batch_size=4, seq_len=16, on_nonfinite=mode)
+    task = _poisoned_task(load_task(config, tc, corpus="seed-synthetic"), bad_step=1)
+    config = fit_config(config, task)
+    state, step = init_state(config, tc), make_train_step(config, tc)
+    state, m0 = step(state, task.batch(tc, 0))
+    before = _host((state.params, state.opt_state))  # copied: the state is donated
+    state, m1 = step(state, task.batch(tc, 1))
+    after = _host((state.params, state.opt_state))
+    assert float(m0["nonfinite"]) == 0.0 and float(m1["nonfinite"]) == 1.0 and int(state.step) == 2
+    if mode == "skip":  # params and optimizer state (its count included) are the old ones, bit for bit
+        assert all(np.array_equal(a, b) for a, b in zip(before, after))
+        state, m2 = step(state, task.batch(tc, 2))
+        assert float(m2["nonfinite"]) == 0.0 and np.isfinite(float(m2["loss"]))
+        assert all(np.isfinite(a).all() for a in _host(state.params))
+    else:  # 'stop' leaves the step alone (the loop stops); the update really was NaN
+        assert not all(np.isfinite(a).all() for a in after)
+
+
+def _fit_poisoned(monkeypatch, tmp_path, mode):
+    from jaxgpt.train.loop import fit
+
+    _poisoning(monkeypatch)
+    config = get_preset("seed-minigpt").replace(n_layer=1, d_model=32, d_ff=64)
+    # log_every=5 and ckpt_every=4: the NaN of step 7 is still on the device when step 8 is due to be saved
+    tc = TrainConfig(steps=12, batch_size=4, seq_len=16, log_every=5, ckpt_every=4, eval_every=0, eval_batches=1,
+                     keep=5, on_nonfinite=mode)
+    task = _poisoned_task(load_task(config, tc, corpus="seed-synthetic"), bad_step=6)  # update 7
+    return fit(fit_config(config, task), tc, task, tmp_path, progress=False)
+
+
+def _rows(run):
+    import json
+
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fit_stops_at_a_nonfinite_loss_without_saving_it(monkeypatch, tmp_path):
+    from jaxgpt.train.checkpoint import Checkpoints
+    from jaxgpt.train.loop import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss, match=r"^non-finite loss at step 7 \(loss nan, grad norm nan\); training "
+                       r"stopped without saving it \(the last checkpoint, step 4, holds finite weights\)\. Lower lr "
+                       r"\(now 0\.0003\) or add warmup, or set on_nonfinite=skip to skip such updates$"):
+        _fit_poisoned(monkeypatch, tmp_path, "stop")
+    ckpts = Checkpoints(tmp_path, create=False)
+    assert ckpts.steps() == [4]  # step 8 was due, but after the NaN
+    assert all(np.isfinite(a).all() for a in _host(ckpts.restore_params()[1]))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 8)) and rows[-1]["nonfinite"] == 1.0
+    assert "nonfinite" not in rows[0]
+
+
+def test_fit_skips_nonfinite_updates_and_counts_them(monkeypatch, tmp_path):
+    from jaxgpt.train.checkpoint import Checkpoints
+
+    summary = _fit_poisoned(monkeypatch, tmp_path, "skip")
+    assert summary["skipped"] == 1
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows if r.get("nonfinite")] == [7] and [r["step"] for r in rows if "loss" in r] == \
+        list(range(1, 13))
+    ckpts = Checkpoints(tmp_path, create=False)
+    assert ckpts.steps() == [4, 8, 12]
+    assert all(np.isfinite(a).all() for a in _host(ckpts.restore_params()[1]))
+
+
+# --- progress display (tqdm) ------------------------------------------------------------------------------------
+
+def test_progress_is_plain_lines_off_a_terminal_and_tqdm_on_one():
+    import io
+
+    from jaxgpt.train.loop import Progress
+
+    log = io.StringIO()
+    bar = Progress(100, stream=log, interval=3600.0)
+    for step in (10, 20, 30, 100):
+        bar.update(step, 1.23456, 21_700.0)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 2  # the first and the last: at most one per interval
+    assert lines[0].startswith(" 10% 10/100 [00:00<?") and "loss 1.2346, 21.7k tok/s" in lines[0]
+    assert lines[1].startswith("100% 100/100 [")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    bar = Progress(100, stream=term)
+    bar.update(10, 2.0, 1000.0)
+    bar.update(50, 1.5, 2000.0)
+    bar.close()
+    assert "\r" in term.getvalue() and "50/100" in term.getvalue() and "loss 1.5000, 2.0k tok/s" in term.getvalue()

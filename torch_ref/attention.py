@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jaxgpt import validate
 from torch_ref.mlp import linear
 from torch_ref.positions import apply_rope
 
@@ -38,16 +39,18 @@ def causal_mask(q_len: int, k_len: int, q_offset: int = 0, device=None) -> torch
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
                                  return_weights=False, kv_heads_first=False, dropout_rate=0.0):
     """Same contract as jaxgpt.attention.scaled_dot_product_attention (q: (B, Tq, H, D);
-    k, v: (B, Tk, H_kv, D) or (B, H_kv, Tk, D) with kv_heads_first; mask True = attend;
-    rows with no visible key give zeros). Returns out (B, Tq, H, D) [, weights (B, H, Tq, Tk)]."""
+    k, v: (B, Tk, H_kv, D) or (B, H_kv, Tk, D) with kv_heads_first; mask bool, True = attend,
+    other dtypes / shapes are a ValueError; rows with no visible key give zeros).
+    Returns out (B, Tq, H, D) [, weights (B, H, Tq, Tk)]."""
     b, tq, h, d = q.shape
     qh = q.transpose(1, 2)  # (B, H, Tq, D) views, no copies
     kh, vh = (k, v) if kv_heads_first else (k.transpose(1, 2), v.transpose(1, 2))
     h_kv, tk = kh.shape[1], kh.shape[2]
     if h % h_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
-    allowed = None if mask is None else torch.as_tensor(mask, dtype=torch.bool, device=q.device)
+    allowed = None if mask is None else torch.as_tensor(mask, device=q.device)
     if allowed is not None:
+        validate.check_mask(allowed.shape, allowed.dtype, (b, h, tq, tk))
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
     if is_causal:
         c = causal_mask(tq, tk, q_offset, q.device)
@@ -115,15 +118,16 @@ class Attention(nn.Module):
         if cache is not None:
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
-            if offset + t > cache.k.shape[2]:
-                raise ValueError(f"KV cache overflow: {offset} cached + {t} new > capacity {cache.k.shape[2]}")
+            validate.check_cache_room(offset, t, cache.k.shape[2])
             cache.k[:, :, offset:offset + t] = k.transpose(1, 2)
             cache.v[:, :, offset:offset + t] = v.transpose(1, 2)
             cache = KVCache(cache.k, cache.v, offset + t)
             # Read only the filled prefix: same result as masking the empty slots, less work.
             k, v, kv_heads_first = cache.k[:, :, :offset + t], cache.v[:, :, :offset + t], True
             if mask is not None:  # a mask spans the cache's S slots, as in jaxgpt
-                mask = torch.as_tensor(mask, dtype=torch.bool, device=x.device)[..., :offset + t]
+                mask = torch.as_tensor(mask, device=x.device)
+                validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.k.shape[2]))
+                mask = mask[..., :offset + t]
 
         rate = self.attn_dropout if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, q_offset=offset,

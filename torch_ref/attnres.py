@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxgpt.attnres import key_eps, seal_schedule
 from jaxgpt.config import ModelConfig
+from jaxgpt.layout import key_eps, seal_schedule
 from torch_ref.attention import attention_from_config
 from torch_ref.mlp import make_mlp
 from torch_ref.norms import make_norm

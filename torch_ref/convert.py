@@ -6,8 +6,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from jaxgpt.convert import params_to_state_dict, state_dict_to_params
-from jaxgpt.models import stacked_paths
+from jaxgpt.layout import params_to_state_dict, stacked_paths, state_dict_to_params
 
 
 def _default_stacked(module: nn.Module) -> tuple[str, ...]:

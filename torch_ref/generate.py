@@ -34,6 +34,12 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, *, tem
              use_cache: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
     """Continue ``prompt`` (B, T0) by ``max_new_tokens`` tokens -> (B, T0 + max_new_tokens)."""
     cfg = model.config
+    if prompt.dim() != 2 or prompt.shape[1] == 0:  # the same argument errors as jaxgpt's generate
+        raise ValueError(f"prompt must be (batch, length>=1) token ids, got shape {tuple(prompt.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {cfg.vocab_size})")
     was_training = model.training
     model.eval()
     b, t0 = prompt.shape

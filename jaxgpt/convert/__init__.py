@@ -1,17 +1,22 @@
 """Weights in and out of jaxgpt.
 
 - ``rule``: the generic, strict torch-state-dict <-> Flax-params rule (torch_ref layouts).
-- ``external``: small key maps for HuggingFace GPT-2 / LLaMA / BERT, nanoGPT checkpoints and the
-  seeds' own classes, each renamed onto the torch_ref layout and then put through the rule.
-- ``files``: safetensors export/import of jaxgpt params.
-jaxgpt never imports torch at import time: tensors are read as NumPy arrays.
+- ``common``: the shared renaming helper and the option/field tables that make every external
+  conversion exact or refused (all offending options named in one ValueError).
+- one module per external family: ``hf`` (directories: config.json + safetensors, sharded or not;
+  live transformers models), ``gpt2``, ``llama`` (also Qwen2, Mistral), ``bert``, ``nanogpt``,
+  ``seeds`` (seed 000 / 002 / 003 / 004 models).
+- ``files``: jaxgpt safetensors and the format dispatch behind ``jaxgpt convert``.
+Importing jaxgpt.convert never imports torch or transformers; ``load_hf`` / ``save_hf`` never do.
 """
-from jaxgpt.convert.external import (abstract_params, from_hf, from_nanogpt, from_seed_gpt, from_seed_minigpt,
-                                     to_hf)
-from jaxgpt.convert.bert import from_seed_minibert
 from jaxgpt.convert.files import load_safetensors, save_safetensors
-from jaxgpt.convert.seed002 import from_seed_attnres
+from jaxgpt.convert.hf import from_hf, load_hf, save_hf, to_hf
+from jaxgpt.convert.nanogpt import from_nanogpt
 from jaxgpt.convert.rule import params_to_state_dict, state_dict_to_params, to_numpy
+from jaxgpt.convert.seeds import from_seed_attnres, from_seed_gpt, from_seed_minibert, from_seed_minigpt
+from jaxgpt.models import abstract_params, count_params
 
-__all__ = ["abstract_params", "from_hf", "from_seed_attnres", "from_seed_minibert", "from_nanogpt", "from_seed_gpt", "from_seed_minigpt", "load_safetensors",
-           "params_to_state_dict", "save_safetensors", "state_dict_to_params", "to_hf", "to_numpy"]
+__all__ = ["abstract_params", "count_params", "from_hf", "from_nanogpt", "from_seed_attnres", "from_seed_gpt",
+           "from_seed_minibert", "from_seed_minigpt", "load_hf", "load_safetensors", "params_to_state_dict",
+           "save_hf", "save_safetensors", "state_dict_to_params", "to_hf", "to_numpy"]
+from jaxgpt.convert import torch_nn  # noqa: E402,F401  torch nn.Transformer / Encoder/DecoderLayer state dicts (seed 004)

@@ -1,43 +1,81 @@
-"""BERT weights into and out of jaxgpt's BertClassifier: Hugging Face ``transformers`` BERT and the
-seed 004 MiniBERT state dict.
+"""Hugging Face BERT (BertModel, BertForSequenceClassification) <-> jaxgpt's BertClassifier.
 
-Both directions go through torch_ref's key names (the generic rule of jaxgpt.convert, with the
-encoder layers stacked under ``layers``), so every conversion is strict: missing, unexpected and
-mis-shaped keys are named in one ValueError. torch / transformers are imported inside functions only.
+HF key (BertForSequenceClassification adds the ``bert.`` prefix)   torch_ref key
+embeddings.{word,position,token_type}_embeddings / LayerNorm   <-> tok_embed / pos_embed / type_embed / embed_norm
+encoder.layer.{i}.attention.self.{query,key,value}             <-> layers.{i}.attn.{q,k,v}_proj
+encoder.layer.{i}.attention.output.dense / LayerNorm           <-> layers.{i}.attn.o_proj / attn_norm
+encoder.layer.{i}.intermediate.dense / output.dense / LayerNorm <-> layers.{i}.mlp.fc_in / fc_out / mlp_norm
+pooler.dense, classifier                                       <-> pooler, classifier
+A bare BertModel gives a BertConfig whose params have no ``classifier`` (BertClassifier.encode
+runs them; add a classifier {kernel (d, n_classes), bias} before calling the model).
 """
 from __future__ import annotations
 
 import re
 from typing import Any, Mapping
 
-import numpy as np
+from jaxgpt.config import BertConfig, ModelConfig
+from jaxgpt.convert.common import (ATTNRES_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals, inert,
+                                   load_ref, maps_to, must_be, one_of, refuse, unused)
+from jaxgpt.models import abstract_params
 
-from jaxgpt.config import PRESETS, BertConfig, ModelConfig
-from jaxgpt.convert.external import abstract_params
-from jaxgpt.convert.rule import params_to_state_dict, state_dict_to_params, to_numpy
-from jaxgpt.models import stacked_paths
+ARCHS = ("BertModel", "BertForSequenceClassification")
+ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_ACT_OUT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+DEFAULTS = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                intermediate_size=3072, hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                max_position_embeddings=512, type_vocab_size=2, initializer_range=0.02, layer_norm_eps=1e-12)
 
-_HF_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-# torch_ref key (with {i} for the layer) <-> HF BertModel key. LayerNorm weight <-> our ``scale``.
-_HF_LAYER = {
+OPTIONS: dict[str, Option] = {
+    **{k: MAPPED for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                           "max_position_embeddings", "type_vocab_size", "initializer_range", "layer_norm_eps",
+                           "num_labels", "id2label")},
+    "hidden_act": one_of(ACTS),
+    "position_embedding_type": equals("absolute", None),
+    "is_decoder": equals(False),
+    # jaxgpt's classifier dropout is the encoder's dropout rate.
+    "classifier_dropout": Option(lambda v, d: v is None or v == d.get("hidden_dropout_prob", 0.1),
+                                 "None or hidden_dropout_prob"),
+    "problem_type": equals(None, "single_label_classification"),
+    "tie_word_embeddings": inert("ties the masked-LM head, which these models do not have"),
+}
+
+_ENCODER: dict[str, Field] = {
+    "vocab_size": maps_to("vocab_size"), "d_model": maps_to("hidden_size"), "n_layer": maps_to("num_hidden_layers"),
+    "n_head": maps_to("num_attention_heads"), "d_ff": maps_to("intermediate_size"),
+    "max_len": maps_to("max_position_embeddings"), "norm_eps": maps_to("layer_norm_eps"),
+    "dropout": maps_to("hidden_dropout_prob"), "attn_dropout": maps_to("attention_probs_dropout_prob"),
+    "init_std": maps_to("initializer_range"),
+    "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
+    "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
+    "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),
+    "mlp": Field(lambda v, c: v in _ACT_OUT, f"one of {sorted(_ACT_OUT)}"), "mlp_bias": must_be(True),
+    "qkv_bias": must_be(True), "o_bias": must_be(True), "norm_placement": must_be("post"),
+    "final_norm": must_be(False), "tie_embeddings": unused("no language-model head"),
+    "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
+    **ATTNRES_UNUSED,
+}
+FIELDS: dict[str, Field] = {
+    "encoder": Field(lambda v, c: True, "see encoder.*"), "n_classes": maps_to("num_labels"),
+    "type_vocab_size": Field(lambda v, c: v > 0, "> 0 (token-type embeddings)"), "embed_norm": must_be(True),
+    "pooler": must_be("tanh"),
+}
+
+_LAYER = {
     "attn.q_proj": "attention.self.query", "attn.k_proj": "attention.self.key",
     "attn.v_proj": "attention.self.value", "attn.o_proj": "attention.output.dense",
     "attn_norm": "attention.output.LayerNorm", "mlp.fc_in": "intermediate.dense",
     "mlp.fc_out": "output.dense", "mlp_norm": "output.LayerNorm",
 }
-_HF_TOP = {"tok_embed": "embeddings.word_embeddings", "pos_embed": "embeddings.position_embeddings",
-           "type_embed": "embeddings.token_type_embeddings", "embed_norm": "embeddings.LayerNorm",
-           "pooler": "pooler.dense"}
-# seed 004 MiniBert module names -> torch_ref names.
-_SEED_LAYER = {"attn.q_proj": "attn.q_proj", "attn.k_proj": "attn.k_proj", "attn.v_proj": "attn.v_proj",
-               "attn.out_proj": "attn.o_proj", "norm1": "attn_norm", "ffn.fc1": "mlp.fc_in",
-               "ffn.fc2": "mlp.fc_out", "norm2": "mlp_norm"}
-_SEED_TOP = {"token_emb": "tok_embed", "pos_emb": "pos_embed", "norm": "norm", "classifier": "classifier"}
+_TOP = {"tok_embed": "embeddings.word_embeddings", "pos_embed": "embeddings.position_embeddings",
+        "type_embed": "embeddings.token_type_embeddings", "embed_norm": "embeddings.LayerNorm",
+        "pooler": "pooler.dense"}
 _IS_NORM = re.compile(r"(^|\.)(norm|attn_norm|mlp_norm|embed_norm)$")
 
 
-def _rename(sd: Mapping[str, Any], top: Mapping[str, str], layer: Mapping[str, str],
-            src_layers: str) -> dict[str, Any]:
+def rename_modules(sd: Mapping[str, Any], top: Mapping[str, str], layer: Mapping[str, str],
+                   src_layers: str) -> dict[str, Any]:
     """Foreign keys -> torch_ref keys: module prefixes renamed by ``top`` and (inside
     ``{src_layers}.{i}.``) by ``layer``; a norm's ``weight`` becomes ``scale``. Keys matching
     nothing are kept as they are, so strict loading reports them."""
@@ -59,117 +97,67 @@ def _rename(sd: Mapping[str, Any], top: Mapping[str, str], layer: Mapping[str, s
     return out
 
 
-def _hf_to_ours(sd: Mapping[str, Any]) -> dict[str, Any]:
-    return _rename(sd, {v: k for k, v in _HF_TOP.items()}, {v: k for k, v in _HF_LAYER.items()},
-                   "encoder.layer")
+def _n_classes(d: Mapping[str, Any]) -> int:
+    return len(d["id2label"]) if d.get("id2label") else d.get("num_labels", 2)
 
 
-def _ours_to_hf(sd: Mapping[str, Any]) -> dict[str, Any]:
+def config_from_hf(d: Mapping[str, Any], arch: str, has_pooler: bool = True) -> BertConfig:
+    """An HF BERT config dict -> BertConfig; every unsupported option named in one ValueError.
+    ``has_pooler``: whether the weights hold pooler.dense (BertModel(add_pooling_layer=False) has none)."""
+    check_options(d, OPTIONS, "BERT")
+    d = {**DEFAULTS, **d}
+    encoder = ModelConfig(
+        vocab_size=d["vocab_size"], d_model=d["hidden_size"], n_layer=d["num_hidden_layers"],
+        n_head=d["num_attention_heads"], d_ff=d["intermediate_size"], max_len=d["max_position_embeddings"],
+        pos="learned", norm="layernorm", norm_eps=d["layer_norm_eps"], mlp=ACTS[d["hidden_act"]], mlp_bias=True,
+        qkv_bias=True, o_bias=True, norm_placement="post", final_norm=False, dropout=d["hidden_dropout_prob"],
+        attn_dropout=d["attention_probs_dropout_prob"], init_std=d["initializer_range"])
+    return BertConfig(encoder, n_classes=_n_classes(d), type_vocab_size=d["type_vocab_size"], embed_norm=True,
+                      pooler="tanh" if has_pooler else "cls")
+
+
+def _is_buffer(key: str) -> bool:
+    return key.endswith(("embeddings.position_ids", "embeddings.token_type_ids"))
+
+
+def params_from_hf(config: BertConfig, tensors: Mapping[str, Any], arch: str, template=None) -> dict:
+    sd = {k.removeprefix("bert."): v for k, v in tensors.items() if not _is_buffer(k)}
+    template = abstract_params(config) if template is None else template
+    if arch == "BertModel":
+        template = {k: v for k, v in template.items() if k != "classifier"}
+    return load_ref(config, rename_modules(sd, {v: k for k, v in _TOP.items()}, {v: k for k, v in _LAYER.items()},
+                                           "encoder.layer"), template)
+
+
+def config_to_hf(config: BertConfig, with_classifier: bool = True) -> dict[str, Any]:
+    """BertConfig -> HF BERT config dict (BertForSequenceClassification, or BertModel for params
+    without a classifier), or one ValueError naming every field HF BERT cannot express."""
+    problems = check_fields(config, FIELDS, "BERT") + check_fields(config.encoder, _ENCODER, "BERT", "encoder.")
+    refuse(problems, "BERT")
+    enc = config.encoder
+    return dict(model_type="bert", architectures=["BertForSequenceClassification" if with_classifier else "BertModel"],
+                vocab_size=enc.vocab_size, hidden_size=enc.d_model, num_hidden_layers=enc.n_layer,
+                num_attention_heads=enc.n_head, intermediate_size=enc.ffn_dim, hidden_act=_ACT_OUT[enc.mlp],
+                max_position_embeddings=enc.max_len, type_vocab_size=config.type_vocab_size,
+                layer_norm_eps=enc.norm_eps, hidden_dropout_prob=enc.dropout,
+                attention_probs_dropout_prob=enc.attn_dropout, initializer_range=enc.init_std,
+                id2label={str(i): f"LABEL_{i}" for i in range(config.n_classes)},
+                label2id={f"LABEL_{i}": i for i in range(config.n_classes)}, position_embedding_type="absolute",
+                classifier_dropout=None, is_decoder=False, add_cross_attention=False, pad_token_id=0)
+
+
+def params_to_hf(config: BertConfig, ref: Mapping[str, Any], with_classifier: bool = True) -> dict[str, Any]:
+    """torch_ref layout -> BertForSequenceClassification keys (``bert.`` prefix) or BertModel keys."""
+    prefix = "bert." if with_classifier else ""
     out = {}
-    for key, v in sd.items():
+    for key, v in ref.items():
         mod, _, leaf = key.rpartition(".")
         if leaf == "scale":
             leaf = "weight"
         m = re.match(r"^layers\.(\d+)\.(.+)$", mod)
         if m:
-            mod = f"bert.encoder.layer.{m.group(1)}.{_HF_LAYER[m.group(2)]}"
-        elif mod in _HF_TOP:
-            mod = f"bert.{_HF_TOP[mod]}"
+            mod = f"{prefix}encoder.layer.{m.group(1)}.{_LAYER[m.group(2)]}"
+        elif mod in _TOP:
+            mod = f"{prefix}{_TOP[mod]}"
         out[f"{mod}.{leaf}"] = v
     return out
-
-
-def from_hf_bert(hf_model) -> tuple[BertConfig, dict]:
-    """(BertConfig, params) from a ``transformers`` BertModel or BertForSequenceClassification.
-
-    A bare BertModel has no classifier: its params hold everything else (use BertClassifier.encode,
-    or add a ``classifier`` {kernel (d, n_classes), bias} before calling the model).
-    """
-    hc = hf_model.config
-    if hc.hidden_act not in _HF_ACT:
-        raise ValueError(f"hidden_act={hc.hidden_act!r} is not supported; expected one of {sorted(_HF_ACT)}")
-    pos_type = getattr(hc, "position_embedding_type", None) or "absolute"
-    if pos_type != "absolute":
-        raise ValueError(f"position_embedding_type={pos_type!r} is not supported; expected 'absolute'")
-    sd = {k: to_numpy(v) for k, v in hf_model.state_dict().items() if k in dict(hf_model.named_parameters())}
-    has_head = any(k.startswith("bert.") for k in sd)
-    if has_head:
-        sd = {k[len("bert."):] if k.startswith("bert.") else k: v for k, v in sd.items()}
-    encoder = ModelConfig(
-        vocab_size=hc.vocab_size, d_model=hc.hidden_size, n_layer=hc.num_hidden_layers,
-        n_head=hc.num_attention_heads, d_ff=hc.intermediate_size, max_len=hc.max_position_embeddings,
-        pos="learned", norm="layernorm", norm_eps=hc.layer_norm_eps, mlp=_HF_ACT[hc.hidden_act],
-        mlp_bias=True, qkv_bias=True, o_bias=True, norm_placement="post", final_norm=False,
-        dropout=hc.hidden_dropout_prob, attn_dropout=hc.attention_probs_dropout_prob, init_std=hc.initializer_range)
-    has_pooler = "pooler.dense.weight" in sd
-    config = BertConfig(encoder, n_classes=hc.num_labels, type_vocab_size=hc.type_vocab_size, embed_norm=True,
-                        pooler="tanh" if has_pooler else "cls")
-    template = abstract_params(config)
-    if not has_head:
-        template = {k: v for k, v in template.items() if k != "classifier"}
-    return config, state_dict_to_params(_hf_to_ours(sd), template, stacked=stacked_paths(config))
-
-
-def to_hf_bert(config: BertConfig, params: Mapping, *, attn_implementation: str = "eager"):
-    """A ``transformers.BertForSequenceClassification`` (eval mode) holding ``params``.
-
-    Needs the BERT layout: learned positions, Post-LN LayerNorm, no final norm, an embedding
-    LayerNorm, token-type embeddings, a tanh pooler, biases everywhere and no GQA.
-    """
-    import torch
-    import transformers
-
-    enc = config.encoder
-    inverse_act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
-    needs = {"encoder.pos": (enc.pos, "learned"), "encoder.norm": (enc.norm, "layernorm"),
-             "encoder.norm_placement": (enc.norm_placement, "post"), "encoder.final_norm": (enc.final_norm, False),
-             "encoder.residual": (enc.residual, "standard"), "encoder.embed_scale": (enc.embed_scale, False),
-             "encoder.n_kv_head": (enc.kv_heads, enc.n_head), "embed_norm": (config.embed_norm, True),
-             "pooler": (config.pooler, "tanh"), "encoder.norm_bias": (enc.norm_bias, True)}
-    for flag in ("mlp_bias", "qkv_bias", "o_bias"):
-        needs[f"encoder.{flag}"] = (getattr(enc, flag), True)
-    for name, (got, want) in needs.items():
-        if got != want:
-            raise ValueError(f"HF BERT needs {name}={want!r}, got {got!r}")
-    if enc.mlp not in inverse_act:
-        raise ValueError(f"HF BERT needs encoder.mlp in {sorted(inverse_act)}, got {enc.mlp!r}")
-    if config.type_vocab_size <= 0:
-        raise ValueError(f"HF BERT needs type_vocab_size > 0, got {config.type_vocab_size}")
-    hc = transformers.BertConfig(
-        vocab_size=enc.vocab_size, hidden_size=enc.d_model, num_hidden_layers=enc.n_layer,
-        num_attention_heads=enc.n_head, intermediate_size=enc.ffn_dim, hidden_act=inverse_act[enc.mlp],
-        max_position_embeddings=enc.max_len, type_vocab_size=config.type_vocab_size,
-        layer_norm_eps=enc.norm_eps, hidden_dropout_prob=enc.dropout, attention_probs_dropout_prob=enc.attn_dropout,
-        initializer_range=enc.init_std, num_labels=config.n_classes, attn_implementation=attn_implementation)
-    model = transformers.BertForSequenceClassification(hc)
-    sd = {k: torch.from_numpy(np.ascontiguousarray(v))
-          for k, v in _ours_to_hf(params_to_state_dict(params, stacked=stacked_paths(config))).items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    buffers = {k for k, _ in model.named_buffers()}
-    missing = [k for k in missing if k not in buffers]
-    if missing or unexpected:
-        raise ValueError(f"params do not match HF BERT: missing {missing}, unexpected {list(unexpected)}")
-    return model.eval()
-
-
-def from_seed_minibert(state_dict: Mapping[str, Any], config: BertConfig | None = None, *,
-                       n_head: int = 4) -> tuple[BertConfig, dict]:
-    """(BertConfig, params) from seed 004's ``MiniBert(...).state_dict()``.
-
-    Sizes (vocab, d_model, max_len, n_layer, d_ff, n_classes) are read from the shapes; the head
-    count is not in the weights: ``n_head`` (the seed's default is 4) unless ``config`` is given.
-    """
-    sd = {k: to_numpy(v) for k, v in state_dict.items()}
-    for key in ("token_emb.weight", "pos_emb.weight", "layers.0.ffn.fc1.weight", "classifier.weight"):
-        if key not in sd:
-            raise ValueError(f"not a seed MiniBert state dict: {key!r} is missing (keys: {sorted(sd)[:8]}...)")
-    if config is None:
-        vocab, d = sd["token_emb.weight"].shape
-        n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
-        base = PRESETS["seed-minibert"]
-        encoder = base.encoder.replace(vocab_size=vocab, d_model=d, n_head=n_head, n_layer=n_layer,
-                                       d_ff=sd["layers.0.ffn.fc1.weight"].shape[0],
-                                       max_len=sd["pos_emb.weight"].shape[0])
-        config = base.replace(encoder=encoder, n_classes=sd["classifier.weight"].shape[0])
-    ours = _rename(sd, _SEED_TOP, _SEED_LAYER, "layers")
-    return config, state_dict_to_params(ours, abstract_params(config), stacked=stacked_paths(config))

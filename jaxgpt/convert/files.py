@@ -67,18 +67,6 @@ def detect_format(path: str | Path) -> str:
     raise ValueError(f"cannot tell the format of {str(p)!r}: expected a directory, .safetensors or .pt")
 
 
-def _load_hf(path: Path):
-    import transformers
-
-    from jaxgpt.convert.external import from_hf
-
-    arch = (transformers.AutoConfig.from_pretrained(path, local_files_only=True).architectures or [None])[0]
-    supported = ("GPT2LMHeadModel", "LlamaForCausalLM", "BertModel", "BertForSequenceClassification")
-    if arch not in supported:
-        raise ValueError(f"{str(path)!r}: architecture {arch!r} is not one of {supported}")
-    return from_hf(getattr(transformers, arch).from_pretrained(path, local_files_only=True))
-
-
 def load_weights(path: str | Path, fmt: str | None = None) -> tuple[Any, dict, dict]:
     """-> (config, params, extras) from any supported format (detected unless ``fmt``)."""
     p = Path(path)
@@ -94,13 +82,16 @@ def load_weights(path: str | Path, fmt: str | None = None) -> tuple[Any, dict, d
             raise ValueError(f"{str(p)!r} has no jaxgpt config in its metadata (not written by save_safetensors)")
         return config, params, extras
     if fmt == "hf":
-        config, params = _load_hf(p)
+        from jaxgpt.convert.hf import load_hf
+
+        config, params = load_hf(p)
         return config, params, {"kind": default_kind(config)}
     if fmt in ("torch", "nanogpt"):
         import torch
 
-        from jaxgpt.convert.external import abstract_params, from_nanogpt
+        from jaxgpt.convert.nanogpt import from_nanogpt
         from jaxgpt.convert.rule import state_dict_to_params
+        from jaxgpt.models import abstract_params
 
         obj = torch.load(p, map_location="cpu", weights_only=False)
         if isinstance(obj, dict) and "model_args" in obj:
@@ -117,7 +108,7 @@ def load_weights(path: str | Path, fmt: str | None = None) -> tuple[Any, dict, d
 
 def save_weights(path: str | Path, fmt: str, config, params, extras: Mapping[str, Any] | None = None) -> None:
     """Write (config, params) as ``fmt``: 'jaxgpt' (a checkpoint directory at step 0),
-    'safetensors', 'torch' (a torch_ref state dict + config) or 'hf' (save_pretrained)."""
+    'safetensors', 'torch' (a torch_ref state dict + config) or 'hf' (``save_hf``: config.json + safetensors)."""
     extras = {k: v for k, v in (extras or {}).items() if v is not None}
     p = Path(path)
     if fmt == "jaxgpt":
@@ -145,8 +136,8 @@ def save_weights(path: str | Path, fmt: str, config, params, extras: Mapping[str
         torch.save({"format": "torch_ref", "config": config.to_dict(), "state_dict": sd,
                     **{k: v for k, v in extras.items() if k in ("tokenizer", "kind")}}, p)
     elif fmt == "hf":
-        from jaxgpt.convert.external import to_hf
+        from jaxgpt.convert.hf import save_hf
 
-        to_hf(config, params).save_pretrained(p)
+        save_hf(p, config, params)
     else:
         raise ValueError(f"cannot write format {fmt!r}; expected one of {FORMATS[:4]}")

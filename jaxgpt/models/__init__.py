@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
+from jaxgpt.layout import stacked_paths  # framework-free: torch_ref shares it
 from jaxgpt.models.decoder import DecoderLM, DecoderOutput, init_cache
 
 
@@ -23,17 +24,6 @@ def build(config: ModelConfig | BertConfig | EncDecConfig) -> nn.Module:
     raise TypeError(f"build() takes a ModelConfig, BertConfig or EncDecConfig, got {type(config).__name__}")
 
 
-def stacked_paths(config: ModelConfig | BertConfig | EncDecConfig) -> tuple[str, ...]:
-    """Flax paths of the ``nn.scan`` layer stacks (the converter's ``stacked=``)."""
-    if isinstance(config, EncDecConfig):
-        from jaxgpt.models.encdec import STACKED
-
-        return STACKED
-    if isinstance(config, ModelConfig) and config.residual != "standard":
-        return ()  # AttnRes layers are separate modules (layers_0, layers_1, ...)
-    return ("layers",)
-
-
 def init_params(config: ModelConfig | BertConfig | EncDecConfig, rng) -> dict:
     """Freshly initialised params of ``build(config)`` (shapes do not depend on the dummy input).
     Under ``jax.eval_shape`` this gives the abstract tree without allocating anything."""
@@ -42,4 +32,20 @@ def init_params(config: ModelConfig | BertConfig | EncDecConfig, rng) -> dict:
     return build(config).init(rng, *inputs)["params"]
 
 
-__all__ = ["DecoderLM", "DecoderOutput", "build", "init_cache", "init_params", "stacked_paths"]
+def abstract_params(config: ModelConfig | BertConfig | EncDecConfig) -> dict:
+    """Parameter shapes (ShapeDtypeStructs) of ``build(config)`` for any config, without allocating."""
+    import jax
+
+    return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+
+
+def count_params(params) -> int:
+    """Total number of parameters in a params tree (arrays or ShapeDtypeStructs)."""
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(np.shape(a)) for a in jax.tree_util.tree_leaves(params)))
+
+
+__all__ = ["DecoderLM", "DecoderOutput", "abstract_params", "build", "count_params", "init_cache", "init_params",
+           "stacked_paths"]

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxgpt import checks, validate
 from jaxgpt.config import BertConfig
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
 from jaxgpt.norms import make_norm
@@ -24,13 +24,15 @@ class BertOutput(NamedTuple):
 
 
 def key_mask(attention_mask, shape):
-    """(B, T) padding mask, 1/True = real token -> (B, 1, 1, T) bool key mask (None stays None)."""
+    """(B, T) padding mask, 1/True = real token -> (B, 1, 1, T) bool key mask (None stays None).
+    Bool or 0/1 integers of the ids' shape; a float mask (maybe additive 0/-inf) is an error."""
     if attention_mask is None:
         return None
-    m = jnp.asarray(attention_mask)
-    if m.shape != tuple(shape):
-        raise ValueError(f"attention_mask has shape {m.shape}, expected {tuple(shape)} like input_ids")
-    return m.astype(bool)[:, None, None, :]
+    traced = checks.is_traced(attention_mask)
+    validate.check_padding_mask(attention_mask, shape, values=not traced)
+    if traced and attention_mask.dtype != jnp.bool_:
+        checks.check_in_range(attention_mask, 2, "attention_mask value", space="the 0/1 values")
+    return jnp.asarray(attention_mask).astype(bool)[:, None, None, :]
 
 
 class BertClassifier(nn.Module):
@@ -87,7 +89,3 @@ class BertClassifier(nn.Module):
         ``model.apply({'params': p}, ids, mask, method=BertClassifier.encode)``."""
         return self(input_ids, attention_mask, token_type_ids, deterministic=deterministic, return_hidden=True)
 
-
-def count_params(params) -> int:
-    """Total number of parameters in a params tree (arrays or ShapeDtypeStructs)."""
-    return int(sum(np.prod(np.shape(a)) for a in jax.tree_util.tree_leaves(params)))

@@ -12,7 +12,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
+from jaxgpt import checks, validate
 from jaxgpt.attention import KVCache
 from jaxgpt.block import Block
 from jaxgpt.config import ModelConfig
@@ -37,22 +39,24 @@ def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtyp
 def check_tokens(tokens, vocab_size: int, max_len: int, offset: int = 0) -> None:
     """Raise ValueError for ids outside [0, vocab_size) or sequences past the context window.
 
-    JAX gathers clamp bad indices silently, so this runs on every concrete (non-traced) input;
-    under jit the callers (generation, data loading) validate before tracing.
+    JAX gathers clamp bad indices silently, so concrete (eager) inputs are checked here on the
+    host; traced inputs (under jit) get the same checks as checkify debug checks, reported in
+    checked mode (``jaxgpt.checks.checked``) and compiled away otherwise.
     """
     t = tokens.shape[-1]
-    if not isinstance(offset, jax.core.Tracer):
+    if not checks.is_traced(offset):
         offset = int(offset)
         if offset + t > max_len:
             raise ValueError(f"{t} tokens after {offset} cached positions exceed max_len={max_len}")
     elif t > max_len:
         raise ValueError(f"{t} tokens exceed max_len={max_len}")
-    if isinstance(tokens, jax.core.Tracer):
-        return
-    a = np.asarray(tokens)
-    if a.size and (a.min() < 0 or a.max() >= vocab_size):
-        bad = a[(a < 0) | (a >= vocab_size)]
-        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+    else:
+        checkify.debug_check(offset + t <= max_len, f"{t} tokens after {{offset}} cached positions exceed "
+                             f"max_len={max_len}", offset=offset)
+    if checks.is_traced(tokens):
+        checks.check_in_range(tokens, vocab_size, "token id")
+    else:
+        validate.check_ids(tokens, vocab_size)
 
 
 def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, deterministic: bool):
@@ -79,7 +83,9 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
                                 cache=layer_cache, return_weights=return_weights, deterministic=deterministic)
         return h, (new_cache, w)
 
-    scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+    # "intermediates": 0 stacks what capture_intermediates / sow record per layer (jaxgpt.parity reads
+    # each Block's output from it); without that collection mutable, nothing changes.
+    scan = nn.scan(body, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
                    in_axes=0, length=config.n_layer)
     x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, name=name), x, cache)
     return x, cache, weights
@@ -103,6 +109,12 @@ class DecoderLM(nn.Module):
         cfg = self.config
         offset = 0 if cache is None else cache.index[0]
         check_tokens(tokens, cfg.vocab_size, cfg.max_len, 0 if cache is None else offset)
+        if cache is not None:  # here, outside nn.scan, so the check also holds for traced indices
+            capacity, t = cache.k.shape[-2], tokens.shape[-1]
+            if checks.is_traced(offset):
+                checks.check_cache_room(offset, t, capacity)
+            else:
+                validate.check_cache_room(int(offset), t, capacity)
         if positions is None:
             positions = offset + jnp.arange(tokens.shape[-1])
         tok_embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std),

@@ -11,12 +11,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxgpt.config import EncDecConfig, ModelConfig
+from jaxgpt.layout import ENCDEC_STACKED as STACKED  # noqa: F401  (re-exported: the scanned stacks)
 from jaxgpt.models.bert import key_mask
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
 from jaxgpt.mlp import dense
 from jaxgpt.norms import make_norm
-
-STACKED = ("encoder/layers", "decoder/layers")  # the scanned stacks, for jaxgpt.convert
 
 
 class Stack(nn.Module):

@@ -1,7 +1,10 @@
 """The training loop behind ``jaxgpt train``: resume, step, log, evaluate, checkpoint, plot.
 
 Host work per step is one NumPy batch; metrics stay on the device and are fetched every
-``log_every`` steps, so the jitted steps queue up back to back.
+``log_every`` steps, so the jitted steps queue up back to back. They are also fetched before
+every evaluation and checkpoint, so a NaN/inf loss is seen before anything is saved after it:
+``on_nonfinite='stop'`` raises ``NonFiniteLoss`` naming the first bad step (the checkpoints on
+disk all hold finite weights); ``'skip'`` counts the updates the jitted step skipped.
 """
 from __future__ import annotations
 
@@ -12,12 +15,16 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from tqdm import std as tqdm_std
+from tqdm.auto import tqdm
 
 from jaxgpt.config import TrainConfig
-from jaxgpt.train.checkpoint import Checkpoints
+from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step
 from jaxgpt.train.tasks import Task, fit_config, load_task
+from jaxgpt.validate import check_batch
 
 
 def _differences(a, b) -> list[str]:
@@ -33,11 +40,16 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     checkpoint the run resumes with the saved tokenizer, and any difference between the given and
     the saved configs (or data) is an error: resuming is exact or it does not happen.
     """
-    ckpts = Checkpoints(out, create=False) if (Path(out) / "checkpoints").is_dir() else None  # read-only
+    quiet = lambda _: None  # noqa: E731 - the fallback is reported below, in one line with what was moved
+    ckpts = Checkpoints(out, create=False, log=quiet) if (Path(out) / "checkpoints").is_dir() else None
     if ckpts is None or ckpts.latest_step() is None:
         task = load_task(config, tc, data=data, corpus=corpus)
         return fit_config(config, task), tc, task, None
-    saved_config, saved_tc, state, meta = ckpts.restore()
+    saved_config, saved_tc, state, meta = ckpts.restore()  # the newest intact step
+    if ckpts.damaged:  # newer, damaged steps: moved aside (kept for inspection), so training can save again
+        moved = ", ".join(ckpts.set_aside(e.step).name for e in ckpts.damaged)
+        warn(f"{damage_summary(ckpts.dir, ckpts.damaged)}; resuming from step {int(state.step)}, the newest intact "
+              f"one (moved aside: {moved})")
     ckpts.close()
     task = load_task(saved_config, saved_tc, data=data, corpus=corpus, tokenizer=meta["tokenizer"])
     diffs = _differences(fit_config(config, task), saved_config) + _differences(tc, saved_tc)
@@ -49,40 +61,60 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     return saved_config, saved_tc, task, state
 
 
-class Progress:
-    """One status line: step, loss, tokens/s, ETA. Redrawn in place on a terminal, printed as
-    lines otherwise (logs, CI)."""
+class NonFiniteLoss(FloatingPointError):
+    """Training met a NaN/inf loss, gradient norm or weight with ``on_nonfinite='stop'``."""
 
-    def __init__(self, total: int, start: int, stream=sys.stderr, enabled: bool = True):
-        self.total, self.start, self.stream, self.enabled = total, start, stream, enabled
-        self.tty = enabled and stream.isatty()
-        self.t0 = None
+
+_NOTEBOOK = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)  # tqdm.auto picked the widget
+
+
+class Progress:
+    """Step, loss, tokens/s and ETA: a tqdm bar on a terminal (a widget in notebooks), plain lines
+    at most every ``interval`` seconds otherwise (logs, CI), where redrawing a bar would leave
+    carriage returns. The bar starts at the first update, so compilation does not count in the rate."""
+
+    FORMAT = "{percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+    def __init__(self, total: int, stream=None, enabled: bool = True, interval: float = 10.0):
+        self.total, self.stream, self.enabled, self.interval = total, stream or sys.stderr, enabled, interval
+        self.interactive = enabled and (_NOTEBOOK or self.stream.isatty())
+        self.bar, self.start, self.t0, self.last = None, None, None, -math.inf
 
     def update(self, step: int, loss: float, tok_s: float, extra: str = "") -> None:
         if not self.enabled:
             return
-        rate = (step - self.start) / max(time.perf_counter() - self.t0, 1e-9) if self.t0 else 0.0
-        eta = (self.total - step) / rate if rate > 0 else float("nan")
-        eta_s = "?" if math.isnan(eta) else time.strftime("%M:%S", time.gmtime(eta)) if eta < 3600 else f"{eta / 3600:.1f}h"
-        width = 24
-        filled = int(width * step / self.total)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} loss {loss:.4f} "
-                f"{tok_s / 1e3:.1f}k tok/s ETA {eta_s}{extra}")
-        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
-        self.stream.flush()
+        postfix = f"loss {loss:.4f}, {tok_s / 1e3:.1f}k tok/s{extra}"
+        if self.interactive:
+            if self.bar is None:
+                self.bar = tqdm(total=self.total, initial=step, file=self.stream, unit="step", dynamic_ncols=True,
+                                smoothing=0.1)
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.update(step - self.bar.n)
+            return
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0, self.start = now, step
+        if now - self.last >= self.interval or step >= self.total:
+            self.stream.write(tqdm_std.tqdm.format_meter(step, self.total, now - self.t0, unit="step", postfix=postfix,
+                                                         initial=self.start, bar_format=self.FORMAT) + "\n")
+            self.stream.flush()
+            self.last = now
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
+        if self.bar is not None:
+            self.bar.close()
 
 
 def evaluate(config, params, batches: list[dict], eval_step=None) -> dict:
     """Token-mean loss, perplexity and accuracy over ``batches`` (no dropout)."""
     eval_step = eval_step or make_eval_step(config)
-    sums = [eval_step(params, b) for b in batches]
+    sums = [eval_step(params, check_batch(b, config)) for b in batches]  # host-side: jit would not raise
     loss_sum, count, correct = (float(sum(s[k] for s in jax.device_get(sums))) for k in ("loss_sum", "count", "correct"))
     loss = loss_sum / max(count, 1)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_accuracy": correct / max(count, 1)}
+
+
+_all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
 
 
 def _read_metrics(path: Path, upto: int) -> list[dict]:
@@ -101,66 +133,91 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
     ckpts = Checkpoints(out, keep=tc.keep)
     state = init_state(config, tc) if state is None else state
     start = int(state.step)
+    for s in ckpts.steps():
+        if s > start:  # damaged steps the resume skipped: out of the way, but not deleted
+            warn(f"checkpoint step {s} is newer than the starting step {start}: moved to {ckpts.set_aside(s)}")
     metrics_path = out / "metrics.jsonl"
     history = _read_metrics(metrics_path, start)  # drop lines written after the checkpoint
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in history))
     meta = {"config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(),
             "source": task.source, "kind": task.kind}
     train_step, eval_step, eval_batches = make_train_step(config, tc), make_eval_step(config), task.eval_batches(tc)
-    bar = Progress(tc.steps, start, enabled=progress)
+    bar = Progress(tc.steps, enabled=progress)
     tokens = task.tokens_per_step(tc)
     pending: list[tuple[int, dict]] = []  # (step, metrics still on the device)
     t_flush = time.perf_counter()
+    skipped = sum(1 for r in history if r.get("nonfinite"))
 
     def record(rows: list[dict]) -> None:
         with metrics_path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         history.extend(rows)
 
+    def stop(what: str) -> NonFiniteLoss:
+        last = ckpts.latest_step()
+        kept = f"the last checkpoint, step {last}, holds finite weights" if last is not None else "no checkpoint saved"
+        return NonFiniteLoss(f"{what}; training stopped without saving it ({kept}). Lower lr (now {tc.lr:g}) or "
+                             "add warmup, or set on_nonfinite=skip to skip such updates")
+
     def flush(step: int) -> None:
-        nonlocal t_flush
+        nonlocal t_flush, skipped
         now = time.perf_counter()
         tok_s = tokens * len(pending) / max(now - t_flush, 1e-9)
         steps, metrics = zip(*pending)
-        record([{"step": s, **{k: float(v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
-                for s, m in zip(steps, jax.device_get(metrics))])
+        rows = [{"step": s, **{k: float(v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
+                for s, m in zip(steps, jax.device_get(metrics))]
         pending.clear()
-        if bar.t0 is None:  # the first flush includes compilation: rates count from here
-            bar.t0, bar.start = now, step
-        bar.update(step, history[-1]["loss"], tok_s)
+        bad = [r for r in rows if r["nonfinite"]]
+        for r in rows:  # written only where it happened
+            if not r["nonfinite"]:
+                del r["nonfinite"]
+        if bad and tc.on_nonfinite == "stop":
+            record(rows[:rows.index(bad[0]) + 1])  # the bad step is logged, nothing after it
+            r = bad[0]
+            what = "loss" if not math.isfinite(r["loss"]) else "gradient"
+            raise stop(f"non-finite {what} at step {r['step']} (loss {r['loss']:.6g}, grad norm {r['grad_norm']:.6g})")
+        record(rows)
+        skipped += len(bad)
+        bar.update(step, history[-1]["loss"], tok_s, f", {skipped} skipped" if skipped else "")
         t_flush = now
 
     def save() -> None:
-        if ckpts.latest_step() != int(state.step):
-            ckpts.save(state, meta)
+        if pending:  # a NaN in the unflushed steps must stop the save
+            flush(int(state.step))
+        if ckpts.latest_step() == int(state.step):
+            return
+        if not bool(_all_finite(state.params)):
+            raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
+        ckpts.save(state, meta)
 
     try:
-        for step in range(start, tc.steps):
-            state, m = train_step(state, task.batch(tc, step))
-            done = step + 1
-            pending.append((done, m))
-            if done % tc.log_every == 0 or done == tc.steps:
-                flush(done)
-            if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
-                record([{"step": done, **evaluate(config, state.params, eval_batches, eval_step)}])
-            if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
-                save()
-    except KeyboardInterrupt:
-        if pending:
-            flush(int(state.step))
+        try:
+            for step in range(start, tc.steps):
+                state, m = train_step(state, check_batch(task.batch(tc, step), config))  # jit would not raise
+                done = step + 1
+                pending.append((done, m))
+                evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps
+                save_now = (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps
+                if done % tc.log_every == 0 or evaluate_now:
+                    flush(done)  # before evaluating (and save() flushes first): a NaN is seen before either
+                if evaluate_now:
+                    record([{"step": done, **evaluate(config, state.params, eval_batches, eval_step)}])
+                if save_now:
+                    save()
+        except KeyboardInterrupt:
+            save()
+            raise
         save()
-        ckpts.wait()
+    finally:
         bar.close()
-        raise
-    bar.close()
-    save()
-    ckpts.wait()
-    ckpts.close()
-    train_rows = [r for r in history if "loss" in r]
+        ckpts.wait()  # the last save: finished, read back, older steps pruned
+        ckpts.close()
+    train_rows = [r for r in history if "loss" in r and not r.get("nonfinite")]  # skipped updates: not in the means
     val_rows = [r for r in history if "val_loss" in r]
     summary = {"steps": tc.steps, "final_loss": float(np.mean([r["loss"] for r in train_rows[-20:]])) if train_rows else None,
                "val_loss": val_rows[-1]["val_loss"] if val_rows else None,
-               "tok_s": float(np.median([r["tok_s"] for r in train_rows[1:]])) if len(train_rows) > 1 else None}
+               "tok_s": float(np.median([r["tok_s"] for r in train_rows[1:]])) if len(train_rows) > 1 else None,
+               "skipped": skipped}
     plot = plot_losses(history, out / "loss.png", title=f"{task.source}")
     if plot is None:
         log("matplotlib is not installed: skipped loss.png (pip install 'jaxgpt[plots]')")
@@ -195,4 +252,4 @@ def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None
     return path
 
 
-__all__ = ["Progress", "evaluate", "fit", "plot_losses", "prepare"]
+__all__ = ["NonFiniteLoss", "Progress", "evaluate", "fit", "plot_losses", "prepare"]

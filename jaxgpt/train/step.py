@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxgpt import checks
 from jaxgpt.config import TrainConfig
 from jaxgpt.models import init_params
 from jaxgpt.train.losses import loss_terms
@@ -45,14 +46,18 @@ def abstract_state(config, tc: TrainConfig) -> TrainState:
     return jax.eval_shape(lambda: init_state(config, tc))
 
 
-def make_train_step(config, tc: TrainConfig):
+def make_train_step(config, tc: TrainConfig, *, checked: bool = False):
     """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
+    ``checked``: checked mode (``jaxgpt.checks``): a bad id, target or label raises ValueError
+    instead of being clamped or scored silently; off by default (the checks compile away).
 
     batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
     (grad_accum, micro_batch, ...). Gradients of the summed loss are accumulated over the
     micro-batches and divided by the total target count, so the update is the one a single
     batch of ``batch_size`` would give. metrics: loss (token mean), accuracy, grad_norm (before
-    clipping), lr (of this update).
+    clipping), lr (of this update), nonfinite (1.0 when the loss or gradient norm is NaN/inf;
+    with ``on_nonfinite='skip'`` such an update is not applied: params and optimizer state,
+    including its update count, stay as they were).
     """
     optimizer, lr = make_optimizer(tc), schedule(tc)
 
@@ -63,6 +68,7 @@ def make_train_step(config, tc: TrainConfig):
         return jax.grad(f, has_aux=True)(params)
 
     def train_step(state: TrainState, batch: dict):
+        checks.check_batch(batch, config)  # up front, outside grad: names the key and the micro-batch
         rng = jax.random.fold_in(state.rng, state.step)
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         if n_micro == 1:
@@ -80,14 +86,28 @@ def make_train_step(config, tc: TrainConfig):
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(terms["loss_sum"]) & jnp.isfinite(grad_norm)
+        if tc.on_nonfinite == "skip":
+            # The state is donated, so the old one survives only if the choice is made in here. An
+            # update that overflows (huge lr) counts as non-finite too: weights never become inf.
+            finite &= jnp.isfinite(optax.tree.norm(updates))
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
         metrics = {"loss": terms["loss_sum"] / count, "accuracy": terms["correct"] / count,
-                   "grad_norm": optax.tree.norm(grads), "lr": lr(state.step)}
+                   "grad_norm": grad_norm, "lr": lr(state.step),
+                   "nonfinite": 1.0 - finite.astype(jnp.float32)}  # skip: 1 = this update was skipped
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    return checks.checked(train_step, donate_argnums=0) if checked else jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_step(config):
+def make_eval_step(config, *, checked: bool = False):
     """-> jitted ``eval_step(params, batch) -> {'loss_sum', 'count', 'correct'}`` (no dropout);
-    batch without the micro-batch axis. Sum over batches, then divide by the count."""
-    return jax.jit(lambda params, batch: loss_terms(config, params, batch, train=False))
+    batch without the micro-batch axis. Sum over batches, then divide by the count.
+    ``checked``: checked mode, as in ``make_train_step``."""
+    def eval_step(params, batch):
+        checks.check_batch(batch, config)
+        return loss_terms(config, params, batch, train=False)
+
+    return checks.checked(eval_step) if checked else jax.jit(eval_step)

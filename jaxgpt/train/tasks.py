@@ -20,6 +20,7 @@ from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig
 from jaxgpt.data import (IGNORE_INDEX, CharTokenizer, PairTokenizer, builtin_corpus, builtin_pairs, encode_pairs,
                          get_batch, load_text, pad_batch, shuffled_batch, split_train_val, tokenizer_from_dict,
                          train_bpe)
+from jaxgpt.validate import check_ids, check_padding_mask, check_targets
 
 KEYS = {"lm": ("x", "y"), "pairs": ("x", "y"), "seq2seq": ("src", "tgt", "src_mask", "labels"),
         "classify": ("input_ids", "attention_mask", "labels")}
@@ -32,6 +33,26 @@ class Task:
     train: tuple  # lm: (ids (N,),); otherwise row arrays (N, ...) in KEYS[kind] order
     val: tuple
     source: str  # what the data was, for the checkpoint's record
+
+    def __post_init__(self):
+        """Validate every id and target once, where the data enters: JAX would clamp a bad id
+        or score a bad target silently inside the jitted step."""
+        v = self.tokenizer.vocab_size
+        target = {"pairs": "y", "seq2seq": "labels"}.get(self.kind)  # next-token / decoder targets
+        for split, arrays in (("training", self.train), ("validation", self.val)):
+            a = dict(zip(("ids",) if self.kind == "lm" else self.keys, arrays))
+            where = lambda k: f"{self.source} {split} {k!r}"  # noqa: E731
+            for k in ("ids", "x", "src", "tgt", "input_ids"):
+                if k in a:
+                    check_ids(a[k], v, where=where(k))
+            for k, like in (("src_mask", "src"), ("attention_mask", "input_ids")):
+                if k in a:
+                    check_padding_mask(a[k], a[like].shape, where=where(k))
+            if target:
+                check_targets(a[target], v, where=where(target))
+            if self.kind == "classify":  # the upper bound is the model's n_classes (fit_config)
+                check_ids(a["labels"], np.iinfo(np.int32).max, where=where("labels"), what="label",
+                          space="the non-negative integers")
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from jaxgpt import validate
 from jaxgpt.config import BertConfig
 from torch_ref.block import Block
 from torch_ref.models.decoder import add_embeddings, check_tokens, embed_tokens
@@ -19,12 +20,12 @@ class BertOutput(NamedTuple):
 
 
 def key_mask(attention_mask, shape):
-    """(B, T) padding mask, 1/True = real token -> (B, 1, 1, T) bool key mask (None stays None)."""
+    """(B, T) padding mask, 1/True = real token -> (B, 1, 1, T) bool key mask (None stays None).
+    Bool or 0/1 integers of the ids' shape; a float mask (maybe additive 0/-inf) is an error."""
     if attention_mask is None:
         return None
     m = torch.as_tensor(attention_mask)
-    if tuple(m.shape) != tuple(shape):
-        raise ValueError(f"attention_mask has shape {tuple(m.shape)}, expected {tuple(shape)} like input_ids")
+    validate.check_padding_mask(m if m.dtype == torch.bool else m.cpu(), shape)  # as jaxgpt: no float masks
     return m.bool()[:, None, None, :]
 
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from jaxgpt import validate
 from jaxgpt.config import ModelConfig
 from torch_ref.attention import KVCache
 from torch_ref.block import Block
@@ -33,8 +34,7 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int, max_len: int, offset: in
     if offset + t > max_len:
         raise ValueError(f"{t} tokens after {offset} cached positions exceed max_len={max_len}")
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
-        raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+        validate.check_ids(tokens.cpu().numpy(), vocab_size)  # the same message as jaxgpt, with the position
 
 
 def add_embeddings(module: nn.Module, config: ModelConfig) -> None:

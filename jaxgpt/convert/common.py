@@ -1,0 +1,156 @@
+"""What every external-format converter shares: key renaming onto the torch_ref layout, the strict
+load into Flax params, and the two option tables that keep conversions exact.
+
+- Import: an HF ``config.json`` dict (or ``model.config.to_dict()``, the same thing) is checked key
+  by key against a family's ``Option`` table; unknown keys and unsupported values are named, all of
+  them, in one ValueError.
+- Export: every ModelConfig field has a ``Field`` rule per family ("maps to HF option X", "must be
+  V", "has no effect here"); a field without a rule is refused too, so a new field cannot slip
+  through an exporter unnoticed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from jaxgpt.convert.rule import state_dict_to_params, to_numpy
+from jaxgpt.models import abstract_params, stacked_paths
+
+
+def rename(sd: Mapping[str, Any], rules: list[tuple[str, str]], skip: Callable[[str], bool] = lambda k: False):
+    """Apply the first matching (regex, replacement) to every key, as NumPy arrays; unmatched keys
+    are kept as they are so the strict rule reports them as unexpected."""
+    out = {}
+    for key, value in sd.items():
+        if skip(key):
+            continue
+        for pattern, repl in rules:
+            if re.fullmatch(pattern, key):
+                key = re.sub(pattern, repl, key)
+                break
+        out[key] = to_numpy(value)
+    return out
+
+
+def split_packed(sd: dict, packed: str, sizes: tuple[int, int, int]) -> dict:
+    """layers.{i}.attn.<packed>.{weight,bias} (rows [q; k; v]) -> q_proj / k_proj / v_proj."""
+    for key in [k for k in sd if f".attn.{packed}." in k]:
+        a = sd.pop(key)
+        leaf = key.rsplit(".", 1)[1]
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), np.split(a, np.cumsum(sizes)[:2], axis=0)):
+            sd[key.replace(f"attn.{packed}.{leaf}", f"attn.{name}.{leaf}")] = part
+    return sd
+
+
+def load_ref(config, sd: Mapping[str, Any], template: Mapping | None = None) -> dict:
+    """torch_ref-layout state dict -> params of ``build(config)``, strictly (every bad key named)."""
+    template = abstract_params(config) if template is None else template
+    return state_dict_to_params(sd, template, stacked=stacked_paths(config))
+
+
+# Import: config.json options -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """How one config.json key is handled: ``ok(value, whole dict)``; ``needs`` says what is accepted."""
+
+    ok: Callable[[Any, Mapping[str, Any]], bool]
+    needs: str
+
+
+MAPPED = Option(lambda v, d: True, "")  # read into the jaxgpt config
+
+
+def inert(why: str) -> Option:
+    """An option with no effect on the weights or the logits (``why`` documents it)."""
+    return Option(lambda v, d: True, why)
+
+
+def equals(*values: Any) -> Option:
+    return Option(lambda v, d: any(v == x and type(v) is type(x) or v is x for x in values),
+                  " or ".join(repr(x) for x in values))
+
+
+def one_of(values) -> Option:
+    return Option(lambda v, d: v in values, f"one of {sorted(values)}")
+
+
+# Keys every transformers config carries (tokens, generation defaults, labels, bookkeeping): they
+# change neither the weights nor the logits of the architectures converted here.
+GENERIC = {k: inert("transformers bookkeeping / generation default") for k in (
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_bfloat16", "torchscript",
+    "tf_legacy_loss", "return_dict", "output_hidden_states", "output_attentions", "output_scores",
+    "return_dict_in_generate", "use_cache", "chunk_size_feed_forward", "is_encoder_decoder", "tie_encoder_decoder",
+    "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "tokenizer_class", "prefix",
+    "task_specific_params", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
+    "decoder_start_token_id", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "cross_attention_hidden_size",
+    "gradient_checkpointing", "initializer_range", "is_decoder")}
+GENERIC["pruned_heads"] = Option(lambda v, d: not v, "{} (pruned heads change the weight shapes)")
+GENERIC["add_cross_attention"] = equals(False)
+
+
+def check_options(d: Mapping[str, Any], table: Mapping[str, Option], family: str) -> None:
+    """ValueError naming every unknown key and every unsupported value of an HF config dict."""
+    table = {**GENERIC, **table}
+    problems = []
+    for key, value in d.items():
+        if key.startswith("_"):
+            continue  # private transformers state (_name_or_path, _attn_implementation, ...)
+        if key not in table:
+            problems.append(f"{key}={value!r} (an option jaxgpt does not implement)")
+        elif not table[key].ok(value, d):
+            problems.append(f"{key}={value!r} (supported: {table[key].needs})")
+    if problems:
+        raise ValueError(f"HF {family} config not supported exactly by jaxgpt: " + "; ".join(problems))
+
+
+# Export: ModelConfig fields ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    """How one jaxgpt config field is expressed in an HF family: ``ok(value, config)``."""
+
+    ok: Callable[[Any, Any], bool]
+    needs: str
+
+
+def maps_to(hf_key: str) -> Field:
+    return Field(lambda v, c: True, f"-> {hf_key}")
+
+
+def must_be(*values: Any) -> Field:
+    return Field(lambda v, c: v in values, " or ".join(repr(x) for x in values))
+
+
+def unused(why: str) -> Field:
+    """A field without effect in this family's models (e.g. rope_base when pos='learned')."""
+    return Field(lambda v, c: True, f"unused: {why}")
+
+
+ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
+                  ("attnres_variant", "attnres_blocks", "attnres_eps", "attnres_key_gain")}
+
+
+def check_fields(config, table: Mapping[str, Field], family: str, prefix: str = "") -> list[str]:
+    """Problems (as 'field=value (needs ...)') for ``config``'s fields under ``table``; a field
+    with no rule at all is a problem too."""
+    problems = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        rule = table.get(f.name)
+        if rule is None:
+            problems.append(f"{prefix}{f.name}={value!r} (no rule for HF {family} export)")
+        elif not rule.ok(value, config):
+            problems.append(f"{prefix}{f.name}={value!r} (HF {family} needs {rule.needs})")
+    return problems
+
+
+def refuse(problems: list[str], family: str) -> None:
+    if problems:
+        raise ValueError(f"cannot export this config as HF {family} exactly: " + "; ".join(problems))

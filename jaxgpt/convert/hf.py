@@ -1,0 +1,241 @@
+"""Hugging Face checkpoints in and out: directories (config.json + model.safetensors or a sharded
+model.safetensors.index.json) read and written with safetensors' NumPy API, and live transformers
+models (``from_hf`` / ``to_hf``). Directories never import torch or transformers.
+
+A config.json dict and ``model.config.to_dict()`` are the same thing, so both paths share one
+config mapping per family (``config_from_hf`` / ``config_to_hf`` in gpt2.py, llama.py, bert.py),
+and both refuse every option they cannot reproduce exactly, all named in one ValueError.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from jaxgpt.config import BertConfig, ModelConfig
+from jaxgpt.convert import bert, gpt2, llama
+from jaxgpt.convert.rule import params_to_state_dict, to_numpy
+from jaxgpt.models import abstract_params, stacked_paths
+
+FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert}
+ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS}
+SUPPORTED = tuple(a for archs in ARCHS.values() for a in archs)
+_DTYPES = ("float32", "bfloat16", "float16")  # what params may be loaded as and exported in
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _architecture(d: Mapping[str, Any], arch: str | None = None) -> tuple[Any, str]:
+    """(family module, architecture) for an HF config dict, or a ValueError naming what is unsupported."""
+    model_type = d.get("model_type")
+    archs = d.get("architectures") or []
+    arch = arch or (archs[0] if len(archs) == 1 else None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type={model_type!r} (architectures={archs}) is not supported; supported model "
+                         f"types: {sorted(FAMILIES)}")
+    if arch not in ARCHS[model_type]:
+        raise ValueError(f"architecture {arch!r} is not supported for model_type={model_type!r}; supported: "
+                         f"{list(ARCHS[model_type])}")
+    return FAMILIES[model_type], arch
+
+
+def _config(d: Mapping[str, Any], arch: str | None, keys) -> tuple[Any, Any, str]:
+    """(jaxgpt config, family module, architecture); every unsupported option refused at once.
+    ``keys``: the checkpoint's tensor names (BERT's pooler is optional)."""
+    family, arch = _architecture(d, arch)
+    d = {k: v for k, v in d.items() if k != "architectures"}
+    if family is bert:
+        pooler = any(k.endswith("pooler.dense.weight") for k in keys)
+        return bert.config_from_hf(d, arch, has_pooler=pooler), family, arch
+    return family.config_from_hf(d, arch), family, arch
+
+
+def _template(config, dtype) -> dict:
+    """abstract_params in ``dtype`` (float32 by default): the strict loader casts every tensor to it."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(dtype or np.float32)), abstract_params(config))
+
+
+def _dtype(dtype):
+    """None -> float32 (the explicit upcast of bf16/fp16 checkpoints); else float32, bfloat16 or float16."""
+    if dtype is None:
+        return None
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    dt = np.dtype(dtype)
+    if dt.name not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {_DTYPES} (or None: float32)")
+    return dt
+
+
+def _shards(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise ValueError(f"{str(index)!r} names shards that are not there: {missing}")
+        return [path / f for f in files]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    raise ValueError(f"{str(path)!r} has neither model.safetensors nor model.safetensors.index.json "
+                     "(pytorch_model.bin checkpoints are not read: re-save them with safe_serialization)")
+
+
+def load_hf(path: str | Path, dtype=None) -> tuple[ModelConfig | BertConfig, dict]:
+    """(config, params) from a Hugging Face model directory, without torch or transformers.
+
+    Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
+    one tensor at a time through ``safetensors.safe_open(..., framework="np")``. Families:
+    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral (*ForCausalLM) and BERT (BertModel,
+    BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
+    not reproduce exactly, is a ValueError naming it. ``dtype=None`` upcasts bf16/fp16 checkpoints
+    to float32 (exact); ``dtype='bfloat16'`` (or any NumPy dtype) gives params in that dtype.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face model directory: no config.json")
+    d = json.loads((path / "config.json").read_text())
+    _architecture(d)  # refuse unknown families before opening any weights
+    dt = _dtype(dtype)
+    shards = _shards(path)
+    keys = []
+    for shard in shards:  # headers only: the config is checked before any tensor is read
+        with safe_open(str(shard), framework="np") as f:
+            keys += list(f.keys())
+    config, family, arch = _config(d, None, keys)
+    tensors = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="np") as f:
+            for key in f.keys():
+                a = to_numpy(f.get_tensor(key))  # bf16/fp16 -> float32, exactly
+                tensors[key] = a if dt is None or not np.issubdtype(a.dtype, np.floating) else a.astype(dt)
+    return config, family.params_from_hf(config, tensors, arch, _template(config, dt))
+
+
+def _family_of(config) -> Any:
+    if isinstance(config, BertConfig):
+        return bert
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"Hugging Face export supports decoder (ModelConfig) and BERT configs, got "
+                         f"{type(config).__name__}")
+    if config.pos == "rope":
+        return llama
+    if config.pos == "learned":
+        return gpt2
+    raise ValueError(f"no Hugging Face family has pos={config.pos!r}: GPT-2 needs pos='learned', LLaMA/Qwen2 "
+                     "pos='rope'")
+
+
+def export_hf(config, params: Mapping) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(HF config dict, HF state dict as NumPy arrays in the params' dtype); refuses inexact configs."""
+    family = _family_of(config)
+    if family is bert:
+        with_classifier = "classifier" in params
+        d = bert.config_to_hf(config, with_classifier)
+        sd = bert.params_to_hf(config, params_to_state_dict(params, stacked=stacked_paths(config)), with_classifier)
+    else:
+        d = family.config_to_hf(config)
+        sd = family.params_to_hf(config, params_to_state_dict(params, stacked=stacked_paths(config)))
+    dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
+    dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)).name in _DTYPES else np.dtype(np.float32)
+    d["torch_dtype"] = d["dtype"] = dtype.name  # older transformers read torch_dtype, newer dtype
+    sd = {k: np.ascontiguousarray(v.astype(dtype) if v.dtype != dtype else v) for k, v in sd.items()}
+    return d, sd
+
+
+def _size(max_shard_size: int | str) -> int:
+    if isinstance(max_shard_size, int) and max_shard_size > 0:
+        return max_shard_size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", str(max_shard_size).upper())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r} is not a positive size like 500MB, 5GB or 10**9")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard_size: int | str = "5GB") -> None:
+    """Write a Hugging Face model directory, without torch or transformers: config.json (model_type,
+    architectures, torch_dtype) and model.safetensors, or model-0000i-of-0000n.safetensors shards
+    with model.safetensors.index.json when the weights exceed ``max_shard_size`` (bytes, or '500MB').
+    ``transformers.AutoModelForCausalLM`` / ``BertForSequenceClassification.from_pretrained(path)`` load it.
+
+    ``tokenizer``: a ``tokenizers.Tokenizer`` (written as tokenizer.json) or anything with
+    ``save_pretrained(dir)`` (a transformers tokenizer). Configs HF cannot express exactly are refused.
+    """
+    from safetensors.numpy import save_file
+
+    limit = _size(max_shard_size)
+    d, sd = export_hf(config, params)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key in sorted(sd):
+        if shards[-1] and size + sd[key].nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = sd[key]
+        size += sd[key].nbytes
+    meta = {"format": "pt"}  # transformers only loads safetensors files marked as torch ('pt') ones
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / name), metadata=meta)
+            weight_map.update(dict.fromkeys(shard, name))
+        index = {"metadata": {"total_size": sum(a.nbytes for a in sd.values())}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(path))
+        elif type(tokenizer).__module__.startswith("tokenizers"):
+            tokenizer.save(str(path / "tokenizer.json"))
+        else:
+            raise ValueError(f"tokenizer must be a tokenizers.Tokenizer or have save_pretrained(dir), got "
+                             f"{type(tokenizer).__name__}")
+
+
+# Live transformers models ---------------------------------------------------------------------
+def from_hf(hf_model, dtype=None) -> tuple[Any, dict]:
+    """A transformers model (GPT2LMHeadModel, GPT2Model, LlamaForCausalLM, Qwen2ForCausalLM,
+    MistralForCausalLM, BertModel, BertForSequenceClassification) -> (jaxgpt config, params)."""
+    arch = type(hf_model).__name__
+    if arch not in SUPPORTED:
+        raise ValueError(f"from_hf supports {list(SUPPORTED)}, got {arch}")
+    names = dict(hf_model.named_parameters())  # no buffers; a tied lm_head appears once, as the embedding
+    tensors = {k: v for k, v in hf_model.state_dict().items() if k in names}
+    config, family, arch = _config(hf_model.config.to_dict(), arch, tensors)
+    return config, family.params_from_hf(config, tensors, arch, _template(config, _dtype(dtype)))
+
+
+def to_hf(config, params: Mapping, *, attn_implementation: str = "eager"):
+    """jaxgpt (config, params) -> a transformers model holding the same weights (eval mode); configs
+    that HF cannot express exactly are refused, every offending field named."""
+    import torch
+    import transformers
+
+    d, sd = export_hf(config, params)
+    arch = d.pop("architectures")[0]
+    kwargs = {k: v for k, v in d.items() if k not in ("model_type", "dtype", "torch_dtype")}
+    hc = transformers.AutoConfig.for_model(d["model_type"], attn_implementation=attn_implementation, **kwargs)
+    model = getattr(transformers, arch)(hc)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(d["dtype"], torch.float32)
+    model = model.to(dtype)
+    tensors = {k: torch.from_numpy(to_numpy(v)).to(dtype) for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    buffers = {k for k, _ in model.named_buffers()}
+    tied = {"lm_head.weight"} if getattr(hc, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in buffers and k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"params do not match HF {arch}: missing {missing}, unexpected {list(unexpected)}")
+    if tied:
+        model.tie_weights()
+    return model.eval()

@@ -1,0 +1,157 @@
+"""The LLaMA layout, shared by Hugging Face LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM:
+RoPE ('half' layout), RMSNorm, SwiGLU, GQA. The families differ only in options:
+LLaMA ``attention_bias`` (q, k, v and o biases) and ``mlp_bias``; Qwen2 always has q/k/v biases and
+no o bias; Mistral has a sliding window, exact here only when it covers the whole context.
+
+HF key                                                torch_ref key
+model.embed_tokens.weight                         <-> tok_embed.weight
+model.layers.{i}.self_attn.{q,k,v,o}_proj         <-> layers.{i}.attn.{q,k,v,o}_proj
+model.layers.{i}.mlp.{gate,up,down}_proj          <-> layers.{i}.mlp.{gate,up,down}_proj
+model.layers.{i}.input_layernorm / post_attention_layernorm .weight <-> attn_norm / mlp_norm .scale
+model.norm.weight, lm_head.weight                 <-> norm.scale, lm_head.weight (absent when tied)
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.convert.common import (ATTNRES_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals,
+                                   inert, load_ref, maps_to, must_be, refuse, rename, unused)
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+NAMES = {"llama": "LLaMA", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+
+def _rope(d: Mapping[str, Any]) -> tuple[str, float]:
+    """(rope_type, theta) from transformers >= 5 ``rope_parameters`` or the older rope_theta/rope_scaling."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, Mapping) else "?"
+    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+    return kind, float(theta if theta is not None else d.get("rope_theta", 10000.0))
+
+
+def _context(d: Mapping[str, Any]) -> int:
+    return d.get("max_position_embeddings", 2048)
+
+
+def _window_ok(window, d) -> bool:
+    # A sliding window at least as long as the context masks nothing: plain causal attention.
+    return window is None or window >= _context(d)
+
+
+def _sliding_layers_ok(types, d) -> bool:
+    return types is None or all(t == "full_attention" or (t == "sliding_attention" and _window_ok(
+        d.get("sliding_window"), d)) for t in types)
+
+
+_ROPE = Option(lambda v, d: _rope(d)[0] == "default", "default RoPE (no scaling)")
+_COMMON: dict[str, Option] = {
+    **{k: MAPPED for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
+                           "tie_word_embeddings", "attention_dropout", "initializer_range", "rope_theta")},
+    "rope_parameters": _ROPE, "rope_scaling": _ROPE,
+    "hidden_act": equals("silu"),
+    "head_dim": Option(lambda v, d: v is None or v * d.get("num_attention_heads", 32) == d.get("hidden_size", 4096),
+                       "hidden_size / num_attention_heads"),
+    "pretraining_tp": equals(1, None),
+}
+_LAYER_TYPES = Option(_sliding_layers_ok, "full_attention layers, or a sliding window covering the context")
+_WINDOW = Option(lambda v, d: _window_ok(v, d), "None or >= max_position_embeddings (the context)")
+OPTIONS: dict[str, dict[str, Option]] = {
+    "llama": {**_COMMON, "attention_bias": MAPPED, "mlp_bias": MAPPED},
+    "qwen2": {**_COMMON, "use_sliding_window": MAPPED,
+              "sliding_window": Option(lambda v, d: not d.get("use_sliding_window") or _window_ok(v, d),
+                                       _WINDOW.needs + " when use_sliding_window"),
+              "max_window_layers": inert("which layers slide; checked through layer_types / sliding_window"),
+              "layer_types": _LAYER_TYPES},
+    "mistral": {**_COMMON, "sliding_window": _WINDOW, "layer_types": _LAYER_TYPES},
+}
+_BIASES = {"llama": None, "qwen2": (True, False, False), "mistral": (False, False, False)}  # qkv, o, mlp
+
+FIELDS: dict[str, Field] = {
+    "vocab_size": maps_to("vocab_size"), "d_model": maps_to("hidden_size"), "n_layer": maps_to("num_hidden_layers"),
+    "n_head": maps_to("num_attention_heads"), "n_kv_head": maps_to("num_key_value_heads"),
+    "d_ff": maps_to("intermediate_size"), "max_len": maps_to("max_position_embeddings"),
+    "rope_base": maps_to("rope_parameters.rope_theta"), "norm_eps": maps_to("rms_norm_eps"),
+    "attn_dropout": maps_to("attention_dropout"), "tie_embeddings": maps_to("tie_word_embeddings"),
+    "init_std": maps_to("initializer_range"),
+    "qkv_bias": maps_to("attention_bias (LLaMA) / always True (Qwen2)"),
+    "o_bias": Field(lambda v, c: v == c.qkv_bias or (c.qkv_bias and not v and not c.mlp_bias),
+                    "qkv_bias (LLaMA attention_bias), or False with qkv_bias=True and mlp_bias=False (Qwen2)"),
+    "mlp_bias": maps_to("mlp_bias"),
+    "pos": must_be("rope"), "rope_layout": must_be("half"), "norm": must_be("rmsnorm"),
+    "norm_bias": unused("norm must be 'rmsnorm' (no bias)"), "mlp": must_be("swiglu"),
+    "norm_placement": must_be("pre"), "final_norm": must_be(True), "dropout": must_be(0.0),
+    "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
+    **ATTNRES_UNUSED,
+}
+
+RULES = [
+    (r"model\.embed_tokens\.weight", "tok_embed.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.(\w+)\.(\w+)", r"layers.\1.attn.\2.\3"),
+    (r"model\.layers\.(\d+)\.mlp\.(\w+)\.(\w+)", r"layers.\1.mlp.\2.\3"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.scale"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.mlp_norm.scale"),
+    (r"model\.norm\.weight", "norm.scale"),
+]
+
+
+def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
+    """An HF LLaMA / Qwen2 / Mistral config dict -> ModelConfig; every unsupported option named at once."""
+    family = d.get("model_type", "llama")
+    check_options(d, OPTIONS[family], NAMES[family])
+    heads = d.get("num_attention_heads", 32)
+    qkv, o, mlp = _BIASES[family] or (d.get("attention_bias", False),) * 2 + (d.get("mlp_bias", False),)
+    return ModelConfig(
+        vocab_size=d.get("vocab_size", 32000), max_len=_context(d), d_model=d.get("hidden_size", 4096),
+        n_layer=d.get("num_hidden_layers", 32), n_head=heads, n_kv_head=d.get("num_key_value_heads") or heads,
+        d_ff=d.get("intermediate_size", 11008), pos="rope", rope_layout="half", rope_base=_rope(d)[1],
+        norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_bias=mlp, qkv_bias=qkv, o_bias=o,
+        tie_embeddings=d.get("tie_word_embeddings", False), attn_dropout=d.get("attention_dropout", 0.0),
+        init_std=d.get("initializer_range", 0.02))
+
+
+def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, template=None) -> dict:
+    def skip(key: str) -> bool:  # RoPE buffers of older checkpoints; a tied head is the embedding
+        return key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_embeddings)
+
+    return load_ref(config, rename(tensors, RULES, skip=skip), template)
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """ModelConfig -> an HF LLaMA config dict (Qwen2 when q/k/v have biases and o has none), or one
+    ValueError naming every field neither can express."""
+    refuse(check_fields(config, FIELDS, "LLaMA"), "LLaMA")
+    family = "qwen2" if config.qkv_bias and not config.o_bias else "llama"
+    d = dict(model_type=family, architectures=[ARCHS[family]], vocab_size=config.vocab_size,
+             hidden_size=config.d_model, intermediate_size=config.ffn_dim, num_hidden_layers=config.n_layer,
+             num_attention_heads=config.n_head, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
+             max_position_embeddings=config.max_len, rms_norm_eps=config.norm_eps, hidden_act="silu",
+             rope_theta=config.rope_base, rope_scaling=None,
+             rope_parameters={"rope_theta": config.rope_base, "rope_type": "default"},
+             tie_word_embeddings=config.tie_embeddings, attention_dropout=config.attn_dropout,
+             initializer_range=config.init_std, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        d.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias, pretraining_tp=1)
+    else:
+        d.update(use_sliding_window=False, sliding_window=None)
+    return d
+
+
+def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    top = {"tok_embed.weight": "model.embed_tokens.weight", "norm.scale": "model.norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+    out = {}
+    for key, a in ref.items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+        if not m:
+            out[top[key]] = a
+            continue
+        i, rest = m.groups()
+        rest = (rest.replace("attn_norm.scale", "input_layernorm.weight")
+                .replace("mlp_norm.scale", "post_attention_layernorm.weight").replace("attn.", "self_attn."))
+        out[f"model.layers.{i}.{rest}"] = a
+    return out

@@ -1,0 +1,127 @@
+"""The tokenizer of a Hugging Face model directory (``tokenizer.json``), through the ``tokenizers``
+package: no transformers, no downloads.
+
+Special token ids come from the directory's ``config.json``, overridden by ``generation_config.json``
+where it sets them (as transformers' ``generate`` does). ``encode`` applies the tokenizer's own
+post-processor, so a LLaMA tokenizer adds its BOS exactly as ``AutoTokenizer`` does.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+_SPECIALS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from None
+
+
+def special_ids(directory: str | Path) -> dict[str, list[int]]:
+    """{'bos_token_id' | 'eos_token_id' | 'pad_token_id': ids} from config.json, then
+    generation_config.json (which wins). A single id becomes a one-element list; unset names are absent."""
+    d = Path(directory)
+    out: dict[str, list[int]] = {}
+    for name in ("config.json", "generation_config.json"):
+        cfg = _read_json(d / name)
+        for key in _SPECIALS:
+            value = cfg.get(key)
+            if value is not None:
+                out[key] = [int(v) for v in (value if isinstance(value, list) else [value])]
+    return out
+
+
+class HFTokenizer:
+    """``tokenizer.json`` of an HF directory with its special ids. ``vocab_size`` is the model's
+    (``config.json``), which may exceed the tokenizer's own count (padded embedding tables)."""
+
+    kind = "hf"
+
+    def __init__(self, tokenizer_json: str, *, vocab_size: int | None = None,
+                 specials: dict[str, list[int]] | None = None):
+        from tokenizers import Tokenizer  # optional dependency, needed for HF directories only
+
+        self._tok = Tokenizer.from_str(tokenizer_json)
+        own = self._tok.get_vocab_size(with_added_tokens=True)
+        if vocab_size is not None and vocab_size < own:
+            raise ValueError(f"tokenizer.json has {own} tokens but the model's vocab_size is {vocab_size}")
+        self._vocab_size = own if vocab_size is None else int(vocab_size)
+        self.specials = {k: list(v) for k, v in (specials or {}).items()}
+        for key, ids in self.specials.items():
+            bad = [i for i in ids if not 0 <= i < self._vocab_size]
+            if bad:
+                raise ValueError(f"{key}={bad[0]} is outside the vocabulary [0, {self._vocab_size})")
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> HFTokenizer:
+        """The tokenizer of an HF model directory; FileNotFoundError when it has no tokenizer.json."""
+        d = Path(directory)
+        path = d / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{str(d)!r} has no tokenizer.json (save one with "
+                                    "PreTrainedTokenizerFast(...).save_pretrained(dir)); pass token ids instead")
+        vocab = _read_json(d / "config.json").get("vocab_size")
+        return cls(path.read_text(encoding="utf-8"), vocab_size=vocab, specials=special_ids(d))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def _first(self, key: str) -> int | None:
+        ids = self.specials.get(key)
+        return ids[0] if ids else None
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._first("bos_token_id")
+
+    @property
+    def eos_id(self) -> int | None:
+        """The first EOS id (generation stops at one id; see ``eos_ids`` for all of them)."""
+        return self._first("eos_token_id")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.specials.get("eos_token_id", []))
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._first("pad_token_id")
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` -> ids (T,) int32, with the tokenizer's special tokens (its post-processor)."""
+        return np.asarray(self._tok.encode(text).ids, dtype=np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        """ids (T,) -> text; special tokens (EOS padding after generation) are dropped by default."""
+        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        bad = [i for i in ids if not 0 <= i < self._vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self._vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "json": self._tok.to_str(), "vocab_size": self._vocab_size,
+                "specials": self.specials}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HFTokenizer:
+        if d.get("kind") != cls.kind:
+            raise ValueError(f"expected a tokenizer dict of kind {cls.kind!r}, got {d.get('kind')!r}")
+        return cls(d["json"], vocab_size=d.get("vocab_size"), specials=d.get("specials"))
+
+
+def tokenizer_dict(directory: str | Path) -> dict | None:
+    """``HFTokenizer.from_dir(directory).to_dict()``, or None when the directory has no tokenizer.json
+    (weights alone still convert; sampling then needs token ids)."""
+    if not (Path(directory) / "tokenizer.json").is_file():
+        return None
+    return HFTokenizer.from_dir(directory).to_dict()
