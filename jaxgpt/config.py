@@ -22,6 +22,9 @@ ROPE_LAYOUTS = ("half", "interleaved")
 RESIDUALS = ("standard", "full_attnres", "block_attnres")
 ATTNRES_VARIANTS = ("seed", "paper")
 POOLERS = ("cls", "tanh")
+# Rematerialisation of each layer (engine knob, no numerical effect): 'none' saves every activation,
+# 'full' recomputes the whole layer in the backward pass, the others are jax.checkpoint_policies names.
+REMATS = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
@@ -158,6 +161,10 @@ class ModelConfig(_Config):
     attnres_blocks: int = 4  # block_attnres: number of blocks N (seed: layers per block = max(1, n_layer // N))
     attnres_eps: float | None = None  # key RMSNorm eps (None: norm_eps)
     attnres_key_gain: bool = True  # learnable gain in the key RMSNorm (the paper leaves this open)
+    # Engine knobs: how the layer stack is compiled; they change neither the math nor torch_ref.
+    scan_layers: bool = True  # nn.scan over one Block (params (L, ...) under 'layers'); False: layers_0, layers_1, ...
+    scan_unroll: int = 1  # layers per iteration of the scanned loop (1 = rolled; >= n_layer = fully unrolled)
+    remat: str = "none"  # one of REMATS: what each layer keeps for the backward pass
 
     def _validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "max_len"):
@@ -174,6 +181,11 @@ class ModelConfig(_Config):
         _choice("residual", self.residual, RESIDUALS)
         _choice("attnres_variant", self.attnres_variant, ATTNRES_VARIANTS)
         _positive("attnres_blocks", self.attnres_blocks)
+        _positive("scan_unroll", self.scan_unroll)
+        _choice("remat", self.remat, REMATS)
+        if self.residual != "standard" and (self.remat != "none" or self.scan_unroll != 1):
+            raise ValueError(f"residual={self.residual!r} layers are not scanned or rematerialised; got "
+                             f"remat={self.remat!r}, scan_unroll={self.scan_unroll} (use 'none' and 1)")
         if self.residual != "standard" and self.norm_placement != "pre":
             raise ValueError(f"residual={self.residual!r} mixes pre-norm sublayer outputs; it needs norm_placement='pre'")
         if self.d_model % self.n_head:

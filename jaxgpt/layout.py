@@ -172,11 +172,15 @@ def state_dict_to_params(state_dict: Mapping[str, Any], template: Mapping, *,
 
 # -- model layouts --------------------------------------------------------------------------
 def stacked_paths(config: ModelConfig | BertConfig | EncDecConfig) -> tuple[str, ...]:
-    """Flax paths of the ``nn.scan`` layer stacks (the converter's ``stacked=``)."""
+    """Flax paths of the ``nn.scan`` layer stacks (the converter's ``stacked=``). Unscanned stacks
+    (``scan_layers=False``, AttnRes) are separate modules ``layers_0, layers_1, ...``, which the
+    generic rule maps to the same ``layers.{i}.…`` keys without help."""
     if isinstance(config, EncDecConfig):
-        return ENCDEC_STACKED
-    if isinstance(config, ModelConfig) and config.residual != "standard":
-        return ()  # AttnRes layers are separate modules (layers_0, layers_1, ...)
+        return tuple(path for path, c in zip(ENCDEC_STACKED, (config.encoder, config.decoder)) if c.scan_layers)
+    if isinstance(config, BertConfig):
+        config = config.encoder
+    if config.residual != "standard" or not config.scan_layers:
+        return ()
     return ("layers",)
 
 

@@ -15,7 +15,7 @@ import re
 from typing import Any, Mapping
 
 from jaxgpt.config import BertConfig, ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals, inert,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals, inert,
                                    load_ref, maps_to, must_be, one_of, refuse, unused)
 from jaxgpt.models import abstract_params
 
@@ -54,7 +54,7 @@ _ENCODER: dict[str, Field] = {
     "qkv_bias": must_be(True), "o_bias": must_be(True), "norm_placement": must_be("post"),
     "final_norm": must_be(False), "tie_embeddings": unused("no language-model head"),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
-    **ATTNRES_UNUSED,
+    **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 FIELDS: dict[str, Field] = {
     "encoder": Field(lambda v, c: True, "see encoder.*"), "n_classes": maps_to("num_labels"),

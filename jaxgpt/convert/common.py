@@ -135,6 +135,9 @@ def unused(why: str) -> Field:
 
 ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
                   ("attnres_variant", "attnres_blocks", "attnres_eps", "attnres_key_gain")}
+# How jaxgpt compiles the layer stack: the same weights and logits whatever their values.
+ENGINE_UNUSED = {name: unused("engine knob (layer stack compilation), no effect on weights or logits") for name in
+                 ("scan_layers", "scan_unroll", "remat")}
 
 
 def check_fields(config, table: Mapping[str, Field], family: str, prefix: str = "") -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, MAPPED, Option, check_fields, check_options, equals, inert,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Option, check_fields, check_options, equals, inert,
                                    load_ref, maps_to, must_be, one_of, refuse, rename, split_packed, unused,
                                    Field)
 
@@ -58,7 +58,7 @@ FIELDS: dict[str, Field] = {
     "mlp": Field(lambda v, c: v in _ACT_OUT, f"one of {sorted(_ACT_OUT)}"), "mlp_bias": must_be(True),
     "qkv_bias": must_be(True), "o_bias": must_be(True), "norm_placement": must_be("pre"),
     "final_norm": must_be(True), "scale_out_init": must_be(True), "embed_scale": must_be(False),
-    "residual": must_be("standard"), **ATTNRES_UNUSED,
+    "residual": must_be("standard"), **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 
 RULES = [(r"(?:transformer\.)?" + pattern, repl) for pattern, repl in [

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals,
                                    inert, load_ref, maps_to, must_be, refuse, rename, unused)
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -86,7 +86,7 @@ FIELDS: dict[str, Field] = {
     "norm_bias": unused("norm must be 'rmsnorm' (no bias)"), "mlp": must_be("swiglu"),
     "norm_placement": must_be("pre"), "final_norm": must_be(True), "dropout": must_be(0.0),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
-    **ATTNRES_UNUSED,
+    **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 
 RULES = [

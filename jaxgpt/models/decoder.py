@@ -1,8 +1,9 @@
 """Decoder-only language model: GPT-2, LLaMA and seed MiniGPT are presets of this one class.
 
 tok_embed (+ pos_embed | sinusoidal | RoPE inside attention) -> dropout -> n_layer Blocks stacked
-with ``nn.scan`` (one compiled layer body; params carry a leading layer axis) -> norm -> lm_head
-(or the transposed token embedding when tied).
+with ``nn.scan`` (one compiled layer body; params carry a leading layer axis), or separate
+``layers_{i}`` when ``config.scan_layers`` is False -> norm -> lm_head (or the transposed token
+embedding when tied).
 """
 from __future__ import annotations
 
@@ -73,20 +74,44 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
+def remat_policy(name: str):
+    """``config.remat`` -> the jax.checkpoint policy passed to nn.remat ('full': save nothing)."""
+    return None if name == "full" else getattr(jax.checkpoint_policies, name)
+
+
 def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None, mask=None,
                context_mask=None, positions=None, cache=None, return_weights=False, deterministic=True,
                name="layers"):
-    """n_layer Blocks under nn.scan. Call inside a compact module. Returns (x, cache, weights)."""
+    """n_layer Blocks. Call inside a compact module. Returns (x, cache, weights).
+
+    ``config.scan_layers``: one Block under nn.scan (params (L, ...) under ``name``, unrolled
+    ``config.scan_unroll`` layers per loop iteration), or a Python loop over Blocks named
+    ``{name}_0, {name}_1, ...`` (one compiled body per layer). Either way the cache and the
+    weights are stacked (L, ...). ``config.remat`` wraps each layer in nn.remat.
+    """
 
     def body(block, h, layer_cache):
         h, new_cache, w = block(h, context, mask=mask, context_mask=context_mask, positions=positions,
                                 cache=layer_cache, return_weights=return_weights, deterministic=deterministic)
         return h, (new_cache, w)
 
+    if config.remat != "none":
+        # Inside a scan the loop already keeps XLA from merging the recomputation back into the forward
+        # pass, so the optimisation barriers of prevent_cse are only needed for separate layers (JAX docs).
+        body = nn.remat(body, policy=remat_policy(config.remat), prevent_cse=not config.scan_layers)
+    if not config.scan_layers:
+        outs = []
+        for i in range(config.n_layer):
+            layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)  # noqa: B023
+            x, out = body(Block(config, causal=causal, cross=cross, name=f"{name}_{i}"), x, layer_cache)
+            outs.append(out)
+        cache, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
+        return x, cache, weights
+
     # "intermediates": 0 stacks what capture_intermediates / sow record per layer (jaxgpt.parity reads
     # each Block's output from it); without that collection mutable, nothing changes.
     scan = nn.scan(body, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
-                   in_axes=0, length=config.n_layer)
+                   in_axes=0, length=config.n_layer, unroll=config.scan_unroll)
     x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, name=name), x, cache)
     return x, cache, weights
 

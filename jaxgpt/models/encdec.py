@@ -2,8 +2,9 @@
 Blocks add cross-attention over the encoder output, and an output projection.
 
 Parameters: encoder/{tok_embed, pos_embed?, layers, norm?}, decoder/{tok_embed, pos_embed?, layers,
-norm?}, out_proj. ``layers`` are scanned (leading layer axis); the converter maps them to torch_ref's
-``encoder.layers.{i}.…`` keys with ``stacked=STACKED``.
+norm?}, out_proj. ``layers`` are scanned (leading layer axis; ``layers_0, layers_1, ...`` when that
+stack's ``scan_layers`` is False); the converter maps them to torch_ref's ``encoder.layers.{i}.…``
+keys with ``stacked=stacked_paths(config)`` (``STACKED`` for the default layout).
 """
 from __future__ import annotations
 

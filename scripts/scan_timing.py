@@ -1,0 +1,62 @@
+"""Train-step time of the layer-stack settings (scan / unrolled / separate layers / remat).
+
+    .venv/bin/python scripts/scan_timing.py                  # seed-minigpt, batch 32 x 64, 30 steps each
+
+Each setting's jitted train step (``make_train_step``: forward, backward, AdamW, clipping) is
+compiled and warmed up, then the settings are timed in interleaved rounds (so load from other
+processes hits all of them alike) and the median step time is reported, with the ratio to the
+default (scanned, rolled) stack.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxgpt.config import TrainConfig, get_preset
+from jaxgpt.train.step import init_state, make_train_step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="seed-minigpt")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per setting (median reported)")
+    args = ap.parse_args()
+    base = get_preset(args.preset)
+    tc = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len)
+    settings = {"scan (default)": {}, f"scan_unroll={base.n_layer}": {"scan_unroll": base.n_layer},
+                "scan_layers=False": {"scan_layers": False}, "remat=full": {"remat": "full"}}
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, base.vocab_size, (1, tc.batch_size, tc.seq_len), dtype=np.int32)  # (A, B, T)
+    batch = {"x": x, "y": np.roll(x, -1, axis=-1)}
+    runs = {}
+    for name, kw in settings.items():
+        config = base.replace(**kw)
+        step, state = make_train_step(config, tc), init_state(config, tc)
+        t = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        runs[name] = [step, state, [], time.perf_counter() - t]
+    for _ in range(args.steps):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run[1], m = run[0](run[1], batch)
+            jax.block_until_ready(m)
+            run[2].append(time.perf_counter() - t)
+    ref = statistics.median(runs["scan (default)"][2])
+    print(f"{args.preset}, batch {tc.batch_size} x {tc.seq_len}, median of {args.steps} steps, "
+          f"backend {jax.default_backend()}")
+    print("| layer stack | first step (compile) s | median step ms | speed vs scan |")
+    print("|---|---|---|---|")
+    for name, (_, _, times, first) in runs.items():
+        med = statistics.median(times)
+        print(f"| {name} | {first:.1f} | {1e3 * med:.1f} | {ref / med:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
