@@ -36,6 +36,20 @@ def rename(sd: Mapping[str, Any], rules: list[tuple[str, str]], skip: Callable[[
     return out
 
 
+def rename_layers(ref: Mapping[str, np.ndarray], top: Mapping[str, str],
+                  layer: Callable[[str, str, np.ndarray], tuple[str, np.ndarray] | None]) -> dict[str, np.ndarray]:
+    """torch_ref keys -> an external layout: ``top`` renames the keys outside the layers,
+    ``layer(i, rest, array)`` those of ``layers.{i}.{rest}`` (-> (new key, array), or None to drop it)."""
+    out = {}
+    for key, a in ref.items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+        if m is None:
+            out[top[key]] = a
+        elif (new := layer(*m.groups(), a)) is not None:
+            out[new[0]] = new[1]
+    return out
+
+
 def split_packed(sd: dict, packed: str, sizes: tuple[int, int, int]) -> dict:
     """layers.{i}.attn.<packed>.{weight,bias} (rows [q; k; v]) -> q_proj / k_proj / v_proj."""
     for key in [k for k in sd if f".attn.{packed}." in k]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Option, check_fields, check_options, equals, inert,
-                                   load_ref, maps_to, must_be, one_of, refuse, rename, split_packed, unused,
+                                   load_ref, maps_to, must_be, one_of, refuse, rename, rename_layers, split_packed, unused,
                                    Field)
 
 ARCHS = ("GPT2LMHeadModel", "GPT2Model")
@@ -128,18 +128,15 @@ def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray]) -> dict[str
     names = {"attn_norm.scale": "ln_1.weight", "attn_norm.bias": "ln_1.bias", "mlp_norm.scale": "ln_2.weight",
              "mlp_norm.bias": "ln_2.bias", "attn.o_proj": "attn.c_proj", "mlp.fc_in": "mlp.c_fc",
              "mlp.fc_out": "mlp.c_proj"}
-    out = {}
-    for key, a in ref.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
-        if not m:
-            out[top[key]] = a
-            continue
-        i, rest = m.groups()
+
+    def layer(i, rest, a):
         if rest.startswith(("attn.q_proj", "attn.k_proj", "attn.v_proj")):
-            continue
+            return None  # packed into c_attn below
         for old, new in names.items():
             rest = rest.replace(old, new)
-        out[f"transformer.h.{i}.{rest}"] = np.ascontiguousarray(a.T) if a.ndim == 2 else a
+        return f"transformer.h.{i}.{rest}", np.ascontiguousarray(a.T) if a.ndim == 2 else a
+
+    out = rename_layers(ref, top, layer)
     for i in range(config.n_layer):
         parts = [ref[f"layers.{i}.attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]
         out[f"transformer.h.{i}.attn.c_attn.weight"] = np.ascontiguousarray(np.concatenate(parts, 0).T)

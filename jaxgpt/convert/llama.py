@@ -12,14 +12,13 @@ model.norm.weight, lm_head.weight                 <-> norm.scale, lm_head.weight
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals,
-                                   inert, load_ref, maps_to, must_be, refuse, rename, unused)
+                                   inert, load_ref, maps_to, must_be, refuse, rename, rename_layers, unused)
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 NAMES = {"llama": "LLaMA", "qwen2": "Qwen2", "mistral": "Mistral"}
@@ -144,14 +143,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     top = {"tok_embed.weight": "model.embed_tokens.weight", "norm.scale": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}
-    out = {}
-    for key, a in ref.items():
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
-        if not m:
-            out[top[key]] = a
-            continue
-        i, rest = m.groups()
+
+    def layer(i, rest, a):
         rest = (rest.replace("attn_norm.scale", "input_layernorm.weight")
                 .replace("mlp_norm.scale", "post_attention_layernorm.weight").replace("attn.", "self_attn."))
-        out[f"model.layers.{i}.{rest}"] = a
-    return out
+        return f"model.layers.{i}.{rest}", a
+
+    return rename_layers(ref, top, layer)
