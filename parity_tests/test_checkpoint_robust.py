@@ -238,5 +238,7 @@ def test_sigkill_during_a_save_keeps_the_previous_step_and_resumes_exactly(tmp_p
         got = _losses(run)
         assert sorted(got) == list(range(1, 7))
         assert [got[s] for s in range(1, 7)] == [ref[s] for s in range(1, 7)]  # bit for bit
-        assert Checkpoints(run, create=False).steps() == [4, 6]
+        # keep=2 verified steps: a step 4 left by the killed process was never read back by the
+        # process that saves step 6, so it does not count towards `keep` and step 2 stays.
+        assert Checkpoints(run, create=False).steps() == ([2, 4, 6] if 4 in steps else [4, 6])
     assert interrupted >= 1, "every kill landed after step 4 was complete: no save was interrupted"
