@@ -105,6 +105,10 @@ class Attention(nn.Module):
     attn_dropout: float = 0.0
     init_std: float = 0.02
     out_init_std: float = 0.02
+    attention_impl: str = "xla"  # config.ATTENTION_IMPLS
+    attention_block: int = 512
+    dtype: str = "float32"  # compute dtype of the projections and the attention core
+    param_dtype: str = "float32"
 
     @nn.compact
     def __call__(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
@@ -172,4 +176,5 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         qkv_bias=config.qkv_bias, o_bias=config.o_bias,
         rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
         rope_layout=config.rope_layout, attn_dropout=config.attn_dropout,
-        init_std=config.init_std, out_init_std=config.out_init_std, name=name)
+        init_std=config.init_std, out_init_std=config.out_init_std, attention_impl=config.attention_impl,
+        attention_block=config.attention_block, dtype=config.dtype, param_dtype=config.param_dtype, name=name)

@@ -25,6 +25,13 @@ POOLERS = ("cls", "tanh")
 # Rematerialisation of each layer (engine knob, no numerical effect): 'none' saves every activation,
 # 'full' recomputes the whole layer in the backward pass, the others are jax.checkpoint_policies names.
 REMATS = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# Precision policy: 'dtype' is the compute dtype of matmuls and activations, 'param_dtype' the stored
+# (master) weights. Softmax, norm statistics, logits/loss and optimizer state stay float32 whatever they are.
+DTYPES = ("float32", "bfloat16", "float16")
+# Attention core (engine knob, same math): 'xla' einsum softmax (returns weights for plots), 'jax'
+# jax.nn.dot_product_attention (XLA implementation), 'cudnn' the same with cuDNN flash attention on GPU,
+# 'blocked' a flash-style online-softmax loop over key/value blocks (memory linear in sequence length).
+ATTENTION_IMPLS = ("xla", "jax", "cudnn", "blocked")
 
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
@@ -165,6 +172,10 @@ class ModelConfig(_Config):
     scan_layers: bool = True  # nn.scan over one Block (params (L, ...) under 'layers'); False: layers_0, layers_1, ...
     scan_unroll: int = 1  # layers per iteration of the scanned loop (1 = rolled; >= n_layer = fully unrolled)
     remat: str = "none"  # one of REMATS: what each layer keeps for the backward pass
+    attention_impl: str = "xla"  # one of ATTENTION_IMPLS
+    attention_block: int = 512  # key/value block length of attention_impl='blocked'
+    dtype: str = "float32"  # compute dtype (DTYPES); bfloat16 with param_dtype float32 = mixed precision
+    param_dtype: str = "float32"  # dtype the weights are stored (and optimised) in
 
     def _validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "max_len"):
@@ -183,6 +194,10 @@ class ModelConfig(_Config):
         _positive("attnres_blocks", self.attnres_blocks)
         _positive("scan_unroll", self.scan_unroll)
         _choice("remat", self.remat, REMATS)
+        _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _positive("attention_block", self.attention_block)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("param_dtype", self.param_dtype, DTYPES)
         if self.residual != "standard" and (self.remat != "none" or self.scan_unroll != 1):
             raise ValueError(f"residual={self.residual!r} layers are not scanned or rematerialised; got "
                              f"remat={self.remat!r}, scan_unroll={self.scan_unroll} (use 'none' and 1)")
