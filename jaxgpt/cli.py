@@ -84,9 +84,10 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
 
 # --- commands ---------------------------------------------------------------------------------
 
-def _init_from(args):
+def _init_from(args, **train_sets):
     """``train --init SRC``: fine-tune the weights of a jaxgpt checkpoint, .safetensors, .pt or HF
-    directory with its own tokenizer. Returns what ``prepare`` does; a rerun resumes as usual."""
+    directory with its own tokenizer. Returns what ``prepare`` does; a rerun resumes as usual.
+    ``train_sets``: TrainConfig fields set by flags (``--mesh``)."""
     import jax
 
     from jaxgpt.config import ModelConfig
@@ -99,6 +100,7 @@ def _init_from(args):
     fmt = detect_format(args.init)
     config, params, extras = _load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
     config, tc = apply_sets(config, args.set)
+    tc = tc.replace(**train_sets)
     shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
     if shapes(abstract_params(config)) != shapes(params):
         raise ValueError(f"--set changes the shapes of {args.init}'s parameters; only shape-free settings "
@@ -127,16 +129,38 @@ def _init_from(args):
     return config, tc, task, init_state(config, tc, params)
 
 
+def _start_devices(args) -> None:
+    """Before JAX starts: join a multi-host run (jax.distributed), or, on one host, give the CPU as
+    many host devices as ``--mesh`` needs (also a CPU speed lever: the batch split over both cores)."""
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi):
+        if any(v is None for v in multi):
+            raise ValueError("multi-host training needs --coordinator HOST:PORT, --num-processes N and "
+                             f"--process-id I together; got {args.coordinator!r}, {args.num_processes!r}, "
+                             f"{args.process_id!r}")
+        if not 0 <= args.process_id < args.num_processes:
+            raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+        import jax
+
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    elif args.mesh:
+        from jaxgpt.sharding import mesh_devices, use_host_devices
+
+        use_host_devices(mesh_devices(args.mesh))  # CPU only; a GPU/TPU host keeps its own device count
+
+
 def cmd_train(args) -> int:
     from jaxgpt.models import count_params
     from jaxgpt.models import abstract_params
     from jaxgpt.train.loop import fit, prepare
 
+    _start_devices(args)
+    mesh = {"mesh": args.mesh} if args.mesh else {}
     if args.init:
-        config, tc, task, state = _init_from(args)
+        config, tc, task, state = _init_from(args, **mesh)
     else:
         config, tc = apply_sets(get_preset(args.preset), args.set)
-        config, tc, task, state = prepare(args.out, config, tc, data=args.data, corpus=args.corpus)
+        config, tc, task, state = prepare(args.out, config, tc.replace(**mesh), data=args.data, corpus=args.corpus)
     n = count_params(abstract_params(config))
     where = f"resuming at step {int(state.step)}" if state is not None and int(state.step) else (
         f"from {args.init}" if args.init else "from scratch")
@@ -309,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training (steps, lr, batch_size, ...) or model (d_model, n_layer, ...) setting; repeatable")
     t.add_argument("--out", required=True, help="run directory; resumes when it holds a checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--mesh", help="device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2 (an omitted axis is 1; "
+                   "docs/scaling.md); on a CPU it sets the host device count")
+    t.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address (jax.distributed)")
+    t.add_argument("--num-processes", type=int, help="multi-host: number of processes")
+    t.add_argument("--process-id", type=int, help="multi-host: this process's index, 0-based")
     t.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("sample", help="generate text from a checkpoint")

@@ -330,6 +330,9 @@ class TrainConfig(_Config):
     # A NaN/inf loss or gradient norm: 'stop' (error naming the step, nothing saved after it) or 'skip' (the
     # jitted step keeps the old params and optimizer state; the batch is consumed, metrics count it).
     on_nonfinite: str = "stop"
+    # Engine knob (jaxgpt.sharding): device mesh 'data=N,fsdp=M,tensor=K' ('' = one device). It changes
+    # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp.
+    mesh: str = ""
 
     def _validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
@@ -359,6 +362,14 @@ class TrainConfig(_Config):
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.mesh:
+            from jaxgpt.mesh_spec import parse_mesh  # framework-free
+
+            sizes = parse_mesh(self.mesh)
+            if self.micro_batch % (sizes["data"] * sizes["fsdp"]):
+                raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp="
+                                 f"{sizes['data'] * sizes['fsdp']} devices, but batch_size/grad_accum="
+                                 f"{self.micro_batch} is not a multiple of it")
 
     @property
     def micro_batch(self) -> int:

@@ -131,12 +131,13 @@ class Checkpoints:
     """Save every N steps, keep the last K verified ones, restore the latest intact (or a given) step.
 
     ``log`` receives the one-line notices (fallback to an older step, a save that failed its
-    read-back); default: stderr.
+    read-back); default: stderr. ``mesh``: a ``jaxgpt.sharding`` mesh the restored arrays are split
+    over (any mesh: a step saved on 8 devices restores onto 2, or onto one device with None).
     """
 
     def __init__(self, path: str | Path, keep: int = 3, *, create: bool = True,
-                 log: Callable[[str], None] | None = None):
-        self.dir = checkpoint_dir(path, create)
+                 log: Callable[[str], None] | None = None, mesh=None):
+        self.dir, self.mesh = checkpoint_dir(path, create), mesh
         if not create and not self.dir.is_dir():
             raise FileNotFoundError(f"no checkpoints at {str(path)!r} (looked in {str(self.dir)!r})")
         self.keep, self.log = keep, log or warn
@@ -278,11 +279,26 @@ class Checkpoints:
         except (KeyError, TypeError, ValueError) as e:
             raise DamagedCheckpoint(self.dir, step, "meta", f"holds an unusable config ({_short(e)})") from e
         if not train:
-            return config, tc, self._item(step, "params", abstract_params(config), meta), None, meta
-        target = abstract_state(config, tc)
+            params = self._item(step, "params", self._placed(config, abstract_params(config)), meta)
+            return config, tc, params, None, meta
+        target = self._placed(config, abstract_state(config, tc, self.mesh))
         params = self._item(step, "params", target.params, meta)
         rest = self._item(step, "train", {"step": target.step, "opt_state": target.opt_state, "rng": target.rng}, meta)
         return config, tc, params, rest, meta
+
+    def _placed(self, config, target):
+        """``target`` with a sharding on every leaf: orbax then reads each shard where it goes,
+        whatever mesh wrote it (without one it would try the saving run's devices)."""
+        if self.mesh is not None:
+            if isinstance(target, TrainState):
+                return target  # abstract_state(mesh=...) placed it
+            from jaxgpt.sharding import param_shardings
+
+            shardings = param_shardings(config, target, self.mesh)
+        else:
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            shardings = jax.tree.map(lambda _: one, target)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target, shardings)
 
     def _intact(self, step: int | None, *, train: bool) -> tuple:
         """``_load`` of ``step``; of the newest intact step when ``step`` is None (saying which

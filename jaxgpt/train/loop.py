@@ -27,9 +27,21 @@ from jaxgpt.train.tasks import Task, fit_config, load_task
 from jaxgpt.validate import check_batch
 
 
+ENGINE = ("mesh",)  # TrainConfig fields a run may change when it resumes: placement, not math
+
+
 def _differences(a, b) -> list[str]:
     da, db = a.to_dict(), b.to_dict()
-    return [f"{k}={da[k]!r} (saved: {db[k]!r})" for k in da if da[k] != db[k]]
+    return [f"{k}={da[k]!r} (saved: {db[k]!r})" for k in da if da[k] != db[k] and k not in ENGINE]
+
+
+def _mesh(tc: TrainConfig):
+    """The jax Mesh of ``tc.mesh`` (None when unset: the single-device path, unchanged)."""
+    if not tc.mesh:
+        return None
+    from jaxgpt.sharding import make_mesh
+
+    return make_mesh(tc.mesh)
 
 
 def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None, corpus: str | None = None
@@ -41,7 +53,8 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     the saved configs (or data) is an error: resuming is exact or it does not happen.
     """
     quiet = lambda _: None  # noqa: E731 - the fallback is reported below, in one line with what was moved
-    ckpts = Checkpoints(out, create=False, log=quiet) if (Path(out) / "checkpoints").is_dir() else None
+    has_ckpts = (Path(out) / "checkpoints").is_dir()
+    ckpts = Checkpoints(out, create=False, log=quiet, mesh=_mesh(tc)) if has_ckpts else None
     if ckpts is None or ckpts.latest_step() is None:
         task = load_task(config, tc, data=data, corpus=corpus)
         return fit_config(config, task), tc, task, None
@@ -58,7 +71,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     if diffs:
         raise ValueError(f"{out} holds a run with other settings; to resume, drop the changes "
                          f"({'; '.join(diffs)}), or train into a new --out directory")
-    return saved_config, saved_tc, task, state
+    return saved_config, saved_tc.replace(**{k: getattr(tc, k) for k in ENGINE}), task, state
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -105,10 +118,31 @@ class Progress:
             self.bar.close()
 
 
-def evaluate(config, params, batches: list[dict], eval_step=None) -> dict:
-    """Token-mean loss, perplexity and accuracy over ``batches`` (no dropout)."""
+def _placer(mesh):
+    """Host batch -> global arrays on ``mesh``: train batches (A, B, ...) split by row over
+    ('data', 'fsdp'), each process handing over its own rows; eval batches (B, ...) too when B
+    divides, else replicated (a short last batch of a classification set)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxgpt.sharding import shard_batch
+
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def place(batch: dict, micro_axis: bool = True) -> dict:
+        if micro_axis or all(len(x) % rows == 0 for x in batch.values()):
+            return shard_batch(batch, mesh, micro_axis)
+        whole = NamedSharding(mesh, PartitionSpec())
+        return {k: jax.make_array_from_process_local_data(whole, np.asarray(x)) for k, x in batch.items()}
+
+    return place
+
+
+def evaluate(config, params, batches: list[dict], eval_step=None, place=None) -> dict:
+    """Token-mean loss, perplexity and accuracy over ``batches`` (no dropout). ``place``: puts a
+    host batch on the mesh the params live on (``fit`` passes it when training sharded)."""
     eval_step = eval_step or make_eval_step(config)
-    sums = [eval_step(params, check_batch(b, config)) for b in batches]  # host-side: jit would not raise
+    put = (lambda b: b) if place is None else (lambda b: place(b, micro_axis=False))
+    sums = [eval_step(params, put(check_batch(b, config))) for b in batches]  # host-side: jit would not raise
     loss_sum, count, correct = (float(sum(s[k] for s in jax.device_get(sums))) for k in ("loss_sum", "count", "correct"))
     loss = loss_sum / max(count, 1)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_accuracy": correct / max(count, 1)}
@@ -130,8 +164,15 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
     ``out/metrics.jsonl``, ``out/checkpoints/`` and ``out/loss.png``. Returns a summary dict."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpts = Checkpoints(out, keep=tc.keep)
-    state = init_state(config, tc) if state is None else state
+    mesh = _mesh(tc)
+    ckpts = Checkpoints(out, keep=tc.keep, mesh=mesh)
+    if state is None:
+        state = init_state(config, tc, mesh=mesh)  # with a mesh: created in its sharding
+    elif mesh is not None:  # restored or --init weights: split over the mesh (a no-op when already placed)
+        from jaxgpt.sharding import state_shardings
+
+        state = jax.device_put(state, state_shardings(config, state, mesh))
+    place = (lambda b: b) if mesh is None else _placer(mesh)
     start = int(state.step)
     for s in ckpts.steps():
         if s > start:  # damaged steps the resume skipped: out of the way, but not deleted
@@ -141,7 +182,8 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
     metrics_path.write_text("".join(json.dumps(r) + "\n" for r in history))
     meta = {"config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(),
             "source": task.source, "kind": task.kind}
-    train_step, eval_step, eval_batches = make_train_step(config, tc), make_eval_step(config), task.eval_batches(tc)
+    train_step, eval_step = make_train_step(config, tc, mesh=mesh), make_eval_step(config)
+    eval_batches = task.eval_batches(tc)
     bar = Progress(tc.steps, enabled=progress)
     tokens = task.tokens_per_step(tc)
     pending: list[tuple[int, dict]] = []  # (step, metrics still on the device)
@@ -193,7 +235,8 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
     try:
         try:
             for step in range(start, tc.steps):
-                state, m = train_step(state, check_batch(task.batch(tc, step), config))  # jit would not raise
+                # dispatch is asynchronous: the next batch is built on the host while this step runs
+                state, m = train_step(state, place(check_batch(task.batch(tc, step), config)))  # jit would not raise
                 done = step + 1
                 pending.append((done, m))
                 evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps
@@ -201,7 +244,8 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
                 if done % tc.log_every == 0 or evaluate_now:
                     flush(done)  # before evaluating (and save() flushes first): a NaN is seen before either
                 if evaluate_now:
-                    record([{"step": done, **evaluate(config, state.params, eval_batches, eval_step)}])
+                    scores = evaluate(config, state.params, eval_batches, eval_step, None if mesh is None else place)
+                    record([{"step": done, **scores}])
                 if save_now:
                     save()
         except KeyboardInterrupt:

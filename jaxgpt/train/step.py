@@ -31,9 +31,25 @@ class TrainState(struct.PyTreeNode):
         return {"step": self.step, "params": self.params, "opt_state": self.opt_state, "rng": self.rng}
 
 
-def init_state(config, tc: TrainConfig, params=None) -> TrainState:
-    """Step 0: params from ``init_params(config, fold_in(PRNGKey(seed), 0))`` unless given."""
+def init_state(config, tc: TrainConfig, params=None, mesh=None) -> TrainState:
+    """Step 0: params from ``init_params(config, fold_in(PRNGKey(seed), 0))`` unless given.
+
+    mesh: a ``jaxgpt.sharding`` mesh: every array is created directly in its sharding by one
+    ``jax.jit(..., out_shardings=...)``, never whole on one device (the values do not depend on the
+    mesh: JAX's partitionable threefry draws the same numbers however the output is split)."""
     key = jax.random.PRNGKey(tc.seed)
+    if mesh is not None:
+        from jaxgpt.sharding import state_shardings
+
+        def fresh(p):
+            p = init_params(config, jax.random.fold_in(key, 0)) if p is None else p
+            return TrainState(step=jnp.int32(0), params=p, opt_state=make_optimizer(tc).init(p),
+                              rng=jax.random.fold_in(key, 1))
+
+        shardings = state_shardings(config, jax.eval_shape(fresh, params), mesh)
+        if params is not None:  # given weights: placed shard by shard, then the optimizer state made in place
+            params = jax.device_put(params, shardings.params)
+        return jax.jit(fresh, out_shardings=shardings)(params)
     if params is None:
         params = jax.jit(init_params, static_argnums=0)(config, jax.random.fold_in(key, 0))
     params = jax.tree.map(jnp.asarray, params)
@@ -41,15 +57,25 @@ def init_state(config, tc: TrainConfig, params=None) -> TrainState:
                       rng=jax.random.fold_in(key, 1))
 
 
-def abstract_state(config, tc: TrainConfig) -> TrainState:
-    """Shapes and dtypes of ``init_state`` (jax.eval_shape: nothing allocated), the restore target."""
-    return jax.eval_shape(lambda: init_state(config, tc))
+def abstract_state(config, tc: TrainConfig, mesh=None) -> TrainState:
+    """Shapes and dtypes of ``init_state`` (jax.eval_shape: nothing allocated), the restore target;
+    with ``mesh``, each ShapeDtypeStruct also carries its sharding (restores land split)."""
+    shapes = jax.eval_shape(lambda: init_state(config, tc))
+    if mesh is None:
+        return shapes
+    from jaxgpt.sharding import state_shardings
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                        state_shardings(config, shapes, mesh))
 
 
-def make_train_step(config, tc: TrainConfig, *, checked: bool = False):
+def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None):
     """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
     ``checked``: checked mode (``jaxgpt.checks``): a bad id, target or label raises ValueError
     instead of being clamped or scored silently; off by default (the checks compile away).
+    ``mesh``: a ``jaxgpt.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
+    batch rows are split over ('data', 'fsdp') (``sharding.shard_batch``), metrics replicated; jit
+    propagates the rest. None: the single-device step, unchanged.
 
     batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
     (grad_accum, micro_batch, ...). Gradients of the summed loss are accumulated over the
@@ -63,7 +89,13 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False):
 
     def micro_grads(params, micro, rng):
         def f(p):
-            terms = loss_terms(config, p, micro, rng=rng, train=True)
+            if mesh is None:
+                terms = loss_terms(config, p, micro, rng=rng, train=True)
+            else:  # activations split by row: FSDP weights are then gathered layer by layer in the scan
+                from jaxgpt.sharding import constrain_activations
+
+                with constrain_activations(mesh, jax.tree.leaves(micro)[0].shape[0]):
+                    terms = loss_terms(config, p, micro, rng=rng, train=True)
             return terms["loss_sum"], terms
         return jax.grad(f, has_aux=True)(params)
 
@@ -99,6 +131,18 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False):
                    "nonfinite": 1.0 - finite.astype(jnp.float32)}  # skip: 1 = this update was skipped
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxgpt.sharding import batch_sharding, state_shardings
+
+        state_sh = state_shardings(config, abstract_state(config, tc), mesh)
+        shardings = dict(in_shardings=(state_sh, batch_sharding(mesh)),
+                         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())))
+        if checked:
+            # checkify returns (error, output): the output shardings are left to propagation
+            return checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"])
+        return jax.jit(train_step, donate_argnums=0, **shardings)
     return checks.checked(train_step, donate_argnums=0) if checked else jax.jit(train_step, donate_argnums=0)
 
 

@@ -1,0 +1,257 @@
+"""Sharded training on JAX's SPMD engine: a ('data', 'fsdp', 'tensor') mesh and where every array lives.
+
+The model code carries no sharding annotations (it is shared with the single-device path and the
+torch mirror). Instead, MaxText-style, two explicit rule tables decide placement, and ``jax.jit``
+propagates the rest (activations follow their inputs and the parameters):
+
+- parameter path -> logical axes: ``PARAM_RULES`` keyed by (module, leaf) name, e.g. q_proj kernel
+  ('embed', 'heads'), o_proj kernel ('heads', 'embed'); a leading layer axis from ``nn.scan`` is
+  'layers' (never sharded). An unknown path is a ValueError, so a new parameter cannot silently
+  stay unsharded.
+- logical axis -> mesh axis: ``LOGICAL_RULES``; batch over ('data', 'fsdp'), embed over 'fsdp'
+  (FSDP / ZeRO-3: params and Adam moments are split, gathered where used), heads / kv_heads / mlp /
+  vocab over 'tensor' (Megatron: q/k/v and gate/up column-split, o/down row-split).
+
+A dimension that does not divide by its mesh axes is replicated over them rather than padded:
+with GQA, kv heads that do not divide by the tensor size (n_kv_head 2, tensor 8) leave k_proj and
+v_proj whole on every tensor device (each device then computes the kv heads its query heads need;
+XLA inserts the slices). The math is the same on every mesh; only the placement changes.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxgpt.mesh_spec import AXES, mesh_devices, parse_mesh  # noqa: F401 - re-exported
+
+BATCH = ("data", "fsdp")  # mesh axes the batch is split over
+
+# logical axis -> mesh axis (None: replicated). flax.linen's rule format.
+LOGICAL_RULES = (("batch", BATCH), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
+                 ("mlp", "tensor"), ("vocab", "tensor"), ("layers", None), ("norm", None), ("table", None),
+                 ("classes", None), ("embed_out", None))
+
+_PROJ = {"kernel": ("embed", "heads"), "bias": ("heads",)}
+_KV = {"kernel": ("embed", "kv_heads"), "bias": ("kv_heads",)}
+_OUT = {"kernel": ("heads", "embed"), "bias": ("embed",)}
+_UP = {"kernel": ("embed", "mlp"), "bias": ("mlp",)}
+_DOWN = {"kernel": ("mlp", "embed"), "bias": ("embed",)}
+_NORM = {"scale": ("norm",), "bias": ("norm",)}
+# (module name, leaf name) -> logical axes of the unstacked leaf.
+PARAM_RULES: dict[str, dict[str, tuple]] = {
+    "q_proj": _PROJ, "k_proj": _KV, "v_proj": _KV, "o_proj": _OUT,
+    "gate_proj": _UP, "up_proj": _UP, "fc_in": _UP, "down_proj": _DOWN, "fc_out": _DOWN,
+    "tok_embed": {"embedding": ("vocab", "embed")},
+    "pos_embed": {"embedding": ("table", "embed")}, "type_embed": {"embedding": ("table", "embed")},
+    "lm_head": {"kernel": ("embed", "vocab"), "bias": ("vocab",)},
+    "out_proj": {"kernel": ("embed", "vocab"), "bias": ("vocab",)},  # the encoder-decoder's LM head
+    "classifier": {"kernel": ("embed", "classes"), "bias": ("classes",)},
+    "pooler": {"kernel": ("embed", "embed_out"), "bias": ("embed_out",)},
+}
+_NORM_MODULE = re.compile(r"(^|_)norm$")  # norm, attn_norm, mlp_norm, cross_norm, key_norm, embed_norm
+_LEAF_RULES = {"w_attn": ("norm",), "w_mlp": ("norm",)}  # Attention Residuals queries: (d_model,)
+
+
+def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
+    """A Mesh with axes ('data', 'fsdp', 'tensor') over ``devices`` (default: all, every process)."""
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = parse_mesh(spec, len(devices)) if isinstance(spec, str) else spec
+    shape = tuple(sizes[a] for a in AXES)
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh {sizes} needs {int(np.prod(shape))} devices, but {len(devices)} are available")
+    try:  # topology-aware order (tensor innermost, on the fastest links) where JAX knows it
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # noqa: BLE001 - e.g. odd device counts; plain order is still correct
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, AXES)
+
+
+def use_host_devices(n: int) -> None:
+    """Simulate ``n`` devices on the CPU (XLA_FLAGS --xla_force_host_platform_device_count) before
+    JAX starts its backend. Also a CPU speed lever: the batch split over 2 host devices uses both cores."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"host device count must be an int >= 1, got {n!r}")
+    from jax._src import xla_bridge  # the only way to ask "has a backend started?" without starting one
+
+    if xla_bridge.backends_are_initialized():
+        have = jax.device_count()
+        if have >= n:
+            return
+        raise ValueError(f"JAX has already started with {have} device(s), so {n} host devices cannot be added; "
+                         f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment, or call "
+                         "use_host_devices before anything runs a JAX computation")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+# -- parameters ---------------------------------------------------------------------------------
+def _names(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def logical_axes(path, ndim: int) -> tuple:
+    """Logical axes of one parameter leaf from its tree path; a leading 'layers' axis when stacked."""
+    names = _names(path)
+    leaf, module = names[-1], (names[-2] if len(names) > 1 else "")
+    if leaf in _LEAF_RULES:
+        axes = _LEAF_RULES[leaf]
+    elif _NORM_MODULE.search(module) and leaf in _NORM:
+        axes = _NORM[leaf]
+    elif module in PARAM_RULES and leaf in PARAM_RULES[module]:
+        axes = PARAM_RULES[module][leaf]
+    else:
+        raise ValueError(f"no sharding rule for parameter {'/'.join(names)!r}; add its module to "
+                         "jaxgpt.sharding.PARAM_RULES (logical axes per leaf)")
+    if ndim == len(axes) + 1:  # nn.scan's stacked copy: (L, ...)
+        return ("layers",) + axes
+    if ndim != len(axes):
+        raise ValueError(f"parameter {'/'.join(names)!r} has {ndim} dims; its rule {axes} expects {len(axes)} "
+                         f"(or {len(axes) + 1} stacked)")
+    return axes
+
+
+def _rules(config, mesh: Mesh) -> tuple:
+    """LOGICAL_RULES, less the head splits that would cut a head across devices."""
+    t = mesh.shape["tensor"]
+    drop = set()
+    stacks = [getattr(config, k) for k in ("encoder", "decoder") if hasattr(config, k)] or [config]  # Bert, EncDec
+    if any(c.n_head % t for c in stacks):
+        drop.add("heads")
+    if any(c.kv_heads % t for c in stacks):
+        drop.add("kv_heads")  # GQA with kv heads < tensor size: k_proj/v_proj replicated over 'tensor'
+    return tuple((k, None if k in drop else v) for k, v in LOGICAL_RULES)
+
+
+def _spec(axes: tuple, shape: tuple, mesh: Mesh, rules) -> P:
+    """PartitionSpec of one array: flax's logical -> mesh mapping, then any dim that does not
+    divide by its mesh axes replicated (jit shardings must divide evenly)."""
+    spec = list(nn.logical_to_mesh_axes(axes, rules))
+    for i, (dim, ax) in enumerate(zip(shape, spec)):
+        size = int(np.prod([mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ())]))
+        if dim % size:
+            spec[i] = None
+    return P(*spec)
+
+
+def param_specs(config, params, mesh: Mesh):
+    """Tree of PartitionSpecs matching ``params`` (arrays or ShapeDtypeStructs)."""
+    rules = _rules(config, mesh)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _spec(logical_axes(path, len(x.shape)), x.shape, mesh, rules), params)
+
+
+def param_shardings(config, params, mesh: Mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, params, mesh),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def state_shardings(config, state, mesh: Mesh):
+    """NamedShardings for a TrainState (arrays or ShapeDtypeStructs): params by the rules, each
+    optimizer moment like the parameter it belongs to (matched by its path's dict keys), the rest
+    (step, rng, counts) replicated."""
+    by_path = {}
+    specs = param_specs(config, state.params, mesh)
+    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)):
+        by_path[tuple(_names(path))] = spec
+
+    def opt(path, x):
+        keys = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+        spec = by_path.get(keys)
+        return NamedSharding(mesh, spec if spec is not None and len(spec) == len(x.shape) else P())
+
+    rep = NamedSharding(mesh, P())
+    return state.replace(step=rep, rng=rep, params=jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                                is_leaf=lambda x: isinstance(x, P)),
+                         opt_state=jax.tree_util.tree_map_with_path(opt, state.opt_state))
+
+
+def batch_sharding(mesh: Mesh, micro_axis: bool = True) -> NamedSharding:
+    """Rows over ('data', 'fsdp'); with ``micro_axis`` the leading grad-accumulation axis stays whole."""
+    return NamedSharding(mesh, P(None, BATCH) if micro_axis else P(BATCH))
+
+
+def check_batch_divides(mesh: Mesh, rows: int, what: str = "micro-batch") -> None:
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    if rows % n:
+        raise ValueError(f"{what} of {rows} rows does not split over data*fsdp={n} devices; "
+                         f"use a multiple of {n} (batch_size / grad_accum)")
+
+
+def shard_batch(batch: dict, mesh: Mesh, micro_axis: bool = True) -> dict:
+    """A host batch (NumPy, the GLOBAL batch, identical on every process) -> global jax.Arrays split
+    over ('data', 'fsdp'). Each process hands over only the rows its own devices hold
+    (jax.make_array_from_process_local_data), so multi-host runs feed each process its shard."""
+    sharding = batch_sharding(mesh, micro_axis)
+    axis = 1 if micro_axis else 0
+
+    def put(x):
+        x = np.asarray(x)
+        check_batch_divides(mesh, x.shape[axis])
+        idx = sharding.addressable_devices_indices_map(x.shape).values()
+        lo = min(i[axis].start or 0 for i in idx)
+        hi = max(x.shape[axis] if i[axis].stop is None else i[axis].stop for i in idx)
+        local = np.take(x, np.arange(lo, hi), axis=axis)  # (A, rows of this process, ...)
+        return jax.make_array_from_process_local_data(sharding, local, x.shape)
+
+    return jax.tree.map(put, batch)
+
+
+def constrain_activations(mesh: Mesh, rows: int):
+    """Context manager (flax ``nn.intercept_methods``): every module output of shape (rows, ...)
+    is constrained to rows over ('data', 'fsdp'), the rest replicated or left to propagation.
+
+    This is the activation half of the logical-axis rules, applied from outside the model code.
+    Without it XLA may keep the weights' 'fsdp' split and move the batch instead (gather the
+    batch, split activations along d_model); with it, FSDP weights are all-gathered one layer at a
+    time inside the layer scan, as in ZeRO-3. A constraint changes placement, never values, so a
+    (T, ...) table that happens to have ``rows`` rows is merely placed differently.
+    """
+    spec = NamedSharding(mesh, P(BATCH))
+
+    def constrain(x):
+        if isinstance(x, jax.Array) and x.ndim >= 2 and x.shape[0] == rows:
+            return jax.lax.with_sharding_constraint(x, spec)
+        return x
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        return jax.tree.map(constrain, out) if context.method_name == "__call__" else out
+
+    return nn.intercept_methods(interceptor)
+
+
+def gathers_in_scan(hlo: str) -> bool:
+    """True when a while-loop body of compiled HLO text (``jit(f).lower(...).compile().as_text()``)
+    all-gathers: FSDP weights gathered one layer at a time inside the layer scan, not all up front."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    blocks = re.split(r"\n(?=\S)", hlo)  # one block per computation
+    return any(re.match(rf"%?{re.escape(b)}\b", blk) and "all-gather" in blk for blk in blocks for b in bodies)
+
+
+def bytes_per_device(tree) -> dict[str, int]:
+    """{device: bytes of ``tree``'s shards on it}, from ``addressable_shards``."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for s in leaf.addressable_shards:
+            out[str(s.device)] = out.get(str(s.device), 0) + s.data.nbytes
+    return out
+
+
+def describe(config, params, mesh: Mesh) -> dict[str, str]:
+    """{'layers/attn/q_proj/kernel': "P(None, 'fsdp', 'tensor')", ...}: the placement, for logs and docs."""
+    specs = param_specs(config, params, mesh)
+    return {"/".join(_names(p)): str(s) for p, s in
+            jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))}
+
+
+__all__ = ["AXES", "LOGICAL_RULES", "PARAM_RULES", "batch_sharding", "bytes_per_device", "constrain_activations",
+           "describe", "gathers_in_scan", "mesh_devices",
+           "logical_axes", "make_mesh", "param_shardings", "param_specs", "parse_mesh", "shard_batch",
+           "state_shardings", "use_host_devices"]
