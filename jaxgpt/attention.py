@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import checks, validate
+from jaxgpt.attention_backends import blocked_attention, jax_attention, warn_once
+from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.mlp import dense
 from jaxgpt.positions import apply_rope
 
@@ -21,14 +23,55 @@ from jaxgpt.positions import apply_rope
 class KVCache(NamedTuple):
     """Preallocated keys/values and how many positions are already written. A pytree."""
 
-    k: jax.Array  # (B, H_kv, S, D)
-    v: jax.Array  # (B, H_kv, S, D)
+    # k, v: (B, H_kv, S, D); (L, B, H_kv, S, D) when `layer` is set; or (B * H_kv, S, D), row
+    # b * H_kv + h, for the per-layer decode caches of init_cache(..., per_layer=True) (cached_attention).
+    k: jax.Array
+    v: jax.Array
     index: jax.Array  # () int32: next write position == number of cached positions
+    # Layer of a layer-stacked cache this call owns (the decoder's layer loop sets it): the call writes
+    # only its new slots of k[layer] / v[layer] in place, so a decode step never copies the whole cache.
+    layer: jax.Array | int | None = None
 
     @classmethod
     def init(cls, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
         shape = (batch, n_kv_head, max_len, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+
+def cached_attention(q, kc, vc, *, offset, mask=None, is_causal=True, return_weights=False):
+    """Attention of q (B, T, H, D) over a per-layer cache kc, vc (B * H_kv, S, D) whose slots
+    [0, offset + T) are written; the same math as scaled_dot_product_attention (float32 scores and
+    softmax; rows with no visible key give zeros). mask: bool broadcastable to (B, H, T, S).
+
+    Why a layout of its own: the dots read the cache as one (B * H_kv) batch of (S, D) matrices,
+    the layout XLA's CPU dot takes as is. With (B, H_kv, S, D) XLA reshaped the freshly updated
+    cache for the dot (a size-1 batch dropped, or batch and heads merged) and fused the update a
+    second time into that reshape, which copies the whole cache per layer and token.
+    Returns out (B, T, H, D), and weights (B, H, T, S) float32 if ``return_weights``.
+    """
+    b, t, h, d = q.shape
+    n, s_len, _ = kc.shape
+    h_kv = n // b
+    g = h // h_kv
+    qn = q.reshape(b, t, h_kv, g, d).transpose(0, 2, 3, 1, 4).reshape(n, g * t, d)  # head = kv_head * g + group
+    scores = jnp.einsum("nqd,nkd->nqk", qn, kc, preferred_element_type=jnp.float32) * d ** -0.5
+    scores = scores.reshape(b, h_kv, g, t, s_len)
+    allowed = jnp.arange(s_len) < offset + t  # (S,): written slots
+    if is_causal:
+        allowed = allowed & causal_mask(t, s_len, offset)  # (T, S)
+    if mask is not None:
+        m = jnp.asarray(mask)
+        validate.check_mask(m.shape, m.dtype, (b, h, t, s_len))
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B|1, H|1, T|1, S)
+        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
+        allowed = allowed & m  # (B|1, H_kv|1, G|1, T|1, S)
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    weights = jnp.where(allowed.any(-1, keepdims=True), jax.nn.softmax(scores, axis=-1), 0.0)
+    out = jnp.einsum("nqk,nkd->nqd", weights.reshape(n, g * t, s_len).astype(vc.dtype), vc)  # (N, G*T, D)
+    out = out.reshape(b, h_kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    if return_weights:
+        return out, weights.reshape(b, h, t, s_len)
+    return out
 
 
 def causal_mask(q_len: int, k_len: int, q_offset=0):
@@ -75,7 +118,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
     if allowed is not None:
         scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # (B, H_kv, G, Tq, Tk)
-    if allowed is not None:
+    if mask is not None:  # causal alone always leaves key 0 visible (q_offset >= 0): no empty rows
         weights = jnp.where(allowed.any(-1, keepdims=True), weights, 0.0)
     probs = weights
     if dropout_rate > 0.0:
@@ -86,6 +129,34 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
     if return_weights:
         return out, weights.reshape(b, h, tq, tk)
     return out
+
+
+def attention_core(q, k, v, *, impl="xla", block=512, mask=None, is_causal=False, q_offset=0, scale=None,
+                   return_weights=False, kv_heads_first=False, dropout_rate=0.0, dropout_rng=None):
+    """scaled_dot_product_attention's contract, computed by the backend ``impl`` (ATTENTION_IMPLS):
+    'xla' the einsum above; 'jax' / 'cudnn' jax.nn.dot_product_attention; 'blocked' flash-style
+    attention in ``block``-long blocks (attention_backends.py). All give the same numbers.
+    Only 'xla' builds the weights, so ``return_weights`` runs 'xla' for that call."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r} is not one of {ATTENTION_IMPLS}")
+    kw = dict(mask=mask, is_causal=is_causal, q_offset=q_offset, scale=scale, kv_heads_first=kv_heads_first)
+    if impl == "xla" or return_weights:
+        return scaled_dot_product_attention(q, k, v, return_weights=return_weights, dropout_rate=dropout_rate,
+                                            dropout_rng=dropout_rng, **kw)
+    if dropout_rate > 0.0:
+        if impl == "blocked":
+            raise ValueError(f"attention_impl='blocked' has no attention dropout (attn_dropout={dropout_rate} "
+                             f"while training); set attn_dropout=0.0 or attention_impl='xla'")
+        warn_once(f"attention_impl={impl!r} has no attention dropout: training with attn_dropout="
+                  f"{dropout_rate} runs the 'xla' attention instead")
+        return scaled_dot_product_attention(q, k, v, dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
+    if mask is not None:
+        b, tq, h, _ = q.shape
+        m = jnp.asarray(mask)
+        validate.check_mask(m.shape, m.dtype, (b, h, tq, k.shape[2] if kv_heads_first else k.shape[1]))
+    if impl == "blocked":
+        return blocked_attention(q, k, v, block=block, **kw)
+    return jax_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else None, **kw)
 
 
 class Attention(nn.Module):
@@ -126,16 +197,17 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         src = x if context is None else context
 
-        q = dense(self.n_head * d, self.qkv_bias, self.init_std, "q_proj")(x).reshape(b, t, self.n_head, d)
-        k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj")(src).reshape(b, src.shape[1], h_kv, d)
-        v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj")(src).reshape(b, src.shape[1], h_kv, d)
+        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        q = dense(self.n_head * d, self.qkv_bias, self.init_std, "q_proj", **dt)(x).reshape(b, t, self.n_head, d)
+        k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
+        v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
 
         offset = 0 if cache is None else cache.index
         if cache is not None:  # dynamic_update_slice would clamp the start and overwrite the last slots
             if checks.is_traced(offset):
-                checks.check_cache_room(offset, t, cache.k.shape[2])  # checked mode (checkify) only
+                checks.check_cache_room(offset, t, cache.k.shape[-2])  # checked mode (checkify) only
             else:
-                validate.check_cache_room(int(offset), t, cache.k.shape[2])
+                validate.check_cache_room(int(offset), t, cache.k.shape[-2])
         if self.rope:
             if context is not None:
                 raise ValueError("RoPE applies to self-attention only")
@@ -149,23 +221,47 @@ class Attention(nn.Module):
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
             # (B, T, H_kv, D) -> (B, H_kv, T, D): only the new tokens are transposed.
-            kc = jax.lax.dynamic_update_slice(cache.k, k.transpose(0, 2, 1, 3).astype(cache.k.dtype), (0, 0, offset, 0))
-            vc = jax.lax.dynamic_update_slice(cache.v, v.transpose(0, 2, 1, 3).astype(cache.v.dtype), (0, 0, offset, 0))
-            cache = KVCache(kc, vc, offset + t)
-            k, v, kv_heads_first = kc, vc, True
-            filled = jnp.arange(kc.shape[2]) < offset + t  # slots past the write index are empty
+            k_new = k.transpose(0, 2, 1, 3).astype(cache.k.dtype)
+            v_new = v.transpose(0, 2, 1, 3).astype(cache.v.dtype)
+            if cache.k.ndim == 3:  # per-layer decode cache (B * H_kv, S, D): the copy-free path
+                if cache.k.shape[0] != b * h_kv:
+                    raise ValueError(f"a per-layer KV cache of {cache.k.shape[0]} rows does not fit batch {b} x "
+                                     f"{h_kv} key/value heads")
+                if not deterministic and self.attn_dropout > 0.0:
+                    raise ValueError(f"a per-layer KV cache is for inference: attn_dropout={self.attn_dropout} "
+                                     f"with deterministic=False; decode with deterministic=True")
+                kc = jax.lax.dynamic_update_slice(cache.k, k_new.reshape(b * h_kv, t, d), (0, offset, 0))
+                vc = jax.lax.dynamic_update_slice(cache.v, v_new.reshape(b * h_kv, t, d), (0, offset, 0))
+                out = cached_attention(q, kc, vc, offset=offset, mask=mask, is_causal=is_causal,
+                                       return_weights=return_weights)
+                out, weights = out if return_weights else (out, None)
+                y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
+                return y, KVCache(kc, vc, offset + t), weights
+            if cache.layer is None:
+                kc = jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, offset, 0))
+                vc = jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, offset, 0))
+                k, v = kc, vc  # (B, H_kv, S, D)
+            else:  # (L, B, H_kv, S, D): write T slots of this layer in place, then read its slice
+                at = (cache.layer, 0, 0, offset, 0)
+                kc = jax.lax.dynamic_update_slice(cache.k, k_new[None], at)
+                vc = jax.lax.dynamic_update_slice(cache.v, v_new[None], at)
+                k = jax.lax.dynamic_index_in_dim(kc, cache.layer, 0, keepdims=False)  # (B, H_kv, S, D)
+                v = jax.lax.dynamic_index_in_dim(vc, cache.layer, 0, keepdims=False)
+            cache = KVCache(kc, vc, offset + t, cache.layer)
+            kv_heads_first = True
+            filled = jnp.arange(k.shape[2]) < offset + t  # slots past the write index are empty
             if mask is not None:  # a mask spans the cache's S slots
                 mask = jnp.asarray(mask)
-                validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, kc.shape[2]))
+                validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, k.shape[2]))
             mask = filled if mask is None else mask & filled
 
         rate = 0.0 if deterministic else self.attn_dropout
-        out = scaled_dot_product_attention(
-            q, k, v, mask=mask, is_causal=is_causal, q_offset=offset, return_weights=return_weights,
-            kv_heads_first=kv_heads_first, dropout_rate=rate,
+        out = attention_core(
+            q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,
+            q_offset=offset, return_weights=return_weights, kv_heads_first=kv_heads_first, dropout_rate=rate,
             dropout_rng=self.make_rng("dropout") if rate > 0.0 else None)
         out, weights = out if return_weights else (out, None)
-        y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj")(out.reshape(b, t, self.n_head * d))
+        y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
         return y, cache, weights
 
 

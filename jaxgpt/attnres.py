@@ -35,7 +35,7 @@ from jaxgpt.attention import attention_from_config
 from jaxgpt.config import ModelConfig
 from jaxgpt.layout import key_eps, seal_schedule  # framework-free: torch_ref shares them
 from jaxgpt.mlp import make_mlp
-from jaxgpt.norms import jax_rsqrt, make_norm
+from jaxgpt.norms import jax_rsqrt, norm_from_config
 
 
 class KeyNorm(nn.Module):
@@ -43,21 +43,25 @@ class KeyNorm(nn.Module):
 
     eps: float
     gain: bool = True
+    param_dtype: str = "float32"
 
     @nn.compact
     def __call__(self, x):
+        """Returns float32 keys whatever x's dtype: they feed the depth softmax's logits."""
         h = x.astype(jnp.float32)
         y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
         if self.gain:
-            y = y * self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        return y.astype(x.dtype)
+            y = y * self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype).astype(jnp.float32)
+        return y
 
 
 def depth_attention(query, key_norm, sources):
-    """query (d,), sources (N, B, T, d) -> (h (B, T, d), alpha (N, B, T)); softmax over N."""
-    logits = jnp.einsum("d,nbtd->nbt", query, key_norm(sources))  # (N, B, T)
+    """query (d,), sources (N, B, T, d) -> (h (B, T, d) in sources' dtype, alpha (N, B, T) float32);
+    softmax over N. Logits, softmax and the mixture are float32 (the precision policy's softmax)."""
+    logits = jnp.einsum("d,nbtd->nbt", query.astype(jnp.float32), key_norm(sources))  # (N, B, T)
     alpha = jax.nn.softmax(logits, axis=0)
-    return jnp.einsum("nbt,nbtd->btd", alpha, sources), alpha
+    h = jnp.einsum("nbt,nbtd->btd", alpha, sources, preferred_element_type=jnp.float32)
+    return h.astype(sources.dtype), alpha
 
 
 def pad_depth_weights(alphas):
@@ -82,7 +86,7 @@ class AttnResLayer(nn.Module):
         Returns (sources, partial, attention weights (B, H, T, T) or None, [alpha (N, B, T)] x 2)."""
         cfg = self.config
         seed, full = cfg.attnres_variant == "seed", cfg.residual == "full_attnres"
-        shared = KeyNorm(key_eps(cfg), cfg.attnres_key_gain, name="key_norm") if seed else None
+        shared = KeyNorm(key_eps(cfg), cfg.attnres_key_gain, cfg.param_dtype, name="key_norm") if seed else None
         drop = nn.Dropout(cfg.dropout)
         out = {}
 
@@ -94,12 +98,12 @@ class AttnResLayer(nn.Module):
 
         alphas = []
         for kind, f in (("attn", attn), ("mlp", make_mlp(cfg, "mlp"))):
-            query = self.param(f"w_{kind}", nn.initializers.zeros, (cfg.d_model,), jnp.float32)
-            key_norm = shared if seed else KeyNorm(key_eps(cfg), cfg.attnres_key_gain, name=f"{kind}_key_norm")
+            query = self.param(f"w_{kind}", nn.initializers.zeros, (cfg.d_model,), cfg.param_dtype)
+            key_norm = shared if seed else KeyNorm(key_eps(cfg), cfg.attnres_key_gain, cfg.param_dtype, name=f"{kind}_key_norm")
             srcs = sources if partial is None else sources + [partial]
             h, alpha = depth_attention(query, key_norm, jnp.stack(srcs))  # (B, T, d), (N, B, T)
             alphas.append(alpha)
-            norm = make_norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name=f"{kind}_norm")
+            norm = norm_from_config(cfg, f"{kind}_norm")
             y = drop(f(norm(h)), deterministic=deterministic)  # (B, T, d)
             if full:
                 sources = sources + [y]
@@ -142,9 +146,9 @@ class AttnResLayers(nn.Module):
         elif seed:
             h = jnp.where(jnp.abs(partial).sum() > 0, partial, sources[-1])
         else:
-            query = self.param("w_out", nn.initializers.zeros, (cfg.d_model,), jnp.float32)
+            query = self.param("w_out", nn.initializers.zeros, (cfg.d_model,), cfg.param_dtype)
             srcs = sources if partial is None else sources + [partial]
-            h, alpha = depth_attention(query, KeyNorm(key_eps(cfg), cfg.attnres_key_gain, name="out_key_norm"),
+            h, alpha = depth_attention(query, KeyNorm(key_eps(cfg), cfg.attnres_key_gain, cfg.param_dtype, name="out_key_norm"),
                                        jnp.stack(srcs))
             alphas.append(alpha)
         weights = jnp.stack(weights) if return_weights else None

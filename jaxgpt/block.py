@@ -7,7 +7,7 @@ import flax.linen as nn
 from jaxgpt.attention import attention_from_config
 from jaxgpt.config import ModelConfig
 from jaxgpt.mlp import make_mlp
-from jaxgpt.norms import make_norm
+from jaxgpt.norms import norm_from_config
 
 
 class Block(nn.Module):
@@ -32,7 +32,7 @@ class Block(nn.Module):
         drop = nn.Dropout(cfg.dropout)
 
         def residual(x, f, norm_name):
-            norm = make_norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name=norm_name)
+            norm = norm_from_config(cfg, norm_name)
             if pre:
                 return x + drop(f(norm(x)), deterministic=deterministic)
             return norm(x + drop(f(x), deterministic=deterministic))

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxgpt import validate
 from jaxgpt.config import ModelConfig, check_sampling
-from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache
+from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
 
 
 def sample_logits(logits, rng, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
@@ -53,11 +53,13 @@ def _finish(tok, done, eos_id):
 
 @partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"))
 def _generate_cached(params, prompt, rng, *, config, max_new_tokens, temperature, top_k, top_p, eos_id):
-    model = DecoderLM(config)
+    # Separate layers and one cache buffer per layer (K/V in the compute dtype): each step then
+    # updates the cache in place and reads weights and cache where they lie; no copies per token.
+    dec_config, params = unstack_layers(config, params)
+    model = DecoderLM(dec_config)
     b, t0 = prompt.shape
     sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    # the cache holds K/V in the params' dtype (bf16 params write bf16 K/V)
-    cache = init_cache(config, b, t0 + max_new_tokens, jnp.result_type(*jax.tree.leaves(params)))
+    cache = init_cache(config, b, t0 + max_new_tokens, per_layer=True)
     out = model.apply({"params": params}, prompt, cache=cache)
     tok, done = _finish(sample(out.logits[:, -1], jax.random.fold_in(rng, 0)), jnp.zeros(b, bool), eos_id)
     tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)

@@ -1,8 +1,11 @@
 """Position-wise feed-forward networks: two-matrix MLP (relu / gelu / gelu_tanh) and SwiGLU."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 ACTIVATIONS = {
     "relu": jax.nn.relu,
@@ -22,9 +25,16 @@ class Dense(nn.Dense):
         return y.reshape(*x.shape[:-1], self.features)
 
 
-def dense(features: int, use_bias: bool, std: float, name: str) -> Dense:
-    """A Linear layer with N(0, std) kernel and zero bias (the GPT-2 / seed initialisation)."""
-    return Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std), name=name)
+def dense(features: int, use_bias: bool, std: float, name: str, dtype: str = "float32",
+          param_dtype: str = "float32", f32_out: bool = False) -> Dense:
+    """A Linear layer with N(0, std) kernel and zero bias (the GPT-2 / seed initialisation).
+
+    Weights are stored in ``param_dtype`` and cast to ``dtype`` for the matmul (mixed precision).
+    ``f32_out``: accumulate and return float32 whatever ``dtype`` is (logits heads: a bfloat16
+    output would round the logits to 3 significant digits before the loss)."""
+    dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32) if f32_out else None
+    return Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std), dtype=dtype,
+                 param_dtype=param_dtype, dot_general=dot, name=name)
 
 
 class MLP(nn.Module):
@@ -36,13 +46,16 @@ class MLP(nn.Module):
     use_bias: bool = True
     init_std: float = 0.02
     out_init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype (activations, matmuls)
+    param_dtype: str = "float32"
 
     @nn.compact
     def __call__(self, x):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; expected one of {sorted(ACTIVATIONS)}")
-        h = dense(self.d_ff, self.use_bias, self.init_std, "fc_in")(x)  # (..., d_ff)
-        return dense(self.d_model, self.use_bias, self.out_init_std, "fc_out")(ACTIVATIONS[self.activation](h))
+        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h = dense(self.d_ff, self.use_bias, self.init_std, "fc_in", **dt)(x)  # (..., d_ff)
+        return dense(self.d_model, self.use_bias, self.out_init_std, "fc_out", **dt)(ACTIVATIONS[self.activation](h))
 
 
 class SwiGLU(nn.Module):
@@ -53,18 +66,22 @@ class SwiGLU(nn.Module):
     use_bias: bool = False
     init_std: float = 0.02
     out_init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype (activations, matmuls)
+    param_dtype: str = "float32"
 
     @nn.compact
     def __call__(self, x):
-        gate = dense(self.d_ff, self.use_bias, self.init_std, "gate_proj")(x)  # (..., d_ff)
-        up = dense(self.d_ff, self.use_bias, self.init_std, "up_proj")(x)
-        return dense(self.d_model, self.use_bias, self.out_init_std, "down_proj")(jax.nn.silu(gate) * up)
+        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        gate = dense(self.d_ff, self.use_bias, self.init_std, "gate_proj", **dt)(x)  # (..., d_ff)
+        up = dense(self.d_ff, self.use_bias, self.init_std, "up_proj", **dt)(x)
+        return dense(self.d_model, self.use_bias, self.out_init_std, "down_proj", **dt)(jax.nn.silu(gate) * up)
 
 
 def make_mlp(config, name: str = "mlp") -> nn.Module:
     """The feed-forward network a ModelConfig names."""
     common = dict(d_model=config.d_model, d_ff=config.ffn_dim, use_bias=config.mlp_bias,
-                  init_std=config.init_std, out_init_std=config.out_init_std, name=name)
+                  init_std=config.init_std, out_init_std=config.out_init_std, dtype=config.dtype,
+                  param_dtype=config.param_dtype, name=name)
     if config.mlp == "swiglu":
         return SwiGLU(**common)
     return MLP(activation=config.mlp, **common)

@@ -62,3 +62,62 @@ def test_rejects_sequences_past_the_context_window():
         bench(TINY, prompt_len=8, new_tokens=249)
     with pytest.raises(ValueError, match="seq_len=512 exceeds"):
         bench(TINY, seq_len=512)
+
+
+# ---- scripts/bench_train.py: the jaxgpt vs torch_ref train-step race
+
+def _bench_train():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_flops_count_the_matmuls_not_the_position_table():
+    """6 N + 12 L T d FLOPs per token, N counted by hand for the no-bias nanoGPT layout
+    (tied embedding, LayerNorm weights only) and compared with the script's figure."""
+    from jaxgpt.models import abstract_params, count_params
+    bt = _bench_train()
+    config, batch, seq_len, _ = bt.SHAPES["cpu-small"]
+    d, layers, vocab = config.d_model, config.n_layer, config.vocab_size
+    n_matmul = layers * (12 * d * d + 2 * d) + vocab * d + d  # blocks + tied embedding + final norm
+    n_params = count_params(abstract_params(config))
+    assert n_params == n_matmul + config.max_len * d  # + the learned position table
+    expected = (6 * n_matmul + 12 * layers * seq_len * d) * batch * seq_len
+    assert bt.model_flops_per_step(config, n_params, batch, seq_len) == expected
+
+
+def test_bench_train_quick_smoke(tmp_path):
+    """The CI smoke run: both frameworks in their own processes, every field the table needs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "bench_train.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
+    p = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["peak_gflops"]) == {"jax", "torch"} and result["peak"] == max(result["peak_gflops"].values())
+    assert all(math.isfinite(v) and v > 0 for v in result["peak_gflops"].values())
+    rows = result["shapes"]["quick"]["rows"]
+    assert set(rows) == {"torch-eager", "jaxgpt-default", "jaxgpt-unrolled-dp2"}
+    for name, row in rows.items():
+        assert "error" not in row, row
+        for key in ("ms_step", "tok_s", "gflops", "mfu", "vs_torch_eager"):
+            assert math.isfinite(row[key]) and row[key] > 0, (name, key)
+        assert row["tok_s"] == pytest.approx(4 * 16 * 1e3 / row["ms_step"], rel=1e-6)
+        assert row["mfu"] == pytest.approx(row["gflops"] / result["peak"], rel=1e-6)
+    assert rows["torch-eager"]["vs_torch_eager"] == 1.0
+    # the table names the setting it measured; 2 host devices ran (the batch split over them)
+    assert rows["jaxgpt-unrolled-dp2"]["setting"] == {"scan_layers": False, "host_devices": 2}
+    assert rows["jaxgpt-unrolled-dp2"]["batch_shards"] == 2 and rows["jaxgpt-default"]["batch_shards"] == 1
+    assert result["shapes"]["quick"]["best_jaxgpt"] in ("jaxgpt-default", "jaxgpt-unrolled-dp2")
+    for row in rows.values():  # random tokens over 65 symbols: a few steps stay near log(65) = 4.17
+        assert abs(row["loss"] - math.log(65)) < 0.5, row["loss"]
+    table = out.with_suffix(".md").read_text()
+    assert "| jaxgpt-unrolled-dp2 | scan_layers=False, host_devices=2 |" in table and "Best jaxgpt: " in table
+

@@ -6,6 +6,7 @@ tok_embed + pos_embed (+ type_embed) -> [embed_norm] -> dropout -> n_layer bidir
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from jaxgpt import checks, validate
 from jaxgpt.config import BertConfig
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
-from jaxgpt.norms import make_norm
+from jaxgpt.norms import norm_from_config
 
 
 class BertOutput(NamedTuple):
@@ -52,8 +53,9 @@ class BertClassifier(nn.Module):
         cfg, enc = self.config, self.config.encoder
         check_tokens(input_ids, enc.vocab_size, enc.max_len)
         positions = jnp.arange(input_ids.shape[-1])  # (T,)
+        dt = dict(dtype=enc.dtype, param_dtype=enc.param_dtype)  # precision policy: the encoder config's
         tok_embed = nn.Embed(enc.vocab_size, enc.d_model, embedding_init=nn.initializers.normal(enc.init_std),
-                             name="tok_embed")
+                             name="tok_embed", **dt)
         x = embed_tokens(enc, tok_embed, input_ids, positions, deterministic=True)  # (B, T, d), dropout below
         if cfg.type_vocab_size > 0:
             if token_type_ids is None:
@@ -61,27 +63,28 @@ class BertClassifier(nn.Module):
             else:
                 check_tokens(token_type_ids, cfg.type_vocab_size, enc.max_len)
             x = x + nn.Embed(cfg.type_vocab_size, enc.d_model, embedding_init=nn.initializers.normal(enc.init_std),
-                             name="type_embed")(token_type_ids)
+                             name="type_embed", **dt)(token_type_ids)
         elif token_type_ids is not None:
             raise ValueError("token_type_ids given but config.type_vocab_size=0 (no token-type embeddings)")
         if cfg.embed_norm:
-            x = make_norm(enc.norm, enc.norm_eps, enc.norm_bias, name="embed_norm")(x)
+            x = norm_from_config(enc, "embed_norm")(x)
         x = nn.Dropout(enc.dropout)(x, deterministic=deterministic)
 
         mask = key_mask(attention_mask, input_ids.shape)  # (B, 1, 1, T)
         x, _, weights = run_blocks(enc, x, causal=False, mask=mask, positions=positions,
                                    return_weights=return_weights, deterministic=deterministic)
         if enc.final_norm:
-            x = make_norm(enc.norm, enc.norm_eps, enc.norm_bias, name="norm")(x)
+            x = norm_from_config(enc, "norm")(x)
         if return_hidden:
             return x  # (B, T, d)
 
         init = nn.initializers.normal(enc.init_std)
         pooled = x[:, 0]  # (B, d): the [CLS] position
         if cfg.pooler == "tanh":
-            pooled = jnp.tanh(nn.Dense(enc.d_model, kernel_init=init, name="pooler")(pooled))
+            pooled = jnp.tanh(nn.Dense(enc.d_model, kernel_init=init, name="pooler", **dt)(pooled))
         pooled = nn.Dropout(enc.dropout)(pooled, deterministic=deterministic)
-        logits = nn.Dense(cfg.n_classes, kernel_init=init, name="classifier")(pooled)  # (B, n_classes)
+        f32_out = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)  # logits stay float32
+        logits = nn.Dense(cfg.n_classes, kernel_init=init, dot_general=f32_out, name="classifier", **dt)(pooled)
         return BertOutput(logits, weights) if return_weights else logits
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, *, deterministic=True):

@@ -20,21 +20,51 @@ from jaxgpt.attention import KVCache
 from jaxgpt.block import Block
 from jaxgpt.config import ModelConfig
 from jaxgpt.mlp import dense
-from jaxgpt.norms import make_norm
+from jaxgpt.norms import norm_from_config
 from jaxgpt.positions import sinusoidal_table
 
 
 class DecoderOutput(NamedTuple):
     logits: jax.Array  # (B, T, vocab)
-    cache: KVCache | None  # leaves stacked over layers: k, v (L, B, H_kv, S, D), index (L,)
+    # leaves stacked over layers: k, v (L, B, H_kv, S, D), index (L,); or, when the call was given
+    # a per-layer cache (init_cache(..., per_layer=True)), a tuple of L KVCaches (B * H_kv, S, D)
+    cache: KVCache | tuple[KVCache, ...] | None
     attn_weights: jax.Array | None  # (L, B, H, T, S)
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtype=jnp.float32) -> KVCache:
-    """An empty KV cache for every layer: k, v (L, B, H_kv, max_len, D), index (L,)."""
+def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtype=None, *,
+               per_layer: bool = False) -> KVCache | tuple[KVCache, ...]:
+    """An empty KV cache for every layer: k, v (L, B, H_kv, max_len, D), index (L,), in ``dtype``
+    (default: the compute dtype ``config.dtype``, the dtype the keys and values are computed in).
+
+    per_layer: a tuple of L separate KVCaches with k, v (B * H_kv, max_len, D) (row b * H_kv + h)
+    instead, what generate() decodes with. With unstacked layers (``unstack_layers``) every
+    attention gets its own cache buffer in the layout XLA's dots read in place, so a decode step
+    writes only the new slots and copies nothing cache-sized; a slice k[l] of a stacked cache is
+    copied out per layer and step (docs/decoding.md).
+    """
     s = config.max_len if max_len is None else max_len
+    dtype = config.dtype if dtype is None else dtype
+    if per_layer:
+        shape = (batch * config.kv_heads, s, config.head_dim)
+        return tuple(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+                     for _ in range(config.n_layer))
     c = KVCache.init(batch, config.kv_heads, s, config.head_dim, dtype)
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (config.n_layer,) + a.shape), c)
+
+
+def unstack_layers(config: ModelConfig, params, name: str = "layers"):
+    """(config, params) in the separate-layers layout (scan_layers=False): the scanned ``name``
+    params (L, ...) become ``{name}_0`` ... ``{name}_{L-1}``. Unchanged when already unscanned.
+
+    Decoding uses it: a scanned layer loop slices (copies) every layer's weights out of the
+    stacked arrays on every step; separate arrays are read in place.
+    """
+    if not config.scan_layers:
+        return config, params
+    out = {k: v for k, v in params.items() if k != name}
+    out.update({f"{name}_{i}": jax.tree.map(lambda a: a[i], params[name]) for i in range(config.n_layer)})  # noqa: B023
+    return config.replace(scan_layers=False), out
 
 
 def check_tokens(tokens, vocab_size: int, max_len: int, offset: int = 0) -> None:
@@ -64,13 +94,14 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     """Token (+ absolute position) embeddings with dropout. Call inside a compact module."""
     cfg = config
     init = nn.initializers.normal(cfg.init_std)
-    x = tok_embed(tokens)  # (B, T, d)
+    x = tok_embed(tokens)  # (B, T, d) in the compute dtype: the residual stream's dtype from here on
     if cfg.embed_scale:
-        x = x * np.float32(np.sqrt(cfg.d_model))
+        x = x * jnp.asarray(np.sqrt(cfg.d_model), x.dtype)  # not a float32 scalar: it would promote x
     if cfg.pos == "learned":
-        x = x + nn.Embed(cfg.max_len, cfg.d_model, embedding_init=init, name="pos_embed")(positions)
+        x = x + nn.Embed(cfg.max_len, cfg.d_model, embedding_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                         name="pos_embed")(positions)
     elif cfg.pos == "sinusoidal":
-        x = x + jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))[positions]
+        x = x + jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))[positions].astype(x.dtype)
     return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
@@ -95,6 +126,8 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
                                 cache=layer_cache, return_weights=return_weights, deterministic=deterministic)
         return h, (new_cache, w)
 
+    if cache is not None:
+        return _run_blocks_cached(config, body, x, cache, causal=causal, cross=cross, name=name)
     if config.remat != "none":
         # Inside a scan the loop already keeps XLA from merging the recomputation back into the forward
         # pass, so the optimisation barriers of prevent_cse are only needed for separate layers (JAX docs).
@@ -102,8 +135,7 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     if not config.scan_layers:
         outs = []
         for i in range(config.n_layer):
-            layer_cache = None if cache is None else jax.tree.map(lambda a: a[i], cache)  # noqa: B023
-            x, out = body(Block(config, causal=causal, cross=cross, name=f"{name}_{i}"), x, layer_cache)
+            x, out = body(Block(config, causal=causal, cross=cross, name=f"{name}_{i}"), x, None)
             outs.append(out)
         cache, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
         return x, cache, weights
@@ -114,6 +146,58 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
                    in_axes=0, length=config.n_layer, unroll=config.scan_unroll)
     x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, name=name), x, cache)
     return x, cache, weights
+
+
+def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, name):
+    """run_blocks with a KV cache, never moving the cache through nn.scan's xs/ys.
+
+    Scanning it as xs/ys (slice out k[l], stack the new k[l] back) made XLA allocate, fill and copy
+    cache-sized buffers on every call, so per-token decode cost grew with the cache's size. Here a
+    per-layer cache (a tuple of KVCaches) goes to its layer as is; a stacked cache rides through the
+    layer loop whole and each layer writes only its new slots of k[l], v[l] (KVCache.layer = l).
+    No remat: decoding has no backward pass.
+    """
+    if not isinstance(cache, KVCache):  # per-layer: a tuple of L KVCaches (B * H_kv, S, D)
+        if len(cache) != config.n_layer:
+            raise ValueError(f"a per-layer cache needs n_layer={config.n_layer} KVCaches, got {len(cache)}")
+        if config.scan_layers:  # the scanned layers need it stacked: stack, run, split (copies)
+            n, s_len, d = cache[0].k.shape
+            stack = lambda *a: jnp.stack(a).reshape(config.n_layer, x.shape[0], n // x.shape[0], s_len, d)
+            stacked = KVCache(stack(*[c.k for c in cache]), stack(*[c.v for c in cache]),
+                              jnp.stack([c.index for c in cache]))
+            x, st, weights = _run_blocks_cached(config, body, x, stacked, causal=causal, cross=cross, name=name)
+            split = [KVCache(st.k[i].reshape(n, s_len, d), st.v[i].reshape(n, s_len, d), st.index[i])
+                     for i in range(config.n_layer)]
+            return x, tuple(split), weights
+        new, ws = [], []
+        for i, layer_cache in enumerate(cache):
+            x, (c, w) = body(Block(config, causal=causal, cross=cross, name=f"{name}_{i}"), x, layer_cache)
+            new.append(c)
+            ws.append(w)
+        weights = None if ws[0] is None else jnp.stack(ws)
+        return x, tuple(new), weights
+
+    def layer_body(block, carry, xs):  # carry: (h, k, v), xs: (layer, index) -> ys: (index, weights)
+        h, k, v = carry
+        h, (new, w) = body(block, h, KVCache(k, v, xs[1], xs[0]))
+        return (h, new.k, new.v), (new.index, w)
+
+    if not config.scan_layers:
+        carry, outs = (x, cache.k, cache.v), []
+        for i in range(config.n_layer):  # a static layer index: plain slices of the stacked cache
+            block = Block(config, causal=causal, cross=cross, name=f"{name}_{i}")
+            carry, out = layer_body(block, carry, (i, cache.index[i]))
+            outs.append(out)
+        index, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
+    else:
+        scan = nn.scan(layer_body, variable_axes={"params": 0, "intermediates": 0},
+                       split_rngs={"params": True, "dropout": True}, in_axes=0, length=config.n_layer,
+                       unroll=config.scan_unroll)
+        layers = jnp.arange(config.n_layer, dtype=jnp.int32)
+        carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, name=name), (x, cache.k, cache.v),
+                                       (layers, cache.index))
+    x, k, v = carry
+    return x, KVCache(k, v, index), weights
 
 
 class DecoderLM(nn.Module):
@@ -132,10 +216,11 @@ class DecoderLM(nn.Module):
         ``return_weights`` (per-layer attention weights) is set.
         """
         cfg = self.config
-        offset = 0 if cache is None else cache.index[0]
+        first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
+        offset = 0 if cache is None else first.index.reshape(-1)[0]
         check_tokens(tokens, cfg.vocab_size, cfg.max_len, 0 if cache is None else offset)
         if cache is not None:  # here, outside nn.scan, so the check also holds for traced indices
-            capacity, t = cache.k.shape[-2], tokens.shape[-1]
+            capacity, t = first.k.shape[-2], tokens.shape[-1]
             if checks.is_traced(offset):
                 checks.check_cache_room(offset, t, capacity)
             else:
@@ -143,7 +228,7 @@ class DecoderLM(nn.Module):
         if positions is None:
             positions = offset + jnp.arange(tokens.shape[-1])
         tok_embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std),
-                             name="tok_embed")
+                             dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="tok_embed")
         x = embed_tokens(cfg, tok_embed, tokens, positions, deterministic)
         weights = None
         if cfg.residual == "standard":
@@ -158,11 +243,15 @@ class DecoderLM(nn.Module):
                                                           return_weights=return_weights,
                                                           deterministic=deterministic)
         if cfg.final_norm:
-            x = make_norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="norm")(x)
+            x = norm_from_config(cfg, "norm")(x)
+        # Logits are float32 whatever the compute dtype: the matmul reads compute-dtype inputs but
+        # accumulates and returns float32 (bfloat16 logits would carry ~3 significant digits into the loss).
         if cfg.tie_embeddings:
-            logits = tok_embed.attend(x)  # x @ embedding.T
+            emb = tok_embed.embedding.astype(x.dtype)  # (vocab, d)
+            logits = jnp.einsum("...d,vd->...v", x, emb, preferred_element_type=jnp.float32)  # x @ embedding.T
         else:
-            logits = dense(cfg.vocab_size, False, cfg.init_std, "lm_head")(x)
+            logits = dense(cfg.vocab_size, False, cfg.init_std, "lm_head", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                           f32_out=True)(x)
         if cache is None and not return_weights:
             return logits
         return DecoderOutput(logits, cache, weights)

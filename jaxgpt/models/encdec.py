@@ -16,7 +16,7 @@ from jaxgpt.layout import ENCDEC_STACKED as STACKED  # noqa: F401  (re-exported:
 from jaxgpt.models.bert import key_mask
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
 from jaxgpt.mlp import dense
-from jaxgpt.norms import make_norm
+from jaxgpt.norms import norm_from_config
 
 
 class Stack(nn.Module):
@@ -33,12 +33,12 @@ class Stack(nn.Module):
         check_tokens(ids, cfg.vocab_size, cfg.max_len)
         positions = jnp.arange(ids.shape[-1])  # (T,)
         tok_embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std),
-                             name="tok_embed")
+                             dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="tok_embed")
         x = embed_tokens(cfg, tok_embed, ids, positions, deterministic)  # (B, T, d)
         x, _, _ = run_blocks(cfg, x, causal=self.cross, cross=self.cross, context=memory, mask=self_mask,
                              context_mask=memory_mask, positions=positions, deterministic=deterministic)
         if cfg.final_norm:
-            x = make_norm(cfg.norm, cfg.norm_eps, cfg.norm_bias, name="norm")(x)
+            x = norm_from_config(cfg, "norm")(x)
         return x
 
 
@@ -51,7 +51,9 @@ class EncoderDecoder(nn.Module):
         cfg = self.config
         self.encoder = Stack(cfg.encoder)
         self.decoder = Stack(cfg.decoder, cross=True)
-        self.out_proj = dense(cfg.decoder.vocab_size, cfg.out_bias, cfg.decoder.init_std, "out_proj")
+        dec = cfg.decoder  # logits: float32 out whatever the decoder's compute dtype
+        self.out_proj = dense(dec.vocab_size, cfg.out_bias, dec.init_std, "out_proj", dtype=dec.dtype,
+                              param_dtype=dec.param_dtype, f32_out=True)
 
     def encode(self, src_ids, src_mask=None, *, deterministic=True):
         """src_ids: (B, S) int; src_mask: (B, S), True = real token. Returns memory (B, S, d)."""

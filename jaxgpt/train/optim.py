@@ -31,10 +31,27 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
 
 
+def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` run on float32 copies of the gradients and params, so its state (both Adam moments)
+    and the clipping norm are float32 when params are stored in bfloat16/float16. optax.adamw's
+    ``mu_dtype`` covers the first moment only: the second follows the params' dtype, and a bfloat16
+    nu of squared small gradients underflows. Updates come back float32; ``optax.apply_updates``
+    rounds each to its param's dtype. With float32 params this is the identity, and the state tree is
+    exactly ``inner``'s (checkpoints keep their layout)."""
+    def up(tree):
+        return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+    def update(updates, state, params=None):
+        return inner.update(up(updates), state, None if params is None else up(params))
+
+    return optax.GradientTransformation(lambda params: inner.init(up(params)), update)
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """clip (torch's clip_grad_norm_) -> AdamW(b1, b2, eps, weight decay x lr) with the schedule."""
+    """clip (torch's clip_grad_norm_) -> AdamW(b1, b2, eps, weight decay x lr) with the schedule,
+    state in float32 whatever the params' dtype (``float32_state``)."""
     adamw = optax.adamw(schedule(tc), b1=tc.beta1, b2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
                         mask=decay_mask if tc.decay == "linear" else None)
     if tc.grad_clip is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
+        return float32_state(adamw)
+    return float32_state(optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw))

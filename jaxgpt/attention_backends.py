@@ -1,0 +1,244 @@
+"""Attention cores behind ``ModelConfig.attention_impl`` other than the einsum path ('xla', in
+attention.py): ``jax.nn.dot_product_attention`` ('jax', 'cudnn') and a flash-style blocked
+attention ('blocked') whose forward and backward passes use memory linear in sequence length.
+
+Every core keeps jaxgpt's contract (see attention.scaled_dot_product_attention): q (B, Tq, H, D),
+k/v (B, Tk, H_kv, D) or (B, H_kv, Tk, D) when ``kv_heads_first``, bool masks (True = attend)
+broadcastable to (B, H, Tq, Tk), causal with a (possibly traced) ``q_offset``, and a query row
+with no visible key returns ZEROS (torch SDPA's rule), not jax.nn's mean of v.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_HALF = (jnp.bfloat16, jnp.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def warn_once(message: str) -> None:
+    """One warning per distinct message per process (a jitted model traces many times)."""
+    warnings.warn(message, stacklevel=3)
+
+
+def _static_zero(x) -> bool:
+    return isinstance(x, int) and x == 0
+
+
+def _mask4(mask):
+    """A validated bool mask as 4-D (B|1, H|1, Tq|1, Tk|1)."""
+    m = jnp.asarray(mask)
+    return m.reshape((1,) * (4 - m.ndim) + m.shape)
+
+
+# ---------------------------------------------------------------- 'jax' / 'cudnn'
+
+def cudnn_unsupported(q) -> str | None:
+    """Why cuDNN flash attention cannot run this call, or None when it can (as far as we know)."""
+    if jax.default_backend() != "gpu":
+        return f"no GPU (JAX backend is {jax.default_backend()!r})"
+    if q.dtype not in _HALF:
+        return f"dtype {q.dtype} (cuDNN flash attention needs bfloat16 or float16; set dtype='bfloat16')"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"head_dim {d} (cuDNN needs a multiple of 8, at most 256)"
+    return None
+
+
+def jax_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_heads_first=False,
+                  implementation=None):
+    """``jax.nn.dot_product_attention`` with jaxgpt's contract. ``implementation``: None/'xla' or
+    'cudnn'; an unsupported 'cudnn' call falls back to 'xla' with one warning naming the reason."""
+    if kv_heads_first:  # jax.nn wants (B, S, K, D); the cache is (B, K, S, D)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    tq, tk = q.shape[1], k.shape[1]
+    m = None if mask is None else _mask4(mask)  # (B|1, H|1, Tq|1, Tk|1)
+    # jax.nn's is_causal is tril(Tq, Tk) == our rule at offset 0; any other offset needs a mask.
+    flag = is_causal and _static_zero(q_offset) and (tq == tk or implementation != "cudnn")
+    if is_causal and not flag:
+        c = (jnp.arange(tk)[None, :] <= jnp.arange(tq)[:, None] + q_offset)[None, None]
+        m = c if m is None else m & c
+    if implementation == "cudnn":
+        why = cudnn_unsupported(q)
+        if why is not None:
+            warn_once(f"attention_impl='cudnn' falls back to the XLA implementation: {why}")
+            implementation = "xla"
+    call = functools.partial(jax.nn.dot_product_attention, q, k, v, mask=m, scale=scale, is_causal=flag)
+    try:
+        out = call(implementation=implementation)
+    except NotImplementedError as e:  # cuDNN's own shape checks (sequence lengths, head dims)
+        warn_once(f"attention_impl='cudnn' falls back to the XLA implementation: {e}")
+        out = call(implementation="xla")
+    if mask is not None:  # a row with no visible key: zeros, not jax.nn's mean of v
+        seen = m & jnp.tril(jnp.ones((tq, tk), bool)) if flag else m  # the causal part jax.nn applied
+        any_key = seen.any(-1).transpose(0, 2, 1)[..., None]  # (B|1, Tq|1, H|1, 1)
+        out = jnp.where(any_key, out, jnp.zeros((), out.dtype))
+    return out
+
+
+# ---------------------------------------------------------------- 'blocked' (flash-style)
+
+class _Static(NamedTuple):
+    causal: bool
+    scale: float
+    bq: int  # query block
+    bk: int  # key/value block
+    tk: int  # true key length (keys at or past it are padding)
+
+
+def _block_scores(cfg: _Static, qi, kj, i, j, mask, q_offset):
+    """Scaled scores of query block i against key block j, -inf where not allowed.
+    qi: (B, K, G, bq, D); kj: (B, K, bk, D); mask: (B|1, K|1, G|1, Tq|1, Tk|1) or None."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * cfg.scale
+    kpos = j * cfg.bk + jnp.arange(cfg.bk)
+    allowed = None
+    if mask is not None:
+        mb = mask if mask.shape[3] == 1 else lax.dynamic_slice_in_dim(mask, i * cfg.bq, cfg.bq, 3)
+        allowed = mb if mb.shape[4] == 1 else lax.dynamic_slice_in_dim(mb, j * cfg.bk, cfg.bk, 4)
+    if cfg.causal:
+        qpos = i * cfg.bq + jnp.arange(cfg.bq)
+        c = kpos[None, :] <= qpos[:, None] + q_offset  # (bq, bk)
+        allowed = c if allowed is None else allowed & c
+    if cfg.tk % cfg.bk:  # padded keys
+        pad = kpos < cfg.tk
+        allowed = pad if allowed is None else allowed & pad
+    return s if allowed is None else jnp.where(allowed, s, -jnp.inf)
+
+
+def _kv_blocks_for(cfg: _Static, i, q_offset, nk):
+    """Key blocks query block i needs: all, or (causal) up to the one holding its last visible key."""
+    if not cfg.causal:
+        return nk
+    return jnp.clip(((i + 1) * cfg.bq + q_offset + cfg.bk - 1) // cfg.bk, 0, nk)
+
+
+def _forward(cfg: _Static, q, k, v, mask, q_offset):
+    """Online softmax over key blocks for each query block. q: (B, K, G, Tq', D) padded to bq;
+    k, v: (B, K, Tk', D) padded to bk. Returns out (same shape as q) and logsumexp (B, K, G, Tq')
+    with +inf on rows that see no key (so the backward's exp(s - lse) is 0 there)."""
+    b, hk, g, tqp, d = q.shape
+    nq, nk = tqp // cfg.bq, k.shape[2] // cfg.bk
+
+    def q_block(i):
+        qi = lax.dynamic_slice_in_dim(q, i * cfg.bq, cfg.bq, 3)  # (B, K, G, bq, D)
+
+        def step(j, carry):
+            m, l, acc = carry  # (B, K, G, bq), same, (B, K, G, bq, D) float32
+            kj = lax.dynamic_slice_in_dim(k, j * cfg.bk, cfg.bk, 2)
+            vj = lax.dynamic_slice_in_dim(v, j * cfg.bk, cfg.bk, 2)
+            s = _block_scores(cfg, qi, kj, i, j, mask, q_offset)  # (B, K, G, bq, bk)
+            m_new = jnp.maximum(m, s.max(-1))
+            m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all -inf so far: keep exp() finite
+            p = jnp.exp(s - m_use[..., None])
+            alpha = jnp.exp(m - m_use)  # rescale what earlier blocks accumulated
+            l = alpha * l + p.sum(-1)
+            acc = alpha[..., None] * acc + jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), vj,
+                                                      preferred_element_type=jnp.float32)
+            return m_new, l, acc
+
+        init = (jnp.full((b, hk, g, cfg.bq), -jnp.inf, jnp.float32), jnp.zeros((b, hk, g, cfg.bq), jnp.float32),
+                jnp.zeros((b, hk, g, cfg.bq, d), jnp.float32))
+        m, l, acc = lax.fori_loop(0, _kv_blocks_for(cfg, i, q_offset, nk), step, init)
+        seen = l > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        return out.astype(q.dtype), lse
+
+    out, lse = lax.map(q_block, jnp.arange(nq))  # (nq, B, K, G, bq, D), (nq, B, K, G, bq)
+    out = jnp.moveaxis(out, 0, 3).reshape(b, hk, g, tqp, d)
+    return out, jnp.moveaxis(lse, 0, 3).reshape(b, hk, g, tqp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, mask, q_offset):
+    return _forward(cfg, q, k, v, mask, q_offset)[0]
+
+
+def _flash_fwd(cfg, q, k, v, mask, q_offset):
+    out, lse = _forward(cfg, q, k, v, mask, q_offset)
+    return out, (q, k, v, mask, q_offset, out, lse)  # linear in T: no (Tq, Tk) residual
+
+
+def _flash_bwd(cfg, res, dout):
+    """FlashAttention-2 backward: for each key block, recompute the scores of the query blocks that
+    can see it from the saved logsumexp; dk, dv per key block, dq accumulated in a carry."""
+    q, k, v, mask, q_offset, out, lse = res
+    b, hk, g, tqp, d = q.shape
+    nq, nk = tqp // cfg.bq, k.shape[2] // cfg.bk
+    delta = jnp.einsum("bhgqd,bhgqd->bhgq", dout.astype(jnp.float32), out.astype(jnp.float32))
+
+    def kv_block(dq, j):
+        kj = lax.dynamic_slice_in_dim(k, j * cfg.bk, cfg.bk, 2)  # (B, K, bk, D)
+        vj = lax.dynamic_slice_in_dim(v, j * cfg.bk, cfg.bk, 2)
+
+        def step(i, carry):
+            dq, dk, dv = carry
+            qi = lax.dynamic_slice_in_dim(q, i * cfg.bq, cfg.bq, 3)
+            doi = lax.dynamic_slice_in_dim(dout, i * cfg.bq, cfg.bq, 3)
+            s = _block_scores(cfg, qi, kj, i, j, mask, q_offset)
+            p = jnp.exp(s - lax.dynamic_slice_in_dim(lse, i * cfg.bq, cfg.bq, 3)[..., None])  # (B, K, G, bq, bk)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
+            ds = p * (dp - lax.dynamic_slice_in_dim(delta, i * cfg.bq, cfg.bq, 3)[..., None]) * cfg.scale
+            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+            dqi = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kj.dtype), kj, preferred_element_type=jnp.float32)
+            dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, i * cfg.bq, cfg.bq, 3) + dqi,
+                                                 i * cfg.bq, 3)
+            return dq, dk, dv
+
+        # causal: the first query block with a query at or past this block's first key
+        lo = jnp.clip((j * cfg.bk - q_offset) // cfg.bq, 0, nq) if cfg.causal else 0
+        zeros = jnp.zeros((b, hk, cfg.bk, d), jnp.float32)
+        dq, dk, dv = lax.fori_loop(lo, nq, step, (dq, zeros, zeros))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = lax.scan(kv_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
+    dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)  # (nk, B, K, bk, D) -> (B, K, Tk', D)
+    dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad_to(x, axis: int, size: int, value=0):
+    extra = size - x.shape[axis]
+    if extra == 0 or x.shape[axis] == 1:  # a broadcast (size-1) mask axis stays broadcast
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_heads_first=False,
+                      block=512):
+    """Flash-style attention: loops over query blocks and key/value blocks of ``block`` positions with
+    an online softmax, and a custom VJP that recomputes block scores from the saved logsumexp, so
+    forward and backward hold O(T * block) scores instead of O(Tq * Tk). Lengths that are not a
+    multiple of ``block`` are padded internally (padded keys masked). GQA groups query heads over
+    each key/value head; K/V are never repeated. Same contract as scaled_dot_product_attention."""
+    if block < 1:
+        raise ValueError(f"attention_block must be >= 1, got {block}")
+    b, tq, h, d = q.shape
+    if not kv_heads_first:  # (B, Tk, K, D) -> (B, K, Tk, D): O(T) copy, contiguous key blocks
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    hk, tk = k.shape[1], k.shape[2]
+    if h % hk:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+    g = h // hk
+    cfg = _Static(bool(is_causal), float(d ** -0.5 if scale is None else scale), min(block, tq), min(block, tk), tk)
+    tqp, tkp = -(-tq // cfg.bq) * cfg.bq, -(-tk // cfg.bk) * cfg.bk
+    qg = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4)  # (B, K, G, Tq, D); head = kv_head * G + group
+    qg, k, v = _pad_to(qg, 3, tqp), _pad_to(k, 2, tkp), _pad_to(v, 2, tkp)
+    m = None
+    if mask is not None:
+        m = _mask4(mask)
+        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], hk, g, *m.shape[2:])
+        m = _pad_to(_pad_to(m, 3, tqp, False), 4, tkp, False)  # (B|1, K|1, G|1, Tq'|1, Tk'|1)
+    out = _flash(cfg, qg, k, v, m, jnp.asarray(q_offset, jnp.int32))  # (B, K, G, Tq', D)
+    return out[:, :, :, :tq].transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d)

@@ -1,0 +1,336 @@
+"""Greedy decoding speed: jaxgpt vs torch_ref vs Hugging Face generate() on the same weights.
+
+    .venv/bin/python scripts/bench_decode.py            # full table -> results/engine/decode.{json,md}
+    .venv/bin/python scripts/bench_decode.py --quick    # CI smoke: tiny shapes, one repeat, < 60 s
+    .venv/bin/python scripts/bench_decode.py --slots    # decode-step ms/token vs cache slots only
+
+Model: a GPT-2-style GPT2LMHeadModel (6 layers, 384 wide, 6 heads, context 1024, vocab 65 like
+the shakespeare-char preset) with random weights, built from transformers.GPT2Config and saved
+locally; jaxgpt and torch_ref load the same directory (jaxgpt.convert.load_hf). Nothing is
+downloaded. Each framework runs in its own subprocess (their thread pools interfere in one
+process), in rotating order, ``--repeats`` times; medians are reported. Every run's greedy
+tokens are compared with jaxgpt's cached ones (``tokens_match``).
+
+Measured per (batch, new tokens): tokens/s (batch x new tokens / wall time, compile excluded)
+and time to first token (a 1-token generate). Rows:
+- jax cached: ``jaxgpt.generate`` (prefill + compiled while-loop over the per-layer KV cache).
+- jax uncached: the prefix is recomputed every step, padded up to a multiple of 64 (so at most
+  context/64 compiles; causal attention makes the padding invisible).
+- torch_ref cached / uncached: ``torch_ref.generate.generate`` (uncached recomputes the exact prefix).
+- hf default / hf static: ``model.generate(do_sample=False)`` with the default dynamic cache and
+  with ``cache_implementation="static"``.
+Uncached rows at full size are *estimated*: each step's cost depends only on the prefix length,
+so the forward is timed once per 64-token bucket (at the bucket's middle length for torch) and
+summed over the steps; their tokens are checked on the first 64 steps by a real generation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = ("jax-cached", "jax-uncached", "torch-cached", "torch-uncached", "hf-default", "hf-static")
+BUCKET = 64
+
+
+# Workers (one framework per process) ----------------------------------------------------------------
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def _buckets(prompt_len: int, n: int) -> dict[int, int]:
+    """{padded prefix width: number of steps} of an n-token uncached generation (step j reads
+    the prompt_len + j tokens so far, padded up to a multiple of BUCKET)."""
+    out: dict[int, int] = {}
+    for j in range(n):
+        width = -(-(prompt_len + j) // BUCKET) * BUCKET
+        out[width] = out.get(width, 0) + 1
+    return out
+
+
+def _prompt(batch: int, length: int, vocab: int):
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, vocab, (batch, length)).astype(np.int64)
+
+
+def worker_jax(model_dir: str, cases, cached: bool, prompt_len: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxgpt.convert.hf import load_hf
+    from jaxgpt.generate import generate
+    from jaxgpt.models import build
+
+    config, params = load_hf(model_dir)
+    out = []
+    if cached:
+        for b, n in cases:
+            prompt = _prompt(b, prompt_len, config.vocab_size)
+            run = lambda k: np.asarray(generate(config, params, prompt, k))  # noqa: B023
+            (_, compile_s), _ = _timed(lambda: run(n)), run(1)  # compile both shapes  # noqa: B023
+            toks, dt = _timed(lambda: run(n))  # noqa: B023
+            _, ttft = _timed(lambda: run(1))  # noqa: B023
+            out.append({"batch": b, "new": n, "seconds": dt, "ttft": ttft, "compile_s": compile_s, "tokens": toks[:, prompt_len:].tolist()})
+        return out
+    model = build(config)
+    fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
+
+    def step_logits(tokens):  # tokens (B, T): pad to a multiple of BUCKET, read position T-1
+        t = tokens.shape[1]
+        width = min(-(-t // BUCKET) * BUCKET, config.max_len)
+        padded = np.zeros((tokens.shape[0], width), np.int32)
+        padded[:, :t] = tokens
+        return fwd(params, jnp.asarray(padded))[:, t - 1]
+
+    for b, n in cases:
+        prompt = _prompt(b, prompt_len, config.vocab_size)
+        tokens = prompt.astype(np.int32)
+        check = min(n, BUCKET)
+        for _ in range(check):  # a real uncached generation of the first steps (token check)
+            tokens = np.concatenate([tokens, np.asarray(jnp.argmax(step_logits(tokens), -1))[:, None]], 1)
+        _, ttft = _timed(lambda: np.asarray(jnp.argmax(step_logits(prompt.astype(np.int32)), -1)))  # noqa: B023
+        total, compile_s = 0.0, 0.0
+        for width, steps in _buckets(prompt_len, n).items():  # every step of a bucket runs the same program
+            probe = np.zeros((b, min(width, config.max_len)), np.int32)
+            _, c = _timed(lambda: jax.block_until_ready(step_logits(probe)))  # noqa: B023
+            compile_s += c
+            ts = [_timed(lambda: jax.block_until_ready(step_logits(probe)))[1] for _ in range(3)]  # noqa: B023
+            total += statistics.median(ts) * steps
+        out.append({"batch": b, "new": n, "seconds": total, "ttft": ttft, "compile_s": compile_s, "estimated": n > check,
+                        "tokens": tokens[:, prompt_len:].tolist()})
+    return out
+
+
+def _torch_ref_model(model_dir: str):
+    import torch
+
+    import torch_ref.models
+    from jaxgpt.convert.hf import load_hf
+    from jaxgpt.layout import params_to_state_dict, stacked_paths
+
+    config, params = load_hf(model_dir)
+    model = torch_ref.models.build(config)
+    sd = params_to_state_dict(params, stacked=stacked_paths(config))
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in sd.items()}, strict=True)
+    return config, model.eval()
+
+
+def worker_torch(model_dir: str, cases, cached: bool, prompt_len: int) -> list[dict]:
+    import torch
+
+    from torch_ref.generate import generate
+
+    config, model = _torch_ref_model(model_dir)
+    out = []
+    with torch.no_grad():
+        for b, n in cases:
+            prompt = torch.from_numpy(_prompt(b, prompt_len, config.vocab_size))
+            generate(model, prompt, 2, use_cache=cached)  # warm-up (allocator, thread pool)
+            _, ttft = _timed(lambda: generate(model, prompt, 1, use_cache=cached))  # noqa: B023
+            if cached:
+                toks, dt = _timed(lambda: generate(model, prompt, n, use_cache=True))  # noqa: B023
+                out.append({"batch": b, "new": n, "seconds": dt, "ttft": ttft, "tokens": toks[:, prompt_len:].tolist()})
+                continue
+            check = min(n, BUCKET)
+            toks = generate(model, prompt, check, use_cache=False)
+            total = 0.0
+            for width, steps in _buckets(prompt_len, n).items():  # timed at the bucket's middle length
+                probe = torch.zeros((b, min(width - BUCKET // 2, config.max_len)), dtype=torch.long)
+                ts = [_timed(lambda: model(probe))[1] for _ in range(3)]  # noqa: B023
+                total += statistics.median(ts) * steps
+            out.append({"batch": b, "new": n, "seconds": total, "ttft": ttft, "estimated": n > check,
+                            "tokens": toks[:, prompt_len:].tolist()})
+    return out
+
+
+def worker_hf(model_dir: str, cases, static: bool, prompt_len: int) -> list[dict]:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    out = []
+    for b, n in cases:
+        prompt = torch.from_numpy(_prompt(b, prompt_len, model.config.vocab_size))
+        kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "attention_mask": torch.ones_like(prompt)}
+        if static:
+            kw["cache_implementation"] = "static"
+        gen = lambda k: model.generate(prompt, max_new_tokens=k, min_new_tokens=k, **kw)  # noqa: B023
+        gen(2)  # warm-up
+        _, ttft = _timed(lambda: gen(1))  # noqa: B023
+        toks, dt = _timed(lambda: gen(n))  # noqa: B023
+        out.append({"batch": b, "new": n, "seconds": dt, "ttft": ttft, "tokens": toks[:, prompt_len:].tolist()})
+    return out
+
+
+def worker(args) -> None:
+    cases = json.loads(args.cases)
+    fw = args.worker
+    if fw.startswith("jax"):
+        res = worker_jax(args.model_dir, cases, fw == "jax-cached", args.prompt_len)
+    elif fw.startswith("torch"):
+        res = worker_torch(args.model_dir, cases, fw == "torch-cached", args.prompt_len)
+    else:
+        res = worker_hf(args.model_dir, cases, fw == "hf-static", args.prompt_len)
+    print("RESULT " + json.dumps(res))
+
+
+# Per-token cost vs cache slots (one compiled loop of decode steps) ---------------------------------
+def slots_worker(slots: list[int], steps: int, vocab: int) -> list[dict]:
+    """ms per decode step of the 6 x 384 model inside a compiled fori_loop, for each cache size:
+    'generate' = what jaxgpt.generate runs (unstacked layers, per-layer caches); 'stacked' = the
+    public DecoderLM(cache=init_cache(...)) call with scanned layers and the (L, ...) cache."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgpt.config import ModelConfig
+    from jaxgpt.models import decoder as dec
+    from jaxgpt.models import init_params
+
+    per_layer = "per_layer" in inspect.signature(dec.init_cache).parameters  # absent before the fix
+    out = []
+    for s in slots:
+        cfg = ModelConfig(vocab_size=vocab, d_model=384, n_layer=6, n_head=6, max_len=s, pos="learned",
+                          norm="layernorm", mlp="gelu", mlp_bias=True, qkv_bias=True, o_bias=True,
+                          tie_embeddings=True)
+        base = init_params(cfg, jax.random.PRNGKey(0))
+        for mode in (("generate", "stacked") if per_layer else ("stacked",)):
+            c, p = dec.unstack_layers(cfg, base) if mode == "generate" else (cfg, base)
+            model = dec.DecoderLM(c)
+
+            def run(p, tok, c=c, model=model, mode=mode):
+                cache = dec.init_cache(c, 1, s, per_layer=True) if mode == "generate" else dec.init_cache(c, 1, s)  # noqa: B023
+
+                def step(i, st):
+                    cache, tok = st
+                    o = model.apply({"params": p}, tok[:, None], cache=cache)
+                    return o.cache, jnp.argmax(o.logits[:, -1], -1).astype(jnp.int32)
+
+                return jax.lax.fori_loop(0, steps, step, (cache, tok))[1]
+
+            tok = jnp.zeros((1,), jnp.int32)
+            compiled = jax.jit(run).lower(p, tok).compile()
+            jax.block_until_ready(compiled(p, tok))
+            ts = sorted(_timed(lambda: jax.block_until_ready(compiled(p, tok)))[1] for _ in range(5))  # noqa: B023
+            cache_mb = 2 * 6 * s * 384 * 4 / 1e6
+            out.append({"slots": s, "mode": mode, "ms_per_token": 1e3 * ts[2] / steps, "cache_mb": cache_mb,
+                            "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 1e6})
+    return out
+
+
+# Parent ----------------------------------------------------------------------------------------------
+def build_model_dir(path: Path, vocab: int, d: int, layers: int, heads: int, ctx: int) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=ctx, n_embd=d, n_layer=layers,
+                               n_head=heads)).eval().save_pretrained(path)
+
+
+def run_worker(argv: list[str]) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"worker {argv[:2]} failed:\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def markdown(rows: list[dict], slots: list[dict]) -> str:
+    out = ["| batch | new tokens | framework | tokens/s | ms/token | TTFT ms | vs jax cached | tokens match |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        est = " (est.)" if r.get("estimated") else ""
+        out.append(f"| {r['batch']} | {r['new']} | {r['framework']}{est} | {r['tok_s']:.0f} | {r['ms_token']:.2f} | "
+                   f"{r['ttft'] * 1e3:.1f} | {r['speedup_of_jax_cached']:.2f}x | {r['tokens_match']} |")
+    if slots:
+        out += ["", "| cache slots | path | ms/token | cache MB | compiled temp MB |", "|---|---|---|---|---|"]
+        out += [f"| {s['slots']} | {s['mode']} | {s['ms_per_token']:.2f} | {s['cache_mb']:.1f} | {s['temp_mb']:.1f} |"
+                for s in slots]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI smoke: tiny model and shapes, one repeat")
+    ap.add_argument("--slots", action="store_true", help="only the ms/token vs cache slots table")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", default="256,1008", help="1008 + the 16-token prompt fills the 1024 context")
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    ap.add_argument("--out", default=str(ROOT / "results" / "engine" / "decode.json"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--cases", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--slot-sizes", default="256,1024,4096")
+    args = ap.parse_args()
+    if args.worker == "slots":
+        print("RESULT " + json.dumps(slots_worker([int(s) for s in args.slot_sizes.split(",")], 32, 65)))
+        return
+    if args.worker:
+        worker(args)
+        return
+
+    dims = {"vocab": 65, "d": 384, "layers": 6, "heads": 6, "ctx": 1024}
+    batches, news = [int(x) for x in args.batches.split(",")], [int(x) for x in args.new_tokens.split(",")]
+    if args.quick:
+        dims, batches, news, args.repeats, args.prompt_len = {"vocab": 65, "d": 64, "layers": 2, "heads": 2, "ctx": 128}, [2], [32], 1, 8
+        if args.frameworks == ",".join(FRAMEWORKS):
+            args.frameworks = "jax-cached,jax-uncached,torch-cached,hf-default"
+    slots = [] if args.quick and not args.slots else run_worker(["--worker", "slots", "--slot-sizes", args.slot_sizes])
+    rows = []
+    if not args.slots:
+        cases = [(b, n) for b in batches for n in news]
+        fws = args.frameworks.split(",")
+        runs = {fw: [] for fw in fws}
+        with tempfile.TemporaryDirectory() as tmp:
+            build_model_dir(Path(tmp), **dims)
+            for r in range(args.repeats):
+                for fw in fws[r % len(fws):] + fws[:r % len(fws)]:  # rotate the order: A B C, B C A, ...
+                    print(f"repeat {r + 1}/{args.repeats}: {fw}", file=sys.stderr, flush=True)
+                    runs[fw].append(run_worker(["--worker", fw, "--model-dir", tmp, "--cases", json.dumps(cases),
+                                                "--prompt-len", str(args.prompt_len)]))
+        for i, (b, n) in enumerate(cases):
+            ref = runs.get("jax-cached", [[None] * len(cases)])[0][i]
+            ref_s = statistics.median(run[i]["seconds"] for run in runs["jax-cached"]) if "jax-cached" in runs else None
+            for fw in fws:
+                res = [run[i] for run in runs[fw]]
+                sec = statistics.median(x["seconds"] for x in res)
+                toks = res[0]["tokens"]
+                match = None if ref is None else all(row == rref[:len(row)] for row, rref in zip(toks, ref["tokens"]))
+                rows.append({"framework": fw, "batch": b, "new": n, "seconds": sec, "tok_s": b * n / sec, "ms_token": 1e3 * sec / n,
+                                 "ttft": statistics.median(x["ttft"] for x in res), "estimated": res[0].get("estimated", False),
+                                 "compile_s": res[0].get("compile_s"), "speedup_of_jax_cached": (sec / ref_s) if ref_s else float("nan"),
+                                 "tokens_match": match, "repeats": len(res)})
+    table = markdown(rows, slots)
+    print(table)
+    out = Path(args.out)
+    if args.quick or args.slots:  # keep the full table's files
+        out = out.with_name("decode_quick.json" if args.quick else "decode_slots.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(["scripts/bench_decode.py", *sys.argv[1:]]), "dims": dims,
+                                   "prompt_len": args.prompt_len, "rows": rows, "slots": slots, "cpu_count": os.cpu_count(),
+                                   "note": "machine shared with other jobs unless stated; medians of repeats"}, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+    bad = [r for r in rows if r["tokens_match"] is False]
+    if bad:
+        print(f"WARNING: greedy tokens differ from jax cached for {[(r['framework'], r['batch'], r['new']) for r in bad]}",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

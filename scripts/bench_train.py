@@ -1,0 +1,366 @@
+"""Race jaxgpt's jitted train step against torch_ref's training step on the CPU.
+
+    .venv/bin/python scripts/bench_train.py                 # cpu-small + shakespeare-char, 3 A/B rounds
+    .venv/bin/python scripts/bench_train.py --quick         # CI smoke: tiny shapes, seconds
+    .venv/bin/python scripts/bench_train.py --compile-time  # gpt2-small train-step lower + compile only
+
+Same model config, same batches (random tokens from one seed), same optimizer (TrainConfig
+defaults: AdamW, cosine schedule, clipping at 1.0), float32, for:
+  torch eager     torch_ref.train.train_step / make_optimizer as written;
+  torch.compile   the same step with the model wrapped in torch.compile (inductor; needs a C++ compiler);
+  jaxgpt-default  jaxgpt.train.step.make_train_step on ModelConfig defaults;
+  jaxgpt-...      the same step with the engine settings of JAX_SETTINGS (ModelConfig values a user can
+                  set, and the batch split over host CPU devices with jaxgpt.sharding.use_host_devices).
+Each (framework, setting) runs in its own subprocess (thread pools of two frameworks in one process
+interfere), one after the other in rounds (A B C D, D C B A, ...); each process compiles, warms up and
+then times `steps` steps one by one; the table reports the median over all rounds' steps.
+
+MFU = model FLOPs per step / measured float32 matmul peak. Model FLOPs are nanoGPT's estimate:
+6 * N * tokens (N = parameters without the position table) + 12 * n_layer * T * d_model * tokens
+(attention scores and mixing, forward + backward). The peak is the best of 5 2048^3 float32
+matmuls measured by this script in each framework at the start of every round (the best over rounds
+is kept for each; both are reported, MFU uses the larger one).
+Writes results/engine/bench_train.json and results/engine/bench_train.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxgpt.config import ModelConfig, TrainConfig, get_preset  # noqa: E402  (imports no framework)
+
+# nanoGPT style: learned positions, LayerNorm, exact GELU 4x MLP, no biases, tied embeddings, no dropout.
+_NANO = dict(vocab_size=65, pos="learned", norm="layernorm", norm_eps=1e-5, norm_bias=False, mlp="gelu",
+             mlp_bias=False, qkv_bias=False, o_bias=False, tie_embeddings=True, dropout=0.0, attn_dropout=0.0,
+             scale_out_init=True)
+SHAPES = {  # name: (config, batch, seq_len, timed steps per process)
+    "cpu-small": (ModelConfig(d_model=128, n_layer=4, n_head=4, max_len=64, **_NANO), 12, 64, 20),
+    "shakespeare-char": (ModelConfig(d_model=384, n_layer=6, n_head=6, max_len=256, **_NANO), 64, 256, 3),
+    "quick": (ModelConfig(d_model=32, n_layer=2, n_head=2, max_len=16, **_NANO), 4, 16, 3),
+}
+# jaxgpt settings a user can select: ModelConfig overrides (`--set key=value`) and the number of host
+# CPU devices the batch is split over (data parallel, params replicated; `jaxgpt train --mesh data=2`).
+# Which one wins depends on the shape and on how busy the machine is: docs/performance.md.
+JAX_SETTINGS = {
+    "jaxgpt-default": {},
+    "jaxgpt-remat": {"config": {"remat": "full"}},
+    "jaxgpt-unrolled": {"config": {"scan_layers": False}},
+    "jaxgpt-unrolled-remat": {"config": {"scan_layers": False, "remat": "full"}},
+    "jaxgpt-unrolled-dp2": {"config": {"scan_layers": False}, "host_devices": 2},
+    "jaxgpt-remat-dp2": {"config": {"remat": "full"}, "host_devices": 2},
+    "jaxgpt-jaxattn": {"config": {"attention_impl": "jax"}},
+    "jaxgpt-jaxattn-unrolled-dp2": {"config": {"attention_impl": "jax", "scan_layers": False}, "host_devices": 2},
+}
+RUNNERS = ("torch-eager", "torch-compile") + tuple(JAX_SETTINGS)
+QUICK_RUNNERS = ("torch-eager", "jaxgpt-default", "jaxgpt-unrolled-dp2")
+
+
+def model_flops_per_step(config: ModelConfig, n_params: int, batch: int, seq_len: int) -> float:
+    """nanoGPT's estimate_mfu FLOPs: 6 N + 12 L T d per token, N without the position table."""
+    n = n_params - (config.max_len * config.d_model if config.pos == "learned" else 0)
+    return (6 * n + 12 * config.n_layer * seq_len * config.d_model) * batch * seq_len
+
+
+def _batches(config: ModelConfig, batch: int, seq_len: int, n: int, seed: int = 0) -> list[dict]:
+    import numpy as np
+    w = np.random.default_rng(seed).integers(0, config.vocab_size, size=(n, 1, batch, seq_len + 1), dtype=np.int32)
+    return [{"x": b[:, :, :-1], "y": b[:, :, 1:]} for b in w]  # (1, B, T): one micro-batch
+
+
+# ---------------------------------------------------------------- workers (one per subprocess)
+
+def _row_shards(x) -> int:
+    """Into how many pieces the batch rows (axis 1 of (1, B, T)) are split across devices."""
+    return x.shape[1] // x.sharding.shard_shape(x.shape)[1]
+
+
+def _worker_jax(shape: str, setting: str, steps: int) -> dict:
+    config, batch, seq_len, _ = SHAPES[shape]
+    # a JAX_SETTINGS name, or a JSON {"config": {...}, "host_devices": n} (to try a setting by hand)
+    chosen = json.loads(setting) if setting.startswith("{") else JAX_SETTINGS[setting]
+    devices = chosen.get("host_devices", 1)
+    from jaxgpt.sharding import use_host_devices
+    use_host_devices(devices)  # before jax initialises its backend
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxgpt.models import count_params
+    from jaxgpt.train.step import init_state, make_train_step
+    config = config.replace(**chosen.get("config", {}))
+    tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=steps + 2)
+    state = init_state(config, tc)
+    n_params = count_params(state.params)
+    batches = _batches(config, batch, seq_len, steps + 1)
+    if devices > 1:  # data parallel: params replicated, the batch axis (axis 1) split; jit propagates it
+        mesh = Mesh(jax.devices()[:devices], ("data",))
+        state = jax.device_put(state, NamedSharding(mesh, P()))
+        batches = [jax.device_put(b, NamedSharding(mesh, P(None, "data"))) for b in batches]
+    else:
+        batches = [jax.device_put(b) for b in batches]
+    t = time.perf_counter()
+    step = make_train_step(config, tc).lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t
+    times = []
+    for i, b in enumerate(batches):
+        t = time.perf_counter()
+        state, metrics = step(state, b)
+        jax.block_until_ready(metrics)
+        if i:  # the first call is the warm-up
+            times.append(time.perf_counter() - t)
+    return {"times_s": times, "compile_s": compile_s, "params": n_params, "loss": float(metrics["loss"]),
+            "jax_version": jax.__version__, "batch_shards": _row_shards(batches[0]["x"]),
+            "setting": {**chosen.get("config", {}), "host_devices": devices}}
+
+
+def _worker_torch(shape: str, setting: str, steps: int) -> dict:
+    import torch
+
+    import torch_ref
+    from torch_ref.train import make_optimizer, train_step
+    config, batch, seq_len, _ = SHAPES[shape]
+    tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=steps + 2)
+    torch.manual_seed(0)
+    model = torch_ref.build(config).float()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt, sched = make_optimizer(model, tc)
+    if setting == "compile":
+        model = torch.compile(model)
+    batches = _batches(config, batch, seq_len, steps + 1)
+    t = time.perf_counter()
+    metrics = train_step(model, opt, sched, tc, batches[0])  # warm-up (and inductor compile)
+    compile_s = time.perf_counter() - t
+    times = []
+    for b in batches[1:]:
+        t = time.perf_counter()
+        metrics = train_step(model, opt, sched, tc, b)  # syncs: it returns Python floats
+        times.append(time.perf_counter() - t)
+    return {"times_s": times, "compile_s": compile_s, "params": n_params, "loss": metrics["loss"],
+            "torch_version": torch.__version__, "threads": torch.get_num_threads(), "setting": {"mode": setting}}
+
+
+def _best_of(fn, n: int = 5) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _worker_peak(framework: str, n: int) -> dict:
+    """Best-of float32 n^3 matmul rate, GFLOP/s."""
+    if framework == "jax":
+        import jax
+        import jax.numpy as jnp
+        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+        mm = jax.jit(lambda x, y: x @ y)
+        mm(a, a).block_until_ready()
+        s = _best_of(lambda: mm(a, a).block_until_ready())
+    else:
+        import torch
+        a = torch.randn(n, n)
+        a @ a
+        s = _best_of(lambda: a @ a)
+    return {"gflops": 2 * n ** 3 / s / 1e9, "n": n}
+
+
+def _worker_compile_time(preset: str) -> dict:
+    """Lower + compile the train step of ``preset`` on abstract shapes (nothing allocated)."""
+    import jax
+
+    from jaxgpt.train.step import abstract_state, make_train_step
+    config = get_preset(preset)
+    tc = TrainConfig(batch_size=8, seq_len=config.max_len)
+    state = abstract_state(config, tc)
+    batch = {k: jax.ShapeDtypeStruct((1, tc.batch_size, tc.seq_len), "int32") for k in ("x", "y")}
+    t = time.perf_counter()
+    lowered = make_train_step(config, tc).lower(state, batch)
+    lower_s = time.perf_counter() - t
+    lowered.compile()
+    return {"preset": preset, "batch_size": tc.batch_size, "seq_len": tc.seq_len, "lower_s": lower_s,
+            "compile_s": time.perf_counter() - t - lower_s, "total_s": time.perf_counter() - t,
+            "scan_layers": config.scan_layers, "n_layer": config.n_layer}
+
+
+def _worker(args) -> None:
+    kind, _, setting = args.worker.partition(":")
+    if kind == "jax":
+        out = _worker_jax(args.shape, setting, args.steps)
+    elif kind == "torch":
+        out = _worker_torch(args.shape, setting, args.steps)
+    elif kind == "peak":
+        out = _worker_peak(setting, args.peak_n)
+    else:
+        out = _worker_compile_time(setting)
+    print("RESULT " + json.dumps(out))
+
+
+# ---------------------------------------------------------------- driver
+
+_WORKER_OF = {"torch-eager": "torch:eager", "torch-compile": "torch:compile", **{k: f"jax:{k}" for k in JAX_SETTINGS}}
+
+
+def _spawn(worker: str, shape: str = "quick", steps: int = 1, peak_n: int = 2048, timeout: float = 1800) -> dict:
+    cmd = [sys.executable, __file__, "--worker", worker, "--shape", shape, "--steps", str(steps),
+           "--peak-n", str(peak_n)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"error": f"{worker} exited with {p.returncode}: " + " | ".join(tail)}
+
+
+def _measure_peaks(peaks: dict, n: int) -> None:
+    """Update ``peaks`` (framework -> best GFLOP/s so far) with one more measurement in each."""
+    for fw in ("jax", "torch"):
+        out = _spawn(f"peak:{fw}", peak_n=n)
+        if "error" in out:
+            raise SystemExit(f"the matmul peak measurement failed: {out['error']}")
+        peaks[fw] = max(peaks.get(fw, 0.0), out["gflops"])
+
+
+def run_shape(shape: str, runners: tuple[str, ...], rounds: int, steps: int, peaks: dict, peak_n: int) -> dict:
+    config, batch, seq_len, _ = SHAPES[shape]
+    per = {r: [] for r in runners}
+    for i in range(rounds):
+        _measure_peaks(peaks, peak_n)  # every round: the best of all rounds is the peak (load varies)
+        order = runners if i % 2 == 0 else runners[::-1]  # alternate which framework goes first
+        for r in order:
+            out = _spawn(_WORKER_OF[r], shape, steps)
+            per[r].append(out)
+            msg = out.get("error") or f"median {1e3 * statistics.median(out['times_s']):.1f} ms/step"
+            print(f"  {shape} round {i + 1}/{rounds} {r}: {msg}", file=sys.stderr, flush=True)
+    rows = {}
+    tokens = batch * seq_len
+    for r, outs in per.items():
+        ok = [o for o in outs if "error" not in o]
+        if not ok:
+            rows[r] = {"error": outs[0]["error"]}
+            continue
+        times = [t for o in ok for t in o["times_s"]]
+        med = statistics.median(times)
+        flops = model_flops_per_step(config, ok[0]["params"], batch, seq_len)
+        rows[r] = {"ms_step": 1e3 * med, "tok_s": tokens / med, "gflops": flops / med / 1e9,
+                   "round_medians_ms": [1e3 * statistics.median(o["times_s"]) for o in ok],
+                   "compile_s": statistics.median(o["compile_s"] for o in ok), "steps": len(times),
+                   "params": ok[0]["params"], "setting": ok[0]["setting"], "loss": ok[0]["loss"],
+                   **({"batch_shards": ok[0]["batch_shards"]} if "batch_shards" in ok[0] else {})}
+    base = rows.get("torch-eager", {}).get("tok_s")
+    for row in rows.values():
+        if base and "tok_s" in row:
+            row["vs_torch_eager"] = row["tok_s"] / base
+    jax_rows = [r for r in rows if r.startswith("jaxgpt") and "tok_s" in rows[r]]
+    best = max(jax_rows, key=lambda r: rows[r]["tok_s"], default=None)
+    return {"config": config.to_dict(), "batch_size": batch, "seq_len": seq_len, "tokens_per_step": tokens,
+            "best_jaxgpt": best,
+            "model_flops_per_step": model_flops_per_step(config, next(
+                (r["params"] for r in rows.values() if "params" in r), 0), batch, seq_len),
+            "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    peak = result["peak_gflops"]
+    load = result["load_average"]
+    lines = [(f"float32 matmul peak ({result['peak_n']}^3, best of 5): jax {peak['jax']:.0f} GFLOP/s, "
+              f"torch {peak['torch']:.0f} GFLOP/s; MFU against {result['peak']:.0f}. {result['rounds']} rounds, "
+              f"{result['machine']}, load average {load['start']:.1f} at start and {load['end']:.1f} at end."), ""]
+    for shape, s in result["shapes"].items():
+        c = s["config"]
+        lines += [(f"**{shape}**: {c['n_layer']} layers, d_model {c['d_model']}, {c['n_head']} heads, "
+                   f"batch {s['batch_size']} x T {s['seq_len']}, vocab {c['vocab_size']}, "
+                   f"{s['model_flops_per_step'] / 1e9:.2f} GFLOP/step"),
+                  "", "| runner | setting | ms/step (median) | tokens/s | GFLOP/s | MFU | vs torch eager |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, row in s["rows"].items():
+            if "error" in row:
+                lines.append(f"| {name} | – | failed: {row['error'][:120]} | | | | |")
+                continue
+            setting = ", ".join(f"{k}={v}" for k, v in row["setting"].items()) or "defaults"
+            lines.append(f"| {name} | {setting} | {row['ms_step']:.1f} | {row['tok_s']:,.0f} | {row['gflops']:.1f} | "
+                         f"{100 * row['mfu']:.0f}% | {row.get('vs_torch_eager', float('nan')):.2f}x |")
+        best = s.get("best_jaxgpt")
+        if best and "vs_torch_eager" in s["rows"][best]:
+            row = s["rows"][best]
+            setting = ", ".join(f"{k}={v}" for k, v in row["setting"].items())
+            lines.append(f"Best jaxgpt: {best} ({setting}), {row['vs_torch_eager']:.2f}x torch eager tokens/s, "
+                         f"{100 * row['mfu']:.0f}% of the matmul peak.")
+        lines.append("")
+    ct = result.get("compile_time") or {}
+    if "error" in ct:
+        lines.append(f"gpt2-small compile time: failed: {ct['error']}")
+    elif ct:
+        lines.append(f"{ct['preset']} train step (B {ct['batch_size']}, T {ct['seq_len']}, scan_layers="
+                     f"{ct['scan_layers']}): lower {ct['lower_s']:.1f} s + compile {ct['compile_s']:.1f} s = "
+                     f"{ct['total_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="cpu-small,shakespeare-char", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--runners", default=None, help=f"comma list of {RUNNERS} (default: all; --quick: {QUICK_RUNNERS})")
+    ap.add_argument("--rounds", type=int, default=3, help="A/B rounds (each runner once per round)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per process (default: per shape)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke: the tiny shape, 1 round, 3 steps")
+    ap.add_argument("--compile-time", action="store_true", help="only the gpt2-small train-step compile time")
+    ap.add_argument("--no-compile-time", action="store_true", help="skip it in the full run")
+    ap.add_argument("--peak-n", type=int, default=2048)
+    ap.add_argument("--out", default=str(ROOT / "results" / "engine" / "bench_train.json"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default="quick", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    if args.compile_time:
+        ct = _spawn("compile:gpt2-small", timeout=600)
+        print(json.dumps(ct, indent=1))
+        return ct
+    shapes = ["quick"] if args.quick else args.shapes.split(",")
+    # torch.compile spends ~1 min in inductor per process: not part of the CI smoke run unless asked for
+    runners = tuple(args.runners.split(",")) if args.runners else QUICK_RUNNERS if args.quick else RUNNERS
+    for name, allowed, given in (("shape", SHAPES, shapes), ("runner", RUNNERS, runners)):
+        bad = [g for g in given if g not in allowed]
+        if bad:
+            raise SystemExit(f"unknown {name} {bad}; expected some of {sorted(allowed)}")
+    rounds = 1 if args.quick else args.rounds
+    if rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {rounds}")
+    peak_n = 256 if args.quick else args.peak_n
+    peaks = {}
+    load_start = os.getloadavg()[0]  # a loaded machine slows both frameworks, torch's OpenMP pool most
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "peak_n": peak_n, "peak_gflops": peaks,
+              "rounds": rounds, "flops": "nanoGPT estimate: 6 N tokens + 12 L T d tokens (N without position table)",
+              "jax_settings": JAX_SETTINGS, "shapes": {}}
+    for shape in shapes:
+        steps = args.steps or (3 if args.quick else SHAPES[shape][3])
+        result["shapes"][shape] = run_shape(shape, runners, rounds, steps, peaks, peak_n)
+    result["peak"] = max(peaks.values())
+    for s in result["shapes"].values():
+        for row in s["rows"].values():
+            if "gflops" in row:
+                row["mfu"] = row["gflops"] / result["peak"]
+    if not args.quick and not args.no_compile_time:
+        result["compile_time"] = _spawn("compile:gpt2-small", timeout=600)
+    result["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    table = markdown(result)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()
