@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import checks, validate
-from jaxgpt.attention_backends import blocked_attention, jax_attention, warn_once
+from jaxgpt.attention_backends import blocked_attention, grouped_mask, jax_attention, warn_once
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.mlp import dense
 from jaxgpt.positions import apply_rope
@@ -62,9 +62,7 @@ def cached_attention(q, kc, vc, *, offset, mask=None, is_causal=True, return_wei
     if mask is not None:
         m = jnp.asarray(mask)
         validate.check_mask(m.shape, m.dtype, (b, h, t, s_len))
-        m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B|1, H|1, T|1, S)
-        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
-        allowed = allowed & m  # (B|1, H_kv|1, G|1, T|1, S)
+        allowed = allowed & grouped_mask(m, h_kv, g)  # (B|1, H_kv|1, G|1, T|1, S)
     scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     weights = jnp.where(allowed.any(-1, keepdims=True), jax.nn.softmax(scores, axis=-1), 0.0)
     out = jnp.einsum("nqk,nkd->nqd", weights.reshape(n, g * t, s_len).astype(vc.dtype), vc)  # (N, G*T, D)
@@ -109,9 +107,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
     if mask is not None:
         m = jnp.asarray(mask)
         validate.check_mask(m.shape, m.dtype, (b, h, tq, tk))
-        m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B|1, H|1, Tq|1, Tk)
-        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
-        allowed = m  # (B|1, H_kv|1, G|1, Tq|1, Tk)
+        allowed = grouped_mask(m, h_kv, g)  # (B|1, H_kv|1, G|1, Tq|1, Tk)
     if is_causal:
         c = causal_mask(tq, tk, q_offset)
         allowed = c if allowed is None else allowed & c

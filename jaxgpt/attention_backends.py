@@ -36,6 +36,12 @@ def _mask4(mask):
     return m.reshape((1,) * (4 - m.ndim) + m.shape)
 
 
+def grouped_mask(mask, h_kv: int, g: int):
+    """A validated bool mask as 5-D (B|1, H_kv|1, G|1, Tq|1, Tk|1): query head = kv_head * g + group."""
+    m = _mask4(mask)
+    return m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
+
+
 # ---------------------------------------------------------------- 'jax' / 'cudnn'
 
 def cudnn_unsupported(q) -> str | None:
@@ -237,8 +243,7 @@ def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=
     qg, k, v = _pad_to(qg, 3, tqp), _pad_to(k, 2, tkp), _pad_to(v, 2, tkp)
     m = None
     if mask is not None:
-        m = _mask4(mask)
-        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], hk, g, *m.shape[2:])
+        m = grouped_mask(mask, hk, g)
         m = _pad_to(_pad_to(m, 3, tqp, False), 4, tkp, False)  # (B|1, K|1, G|1, Tq'|1, Tk'|1)
     out = _flash(cfg, qg, k, v, m, jnp.asarray(q_offset, jnp.int32))  # (B, K, G, Tq', D)
     return out[:, :, :, :tq].transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d)
