@@ -1,5 +1,7 @@
 """Decoding engine: the compiled decode loop copies no KV cache per token, compiles once per shape,
 and the per-layer decode cache gives the same numbers as the stacked cache and as no cache.
+These are self-consistency checks (the reference is jaxgpt's own uncached forward, whose
+parity with torch_ref is proven in test_decoder.py and test_generate.py).
 
 Tolerances: logits of cached vs uncached forwards in float32 within 1e-5 (max abs, unit-scale
 logits); greedy tokens identical.

@@ -3,6 +3,9 @@ with XLA_FLAGS=--xla_force_host_platform_device_count=N (the device count is fix
 starts, and this pytest process has already started it). The worker, sharding_worker.py, prints
 measurements; the assertions are here.
 
+These are self-consistency checks: the reference is jaxgpt's own single-device step, whose
+agreement with torch_ref is proven in test_train.py / test_decoder.py.
+
 Tolerances: loss, updated params and optimizer moments within 1e-5 max abs of the single-device
 step (the unchanged make_train_step(mesh=None)); only the order of the reductions differs
 (measured: <= 1e-6). Checkpoint round trips across meshes: bit-identical.
