@@ -267,6 +267,6 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         d_model=config.d_model, n_head=config.n_head, n_kv_head=config.kv_heads,
         qkv_bias=config.qkv_bias, o_bias=config.o_bias,
         rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
-        rope_layout=config.rope_layout, attn_dropout=config.attn_dropout,
+        rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,
         init_std=config.init_std, out_init_std=config.out_init_std, attention_impl=config.attention_impl,
         attention_block=config.attention_block, dtype=config.dtype, param_dtype=config.param_dtype, name=name)

@@ -95,11 +95,11 @@ def _init_from(args, **train_sets):
     from jaxgpt.convert.files import detect_format, load_weights
     from jaxgpt.train.loop import prepare
     from jaxgpt.train.step import init_state
-    from jaxgpt.train.tasks import fit_config, load_task
+    from jaxgpt.train.tasks import fit_config, load_task, with_epochs
 
     fmt = detect_format(args.init)
     config, params, extras = _load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
-    config, tc = apply_sets(config, args.set)
+    config, tc = apply_sets(config, args.set + ([f"epochs={args.epochs}"] if args.epochs else []))
     tc = tc.replace(**train_sets)
     shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
     if shapes(abstract_params(config)) != shapes(params):
@@ -126,6 +126,7 @@ def _init_from(args, **train_sets):
         have = config.to_dict()
         diffs = [f"{k}={v!r} (the weights have {have[k]!r})" for k, v in fitted.to_dict().items() if have[k] != v]
         raise ValueError(f"{args.init} does not fit this data: it needs {', '.join(diffs)}")
+    tc = with_epochs(tc, task)
     return config, tc, task, init_state(config, tc, params)
 
 
@@ -159,7 +160,7 @@ def cmd_train(args) -> int:
     if args.init:
         config, tc, task, state = _init_from(args, **mesh)
     else:
-        config, tc = apply_sets(get_preset(args.preset), args.set)
+        config, tc = apply_sets(get_preset(args.preset), args.set + ([f"epochs={args.epochs}"] if args.epochs else []))
         config, tc, task, state = prepare(args.out, config, tc.replace(**mesh), data=args.data, corpus=args.corpus)
     n = count_params(abstract_params(config))
     where = f"resuming at step {int(state.step)}" if state is not None and int(state.step) else (
@@ -167,8 +168,9 @@ def cmd_train(args) -> int:
     print(f"{args.preset or args.init}: {n:,} parameters | {task.kind} on {task.source} | vocab {task.tokenizer.vocab_size} | "
           f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} | {where} | out {args.out}", flush=True)
     summary = fit(config, tc, task, args.out, state=state, progress=not args.quiet)
+    val = "none (val_fraction=0)" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"
     print(f"done: final loss {summary['final_loss']:.4f} (mean of the last 20 steps), val loss "
-          f"{summary['val_loss']:.4f}, {summary['tok_s'] or 0:,.0f} tok/s | {args.out}/metrics.jsonl"
+          f"{val}, {summary['tok_s'] or 0:,.0f} tok/s | {args.out}/metrics.jsonl"
           + (f", {summary['plot']}" if summary["plot"] else "")
           + (f" | skipped {summary['skipped']} updates with a non-finite loss" if summary.get("skipped") else ""))
     return 0
@@ -331,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--corpus", help="built-in corpus: seed-synthetic, zh-en")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="training (steps, lr, batch_size, ...) or model (d_model, n_layer, ...) setting; repeatable")
+    t.add_argument("--epochs", type=int, help="train this many passes over the data (steps derived from it; "
+                   "same as --set epochs=N; with --set lr_per_epoch=true the schedule steps once per epoch)")
     t.add_argument("--out", required=True, help="run directory; resumes when it holds a checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--mesh", help="device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2 (an omitted axis is 1; "

@@ -157,8 +157,9 @@ class ModelConfig(_Config):
     norm_placement: str = "pre"
     final_norm: bool = True
     dropout: float = 0.0  # embedding and residual-branch dropout
-    attn_dropout: float = 0.0
+    attn_dropout: float | None = 0.0  # None: the same as dropout (nanoGPT's and GPT-2's single dropout)
     tie_embeddings: bool = False
+    lm_head_bias: bool = False  # bias on the untied output projection (seed 004's decoder-only models)
     init_std: float = 0.02
     scale_out_init: bool = False  # GPT-2: o_proj/down_proj/fc_out std = init_std / sqrt(2 n_layer)
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (seed 004 encoder-decoder)
@@ -216,9 +217,17 @@ class ModelConfig(_Config):
         if self.rope_base <= 1:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
         _probability("dropout", self.dropout)
-        _probability("attn_dropout", self.attn_dropout)
+        if self.attn_dropout is not None:
+            _probability("attn_dropout", self.attn_dropout)
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ValueError("lm_head_bias=True needs an untied lm_head (tie_embeddings=False)")
 
     # Derived sizes -------------------------------------------------------------------------
+    @property
+    def attention_dropout(self) -> float:
+        """The attention-weight dropout rate: ``attn_dropout``, or ``dropout`` when that is None."""
+        return self.dropout if self.attn_dropout is None else self.attn_dropout
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
@@ -321,7 +330,12 @@ class TrainConfig(_Config):
     seed: int = 0  # init, batch order and dropout all derive from it
     tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)
     bpe_vocab: int = 1024
-    val_fraction: float = 0.1
+    val_fraction: float = 0.1  # 0: train on everything (no validation split, no evaluation)
+    # Epoch-based runs: epochs > 0 makes the run epochs passes over the training data; steps and
+    # steps_per_epoch are then derived from the data (jaxgpt.train.tasks.with_epochs; jaxgpt train does it).
+    epochs: int = 0
+    steps_per_epoch: int = 0  # set by with_epochs; 0 = unknown
+    lr_per_epoch: bool = False  # the schedule advances once per epoch (CosineAnnealingLR(T_max=epochs), seed 002)
     eval_every: int = 100  # 0 = only at the end
     eval_batches: int = 10
     log_every: int = 10
@@ -337,7 +351,7 @@ class TrainConfig(_Config):
     def _validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
             _positive(name, getattr(self, name))
-        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed", "epochs", "steps_per_epoch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if self.batch_size % self.grad_accum:
@@ -360,8 +374,13 @@ class TrainConfig(_Config):
             raise ValueError(f"need weight_decay >= 0 and eps > 0, got {self.weight_decay!r}, {self.eps!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction!r}")
+        if self.lr_per_epoch and not self.epochs:
+            raise ValueError("lr_per_epoch=True steps the schedule once per epoch: it needs epochs > 0")
+        if self.steps_per_epoch and self.epochs and self.steps != self.epochs * self.steps_per_epoch:
+            raise ValueError(f"steps={self.steps} is not epochs * steps_per_epoch = {self.epochs} * "
+                             f"{self.steps_per_epoch}; derive them with jaxgpt.train.tasks.with_epochs")
         if self.mesh:
             from jaxgpt.mesh_spec import parse_mesh  # framework-free
 
@@ -375,23 +394,36 @@ class TrainConfig(_Config):
     def micro_batch(self) -> int:
         return self.batch_size // self.grad_accum
 
+    @property
+    def schedule_units(self) -> tuple[int, int]:
+        """(updates per schedule step, schedule steps in the run): (1, steps), or with lr_per_epoch
+        (steps_per_epoch, epochs)."""
+        if self.lr_per_epoch:
+            if not self.steps_per_epoch:
+                raise ValueError("lr_per_epoch needs steps_per_epoch: derive it with jaxgpt.train.tasks.with_epochs")
+            return self.steps_per_epoch, self.epochs
+        return 1, self.steps
+
     def lr_at(self, step: int) -> float:
         """Learning rate of update ``step`` (0-based): linear warmup over ``warmup_steps`` (reaching
-        lr at step warmup_steps - 1), then cosine from lr to lr * min_lr_ratio at ``steps``.
-        jaxgpt.train.optim.schedule is the same formula in jnp."""
+        lr at step warmup_steps - 1), then cosine from lr to lr * min_lr_ratio at ``steps``. With
+        lr_per_epoch the unit is the epoch: update ``step`` uses epoch step // steps_per_epoch, and
+        warmup_steps counts epochs. jaxgpt.train.optim.schedule is the same formula in jnp."""
         if self.schedule == "constant":
             return self.lr
+        per, total = self.schedule_units
+        step //= per
         w, floor = self.warmup_steps, self.lr * self.min_lr_ratio
         if step < w:
             return self.lr * (step + 1) / w
-        progress = min(max((step - w) / max(self.steps - w, 1), 0.0), 1.0)
+        progress = min(max((step - w) / max(total - w, 1), 0.0), 1.0)
         return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _gpt2(d_model: int, n_layer: int, n_head: int, **kw: Any) -> ModelConfig:
     base = dict(vocab_size=50257, max_len=1024, d_model=d_model, n_layer=n_layer, n_head=n_head, pos="learned",
                 norm="layernorm", norm_eps=1e-5, mlp="gelu_tanh", mlp_bias=True, qkv_bias=True, o_bias=True,
-                tie_embeddings=True, dropout=0.1, attn_dropout=0.1, scale_out_init=True)
+                tie_embeddings=True, dropout=0.1, attn_dropout=None, scale_out_init=True)
     return ModelConfig(**{**base, **kw})
 
 
@@ -430,7 +462,7 @@ PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
     "gpt2-large": _gpt2(1280, 36, 20),
     "gpt2-xl": _gpt2(1600, 48, 25),
     # Seed 003 / nanoGPT shakespeare-char: nanoGPT and the seed use torch's exact nn.GELU.
-    "gpt2-shakespeare-char": _gpt2(384, 6, 6, vocab_size=65, max_len=256, mlp="gelu", dropout=0.2, attn_dropout=0.2),
+    "gpt2-shakespeare-char": _gpt2(384, 6, 6, vocab_size=65, max_len=256, mlp="gelu", dropout=0.2),
     "llama-tiny": _llama(512, 256, 4, 8, 2, 688, 512),
     "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 2048),
     "llama-1b": _llama(128256, 2048, 16, 32, 8, 8192, 8192, rope_base=500000.0, tie_embeddings=True),

@@ -352,9 +352,12 @@ def load_text(path: str | os.PathLike) -> str:
 
 def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """ids (N,) -> (train (n,), val (N - n,)) with n = int((1 - val_fraction) * N): contiguous, the
-    validation text is the tail, as in seed 003 (so no window straddles both splits)."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    validation text is the tail, as in seed 003 (so no window straddles both splits).
+    val_fraction=0: everything is training text and val is empty."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    if val_fraction == 0.0:
+        return ids, ids[:0]
     n = int((1.0 - val_fraction) * len(ids))
     if n == 0 or n == len(ids):
         raise ValueError(f"val_fraction={val_fraction} splits {len(ids)} tokens into {n} train and "

@@ -253,12 +253,14 @@ def test_split_train_val_is_seed003s_contiguous_90_10():
     for n in range(10, 3000, 7):
         assert len(D.split_train_val(np.arange(n))[0]) == int(0.9 * n)  # the seed's n
     assert len(D.split_train_val(ids, 0.25)[1]) == 250
-    with pytest.raises(ValueError, match=r"in \(0, 1\), got 1.0"):
+    with pytest.raises(ValueError, match=r"in \[0, 1\), got 1.0"):
         D.split_train_val(ids, 1.0)
     with pytest.raises(ValueError, match="3 tokens into 0 train and 3 val"):
         D.split_train_val(np.arange(3), 0.8)
     with pytest.raises(ValueError, match="5 tokens into 5 train and 0 val"):
         D.split_train_val(np.arange(5), 1e-17)  # 1 - 1e-17 rounds to 1.0
+    train, val = D.split_train_val(ids, 0.0)  # val_fraction=0: train on everything
+    assert len(train) == 1000 and len(val) == 0
 
 
 def test_get_batch_windows_shift_and_dtype():

@@ -53,6 +53,7 @@ _ENCODER: dict[str, Field] = {
     "mlp": Field(lambda v, c: v in _ACT_OUT, f"one of {sorted(_ACT_OUT)}"), "mlp_bias": must_be(True),
     "qkv_bias": must_be(True), "o_bias": must_be(True), "norm_placement": must_be("post"),
     "final_norm": must_be(False), "tie_embeddings": unused("no language-model head"),
+    "lm_head_bias": unused("no language-model head"),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
@@ -140,7 +141,7 @@ def config_to_hf(config: BertConfig, with_classifier: bool = True) -> dict[str, 
                 num_attention_heads=enc.n_head, intermediate_size=enc.ffn_dim, hidden_act=_ACT_OUT[enc.mlp],
                 max_position_embeddings=enc.max_len, type_vocab_size=config.type_vocab_size,
                 layer_norm_eps=enc.norm_eps, hidden_dropout_prob=enc.dropout,
-                attention_probs_dropout_prob=enc.attn_dropout, initializer_range=enc.init_std,
+                attention_probs_dropout_prob=enc.attention_dropout, initializer_range=enc.init_std,
                 id2label={str(i): f"LABEL_{i}" for i in range(config.n_classes)},
                 label2id={f"LABEL_{i}": i for i in range(config.n_classes)}, position_embedding_type="absolute",
                 classifier_dropout=None, is_decoder=False, add_cross_attention=False, pad_token_id=0)

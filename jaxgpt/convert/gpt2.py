@@ -58,6 +58,7 @@ FIELDS: dict[str, Field] = {
     "mlp": Field(lambda v, c: v in _ACT_OUT, f"one of {sorted(_ACT_OUT)}"), "mlp_bias": must_be(True),
     "qkv_bias": must_be(True), "o_bias": must_be(True), "norm_placement": must_be("pre"),
     "final_norm": must_be(True), "scale_out_init": must_be(True), "embed_scale": must_be(False),
+    "lm_head_bias": must_be(False),
     "residual": must_be("standard"), **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 
@@ -114,7 +115,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=config.vocab_size,
                 n_positions=config.max_len, n_embd=config.d_model, n_layer=config.n_layer, n_head=config.n_head,
                 n_inner=config.ffn_dim, activation_function=_ACT_OUT[config.mlp], layer_norm_epsilon=config.norm_eps,
-                resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.attn_dropout,
+                resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.attention_dropout,
                 initializer_range=config.init_std, tie_word_embeddings=config.tie_embeddings,
                 scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                 bos_token_id=None, eos_token_id=None)

@@ -85,6 +85,7 @@ FIELDS: dict[str, Field] = {
     "norm_bias": unused("norm must be 'rmsnorm' (no bias)"), "mlp": must_be("swiglu"),
     "norm_placement": must_be("pre"), "final_norm": must_be(True), "dropout": must_be(0.0),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
+    "lm_head_bias": must_be(False),
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 
@@ -131,7 +132,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              max_position_embeddings=config.max_len, rms_norm_eps=config.norm_eps, hidden_act="silu",
              rope_theta=config.rope_base, rope_scaling=None,
              rope_parameters={"rope_theta": config.rope_base, "rope_type": "default"},
-             tie_word_embeddings=config.tie_embeddings, attention_dropout=config.attn_dropout,
+             tie_word_embeddings=config.tie_embeddings, attention_dropout=config.attention_dropout,
              initializer_range=config.init_std, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "llama":
         d.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias, pretraining_tp=1)

@@ -30,6 +30,6 @@ def from_nanogpt(checkpoint: str | Mapping[str, Any]) -> tuple[ModelConfig, dict
         vocab_size=args["vocab_size"], max_len=args["block_size"], d_model=args["n_embd"], n_layer=args["n_layer"],
         n_head=args["n_head"], pos="learned", norm="layernorm", norm_eps=1e-5, norm_bias=bias, mlp="gelu",
         mlp_bias=bias, qkv_bias=bias, o_bias=bias, tie_embeddings=True, dropout=args.get("dropout", 0.0),
-        attn_dropout=args.get("dropout", 0.0), scale_out_init=True)
+        attn_dropout=None, scale_out_init=True)  # nanoGPT: one dropout for both
     sd = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
     return config, load_ref(config, gpt2.to_ref(sd, config, conv1d=False))

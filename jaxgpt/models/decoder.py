@@ -30,6 +30,9 @@ class DecoderOutput(NamedTuple):
     # a per-layer cache (init_cache(..., per_layer=True)), a tuple of L KVCaches (B * H_kv, S, D)
     cache: KVCache | tuple[KVCache, ...] | None
     attn_weights: jax.Array | None  # (L, B, H, T, S)
+    # AttnRes models with return_depth_weights: (Q, B, T, N_max), Q pseudo-queries (2 per layer, then
+    # the output aggregation in 'paper'), softmax over the sources in order, zero past each query's sources
+    depth_weights: jax.Array | None = None
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtype=None, *,
@@ -207,13 +210,14 @@ class DecoderLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, *, positions=None, cache: KVCache | None = None, mask=None,
-                 return_weights: bool = False, deterministic: bool = True):
+                 return_weights: bool = False, return_depth_weights: bool = False, deterministic: bool = True):
         """tokens: (B, T) int ids. positions: (T,) or (B, T) (default: cache index + arange(T)).
         cache: from ``init_cache``; the call writes this chunk's keys/values and returns it.
         mask: optional (B, 1, 1, S) key mask (True = attend), e.g. left padding of prompts.
 
         Returns logits (B, T, vocab), or a DecoderOutput when a cache is passed or
-        ``return_weights`` (per-layer attention weights) is set.
+        ``return_weights`` (per-layer attention weights) or ``return_depth_weights`` (AttnRes
+        models: the depth-attention weights, ``DecoderOutput.depth_weights``) is set.
         """
         cfg = self.config
         first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
@@ -230,7 +234,10 @@ class DecoderLM(nn.Module):
         tok_embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std),
                              dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="tok_embed")
         x = embed_tokens(cfg, tok_embed, tokens, positions, deterministic)
-        weights = None
+        weights = depth = None
+        if return_depth_weights and cfg.residual == "standard":
+            raise ValueError("return_depth_weights: a residual='standard' model has no depth attention "
+                             "(residual='full_attnres' or 'block_attnres' have)")
         if cfg.residual == "standard":
             x, cache, weights = run_blocks(cfg, x, mask=mask, positions=positions, cache=cache,
                                            return_weights=return_weights, deterministic=deterministic)
@@ -239,9 +246,10 @@ class DecoderLM(nn.Module):
 
             if cache is not None:
                 raise ValueError(f"residual={cfg.residual!r} does not support a KV cache; decode without one")
-            x, weights = AttnResLayers(cfg, name="layers")(x, mask=mask, positions=positions,
-                                                          return_weights=return_weights,
-                                                          deterministic=deterministic)
+            x, weights, *depth = AttnResLayers(cfg, name="layers")(
+                x, mask=mask, positions=positions, return_weights=return_weights,
+                return_depth_weights=return_depth_weights, deterministic=deterministic)
+            depth = depth[0] if depth else None
         if cfg.final_norm:
             x = norm_from_config(cfg, "norm")(x)
         # Logits are float32 whatever the compute dtype: the matmul reads compute-dtype inputs but
@@ -250,8 +258,8 @@ class DecoderLM(nn.Module):
             emb = tok_embed.embedding.astype(x.dtype)  # (vocab, d)
             logits = jnp.einsum("...d,vd->...v", x, emb, preferred_element_type=jnp.float32)  # x @ embedding.T
         else:
-            logits = dense(cfg.vocab_size, False, cfg.init_std, "lm_head", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            logits = dense(cfg.vocab_size, cfg.lm_head_bias, cfg.init_std, "lm_head", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                            f32_out=True)(x)
-        if cache is None and not return_weights:
+        if cache is None and not return_weights and not return_depth_weights:
             return logits
-        return DecoderOutput(logits, cache, weights)
+        return DecoderOutput(logits, cache, weights, depth)

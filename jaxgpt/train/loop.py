@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from jaxgpt.config import TrainConfig
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step
-from jaxgpt.train.tasks import Task, fit_config, load_task
+from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.validate import check_batch
 
 
@@ -57,7 +57,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     ckpts = Checkpoints(out, create=False, log=quiet, mesh=_mesh(tc)) if has_ckpts else None
     if ckpts is None or ckpts.latest_step() is None:
         task = load_task(config, tc, data=data, corpus=corpus)
-        return fit_config(config, task), tc, task, None
+        return fit_config(config, task), with_epochs(tc, task), task, None
     saved_config, saved_tc, state, meta = ckpts.restore()  # the newest intact step
     if ckpts.damaged:  # newer, damaged steps: moved aside (kept for inspection), so training can save again
         moved = ", ".join(ckpts.set_aside(e.step).name for e in ckpts.damaged)
@@ -65,7 +65,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
               f"one (moved aside: {moved})")
     ckpts.close()
     task = load_task(saved_config, saved_tc, data=data, corpus=corpus, tokenizer=meta["tokenizer"])
-    diffs = _differences(fit_config(config, task), saved_config) + _differences(tc, saved_tc)
+    diffs = _differences(fit_config(config, task), saved_config) + _differences(with_epochs(tc, task), saved_tc)
     if task.source != meta["source"]:
         diffs.append(f"data={task.source!r} (saved: {meta['source']!r})")
     if diffs:
@@ -243,7 +243,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
                 save_now = (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps
                 if done % tc.log_every == 0 or evaluate_now:
                     flush(done)  # before evaluating (and save() flushes first): a NaN is seen before either
-                if evaluate_now:
+                if evaluate_now and eval_batches:  # val_fraction=0: nothing to evaluate on
                     scores = evaluate(config, state.params, eval_batches, eval_step, None if mesh is None else place)
                     record([{"step": done, **scores}])
                 if save_now:

@@ -16,9 +16,11 @@ def schedule(tc: TrainConfig):
     if tc.schedule == "constant":
         return optax.constant_schedule(tc.lr)
     w, floor = tc.warmup_steps, tc.lr * tc.min_lr_ratio
+    per, total = tc.schedule_units
 
     def lr(count):
-        progress = jnp.clip((count - w) / max(tc.steps - w, 1), 0.0, 1.0)
+        count = count // per if per > 1 else count
+        progress = jnp.clip((count - w) / max(total - w, 1), 0.0, 1.0)
         cosine = floor + (tc.lr - floor) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
         return jnp.where(count < w, tc.lr * (count + 1) / max(w, 1), cosine)
 

@@ -69,6 +69,8 @@ class Task:
     def eval_batches(self, tc: TrainConfig) -> list[dict]:
         """Fixed validation batches (no micro-batch axis): ``eval_batches`` random windows of the
         validation text, or the validation rows in order (at most eval_batches x micro_batch)."""
+        if len(self.val[0]) == 0:  # val_fraction=0: nothing held out
+            return []
         if self.kind == "lm":
             return [dict(zip(self.keys, get_batch(self.val[0], tc.micro_batch, tc.seq_len, tc.seed, i)))
                     for i in range(tc.eval_batches)]
@@ -78,9 +80,29 @@ class Task:
     def tokens_per_step(self, tc: TrainConfig) -> int:
         return tc.batch_size * tc.seq_len
 
+    def steps_per_epoch(self, tc: TrainConfig) -> int:
+        """Updates per pass over the training data. Rows: rows // batch_size (``shuffled_batch`` uses
+        each row once per epoch and drops the remainder). Text: ceil(windows / batch_size), as a
+        DataLoader over every window (seed 000's CharDataset); the windows themselves are drawn at
+        random (``get_batch``), so an epoch sees as many windows, not each window once."""
+        if self.kind == "lm":
+            return -(-(len(self.train[0]) - tc.seq_len) // tc.batch_size)
+        return len(self.train[0]) // tc.batch_size
+
+
+def with_epochs(tc: TrainConfig, task: Task) -> TrainConfig:
+    """``tc`` with ``steps = epochs * steps_per_epoch`` for ``task`` when ``tc.epochs`` is set
+    (unchanged otherwise): the run is that many passes over the training data."""
+    if not tc.epochs:
+        return tc
+    per = task.steps_per_epoch(tc)
+    return tc.replace(steps=tc.epochs * per, steps_per_epoch=per)
+
 
 def _split_rows(arrays: tuple, val_fraction: float) -> tuple[tuple, tuple]:
     n = len(arrays[0])
+    if val_fraction == 0.0:  # train on every row
+        return arrays, tuple(a[:0] for a in arrays)
     n_val = max(1, round(n * val_fraction))
     if n - n_val < 1:
         raise ValueError(f"{n} rows are too few to keep {n_val} for validation")
@@ -93,7 +115,7 @@ def text_task(text: str, tc: TrainConfig, tokenizer=None, source: str = "text") 
         tokenizer = train_bpe(text, tc.bpe_vocab) if tc.tokenizer == "bpe" else CharTokenizer.from_text(text)
     train, val = split_train_val(tokenizer.encode(text), tc.val_fraction)
     for name, part in (("training", train), ("validation", val)):
-        if len(part) < tc.seq_len + 1:
+        if len(part) < tc.seq_len + 1 and (name == "training" or tc.val_fraction > 0):
             raise ValueError(f"the {name} split of {source} has {len(part)} tokens; seq_len={tc.seq_len} "
                              f"needs {tc.seq_len + 1} (use more text, a smaller seq_len or another val_fraction)")
     return Task("lm", tokenizer, (train,), (val,), source)
@@ -190,5 +212,5 @@ def fit_config(config, task: Task):
         return config.replace(vocab_size=v)
     if isinstance(config, EncDecConfig):
         return config.replace(encoder=config.encoder.replace(vocab_size=v), decoder=config.decoder.replace(vocab_size=v))
-    n_classes = int(max(task.train[2].max(), task.val[2].max())) + 1
+    n_classes = int(np.concatenate([task.train[2], task.val[2]]).max()) + 1
     return config.replace(encoder=config.encoder.replace(vocab_size=v), n_classes=max(n_classes, config.n_classes))

@@ -20,6 +20,7 @@ class DecoderOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, vocab)
     cache: list | None  # one KVCache per layer
     attn_weights: torch.Tensor | None  # (L, B, H, T, S)
+    depth_weights: torch.Tensor | None = None  # AttnRes: (Q, B, T, N_max), as jaxgpt's
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtype=torch.float32, device=None):
@@ -78,10 +79,13 @@ class DecoderLM(nn.Module):
             self.layers = AttnResLayers(cfg)
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.final_norm else None
         if not cfg.tie_embeddings:
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
             nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+            if cfg.lm_head_bias:
+                nn.init.zeros_(self.lm_head.bias)
 
-    def forward(self, tokens, *, positions=None, cache=None, mask=None, return_weights=False):
+    def forward(self, tokens, *, positions=None, cache=None, mask=None, return_weights=False,
+                return_depth_weights=False):
         """Same contract as jaxgpt's DecoderLM: logits, or a DecoderOutput with a cache / weights."""
         cfg = self.config
         offset = 0 if cache is None else cache[0].index
@@ -89,7 +93,10 @@ class DecoderLM(nn.Module):
         if positions is None:
             positions = offset + torch.arange(tokens.shape[-1], device=tokens.device)
         x = embed_tokens(self, cfg, tokens, positions)
-        weights = None
+        weights = depth = None
+        if return_depth_weights and cfg.residual == "standard":
+            raise ValueError("return_depth_weights: a residual='standard' model has no depth attention "
+                             "(residual='full_attnres' or 'block_attnres' have)")
         if cfg.residual == "standard":
             new_cache, all_w = [], []
             for i, layer in enumerate(self.layers):
@@ -102,10 +109,12 @@ class DecoderLM(nn.Module):
         else:
             if cache is not None:
                 raise ValueError(f"residual={cfg.residual!r} does not support a KV cache; decode without one")
-            x, weights = self.layers(x, mask=mask, positions=positions, return_weights=return_weights)
+            x, weights, *depth = self.layers(x, mask=mask, positions=positions, return_weights=return_weights,
+                                             return_depth_weights=return_depth_weights)
+            depth = depth[0] if depth else None
         if self.norm is not None:
             x = self.norm(x)
         logits = x @ self.tok_embed.weight.T if cfg.tie_embeddings else self.lm_head(x)
-        if cache is None and not return_weights:
+        if cache is None and not return_weights and not return_depth_weights:
             return logits
-        return DecoderOutput(logits, cache, weights)
+        return DecoderOutput(logits, cache, weights, depth)
