@@ -1,6 +1,7 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the test suite
+#   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: demo test clean
+.PHONY: demo test experiments clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,9 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+experiments: $(VENV)/.test
+	$(BIN)/python scripts/run_experiments.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -300,7 +300,7 @@ class EncDecConfig(_Config):
 
 
 SCHEDULES = ("cosine", "constant")
-DECAY = ("all", "linear")
+DECAY = ("all", "linear", "matrices")
 TOKENIZERS = ("char", "bpe")
 ON_NONFINITE = ("stop", "skip")
 
@@ -325,7 +325,9 @@ class TrainConfig(_Config):
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    decay: str = "all"  # 'all': every parameter (the seeds, torch AdamW); 'linear': Linear kernels only
+    # 'all': every parameter (the seeds, torch AdamW); 'linear': Linear kernels only; 'matrices': Linear
+    # kernels and embeddings, not norms or biases (nanoGPT's "every >= 2-D parameter")
+    decay: str = "all"
     grad_clip: float | None = 1.0  # global-norm clip; None = off
     seed: int = 0  # init, batch order and dropout all derive from it
     tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 TINY_GPT_TEXT = "hello world! this is a tiny gpt demo."  # seed 004, "极简GPT模型示例"
 

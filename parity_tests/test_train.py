@@ -16,7 +16,7 @@ import torch_ref
 from jaxgpt.config import EncDecConfig, ModelConfig, TrainConfig, get_preset
 from jaxgpt.data import IGNORE_INDEX, builtin_pairs
 from jaxgpt.train import cross_entropy, init_state, make_train_step, schedule
-from jaxgpt.train.optim import decay_mask
+from jaxgpt.train.optim import DECAY_MASKS, decay_mask
 from jaxgpt.train.tasks import classify_task, fit_config, load_task, pairs_task
 from conftest import TOL, assert_close, assert_self_consistent
 from torch_ref.convert import load_params
@@ -77,6 +77,18 @@ def test_linear_decay_mask_is_torchs_linear_weights():
     assert decayed < sum(p.size for p in jax.tree.leaves(params))  # norms and embeddings are excluded
 
 
+def test_matrices_decay_mask_is_nanogpts_two_d_params():
+    """decay='matrices': nanoGPT decays every parameter with dim >= 2 (Linear weights and both
+    embedding tables), never norm gains or biases; here with scanned (L, d) norm scales."""
+    cfg = get_preset("gpt2-small").replace(**TINY)
+    params = init_state(cfg, TrainConfig()).params
+    mask = DECAY_MASKS["matrices"](params)
+    decayed = sum(p.size for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m)
+    model = torch_ref.build(cfg)
+    two_d = sum(p.numel() for p in model.parameters() if p.dim() >= 2)  # nanoGPT's rule
+    assert decayed == two_d > 0
+
+
 def _classify_rows(n=48, seed=0):
     r = np.random.default_rng(seed)
     rows = []
@@ -95,6 +107,9 @@ CASES = {
     # GPT-2 style: learned positions, LayerNorm + biases, tanh GELU; constant lr, no clipping
     "gpt2-constant": (lambda: get_preset("gpt2-small").replace(**TINY, dropout=0.0, attn_dropout=0.0),
                       dict(schedule="constant", grad_clip=None, lr=1e-3), "seed-synthetic"),
+    # nanoGPT's recipe: decay on Linear kernels and embeddings (tied head), warmup + cosine
+    "gpt2-matrices": (lambda: get_preset("gpt2-small").replace(**TINY, dropout=0.0),
+                      dict(decay="matrices", weight_decay=0.5, warmup_steps=5, beta2=0.99), "seed-synthetic"),
     # decoder on padded zh-en pairs: padding targets are IGNORE_INDEX
     "pairs-lm": (lambda: get_preset("seed-attnres-standard").replace(**TINY), dict(seq_len=40), "zh-en"),
     "attnres-block": (lambda: get_preset("seed-attnres-block").replace(**{**TINY, "n_layer": 4}, attnres_blocks=2),

@@ -181,7 +181,7 @@ def plot_runs(runs: dict[str, list[tuple[Sequence[float], Sequence[float]]]], pa
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A markdown table."""
     out = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
     return "\n".join(out) + "\n"
 
 

@@ -25,13 +25,15 @@ def loss_terms(model: nn.Module, batch: dict) -> dict:
 
 
 def make_optimizer(model: nn.Module, tc: TrainConfig):
-    """AdamW over every parameter ('all') or with decay on nn.Linear weights only ('linear'),
+    """AdamW over every parameter ('all'), or with decay on nn.Linear weights only ('linear') or on
+    nn.Linear and nn.Embedding weights ('matrices'),
     and a LambdaLR following ``tc.lr_at``. Returns (optimizer, scheduler)."""
     params = list(model.parameters())
     if tc.decay == "all":
         groups = [{"params": params, "weight_decay": tc.weight_decay}]
     else:
-        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        kinds = (nn.Linear,) if tc.decay == "linear" else (nn.Linear, nn.Embedding)  # 'matrices': + embeddings
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, kinds)}
         groups = [{"params": [p for p in params if id(p) in linear], "weight_decay": tc.weight_decay},
                   {"params": [p for p in params if id(p) not in linear], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)

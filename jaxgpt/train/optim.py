@@ -27,10 +27,15 @@ def schedule(tc: TrainConfig):
     return lr
 
 
-def decay_mask(params):
-    """True on Dense kernels only: norms, biases, embeddings and AttnRes queries are not decayed
-    (the torch mirror decays exactly the nn.Linear weights)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
+def decay_mask(params, leaves: tuple[str, ...] = ("kernel",)):
+    """True on the parameters named ``leaves``: Dense kernels ('linear'), plus embedding tables
+    ('matrices', nanoGPT's choice). Norms, biases and AttnRes queries are never decayed. Keyed on
+    names, not rank: scanned norm scales are (L, d). The torch mirror selects nn.Linear (and
+    nn.Embedding) weights."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in leaves, params)
+
+
+DECAY_MASKS = {"linear": decay_mask, "matrices": lambda p: decay_mask(p, ("kernel", "embedding"))}
 
 
 def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -53,7 +58,7 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """clip (torch's clip_grad_norm_) -> AdamW(b1, b2, eps, weight decay x lr) with the schedule,
     state in float32 whatever the params' dtype (``float32_state``)."""
     adamw = optax.adamw(schedule(tc), b1=tc.beta1, b2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
-                        mask=decay_mask if tc.decay == "linear" else None)
+                        mask=DECAY_MASKS.get(tc.decay))
     if tc.grad_clip is None:
         return float32_state(adamw)
     return float32_state(optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw))
