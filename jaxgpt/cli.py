@@ -84,6 +84,11 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
 
 # --- commands ---------------------------------------------------------------------------------
 
+def _train_sets(args) -> list[str]:
+    """``--set`` values, plus ``--epochs N`` as ``epochs=N``."""
+    return args.set + ([f"epochs={args.epochs}"] if args.epochs else [])
+
+
 def _init_from(args, **train_sets):
     """``train --init SRC``: fine-tune the weights of a jaxgpt checkpoint, .safetensors, .pt or HF
     directory with its own tokenizer. Returns what ``prepare`` does; a rerun resumes as usual.
@@ -99,7 +104,7 @@ def _init_from(args, **train_sets):
 
     fmt = detect_format(args.init)
     config, params, extras = _load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
-    config, tc = apply_sets(config, args.set + ([f"epochs={args.epochs}"] if args.epochs else []))
+    config, tc = apply_sets(config, _train_sets(args))
     tc = tc.replace(**train_sets)
     shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
     if shapes(abstract_params(config)) != shapes(params):
@@ -160,7 +165,7 @@ def cmd_train(args) -> int:
     if args.init:
         config, tc, task, state = _init_from(args, **mesh)
     else:
-        config, tc = apply_sets(get_preset(args.preset), args.set + ([f"epochs={args.epochs}"] if args.epochs else []))
+        config, tc = apply_sets(get_preset(args.preset), _train_sets(args))
         config, tc, task, state = prepare(args.out, config, tc.replace(**mesh), data=args.data, corpus=args.corpus)
     n = count_params(abstract_params(config))
     where = f"resuming at step {int(state.step)}" if state is not None and int(state.step) else (

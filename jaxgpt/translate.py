@@ -35,8 +35,8 @@ def _greedy_rows(params, tokens, lengths, *, config: ModelConfig, steps: int):
         logits = model.apply({"params": params}, tokens)  # (N, W, V)
         nxt = jnp.argmax(logits[rows, cur - 1], axis=-1).astype(jnp.int32)  # (N,)
         write = ~done & (cur < tokens.shape[1])
-        tokens = tokens.at[rows, jnp.minimum(cur, tokens.shape[1] - 1)].set(
-            jnp.where(write, nxt, tokens[rows, jnp.minimum(cur, tokens.shape[1] - 1)]))
+        at = jnp.minimum(cur, tokens.shape[1] - 1)  # a finished row rewrites its last slot unchanged
+        tokens = tokens.at[rows, at].set(jnp.where(write, nxt, tokens[rows, at]))
         done = done | (write & (nxt == PairTokenizer.eos_id))
         return tokens, cur + write.astype(jnp.int32), done
 

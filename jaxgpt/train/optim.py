@@ -19,7 +19,7 @@ def schedule(tc: TrainConfig):
     per, total = tc.schedule_units
 
     def lr(count):
-        count = count // per if per > 1 else count
+        count = count // per  # lr_per_epoch: the epoch index; otherwise per = 1
         progress = jnp.clip((count - w) / max(total - w, 1), 0.0, 1.0)
         cosine = floor + (tc.lr - floor) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
         return jnp.where(count < w, tc.lr * (count + 1) / max(w, 1), cosine)
