@@ -1,13 +1,15 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the test suite
-#   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too)
+#   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
+#                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2.5 h), the committed results
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?= -m "not slow"
+EXPERIMENTS_ARGS ?=
 
 .PHONY: demo test experiments clean
 
@@ -31,7 +33,7 @@ test: $(VENV)/.test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 experiments: $(VENV)/.test
-	$(BIN)/python scripts/run_experiments.py
+	$(BIN)/python scripts/run_experiments.py $(EXPERIMENTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,8 @@
 """Attention Residuals (seed 002 / arXiv 2603.15031): jaxgpt vs torch_ref, vs the seed's own
 models (exec'd from the seed text), parameter counts, depth weights and jit."""
 import math
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from conftest import (SHARED, TOL, assert_close, assert_grads_close, assert_self_consistent, grads_err, load_into,
                       random_params, randomize, require_shared)
@@ -19,6 +20,9 @@ from jaxgpt.convert import from_seed_attnres
 from jaxgpt.models.decoder import DecoderLM
 from torch_ref.attnres import AttnResLayers as TLayers
 from torch_ref.models.decoder import DecoderLM as TDecoderLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from seed002_init import build, seed_init, seed_namespace  # noqa: E402
 
 SEED_FILE = SHARED / "seeds" / "002_cf3e92bca7241f9e.txt"
 KINDS = ("standard", "full", "block")
@@ -129,23 +133,12 @@ def test_seed_preset_parameter_counts(name, count):
 @pytest.fixture(scope="module")
 def seed():
     """Seed 002's final model code (SimpleAttention .. BlockAttnResTransformer), exec'd."""
-    lines = require_shared(SEED_FILE, "seed 002 text").read_text(encoding="utf-8").splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("class SimpleAttention")]
-    end_cls = next(i for i, line in enumerate(lines) if line.startswith("class BlockAttnResTransformer"))
-    end = next(i for i in range(end_cls + 1, len(lines)) if lines[i].startswith(("def ", "class ", "# ═")))
-    assert len(starts) == 2, f"expected two SimpleAttention definitions, found {len(starts)}"
-    ns = {"torch": torch, "nn": nn, "F": F, "math": math, "__name__": "seed002"}
-    exec(compile("\n".join(lines[starts[1]:end]), str(SEED_FILE), "exec"), ns)
-    return ns
+    return seed_namespace(require_shared(SEED_FILE, "seed 002 text"))
 
 
 def seed_model(seed, kind, d=32, n_layers=4, n_heads=4, vocab=40, n_blocks=2):
     torch.manual_seed(0)
-    if kind == "standard":
-        return seed["StandardTransformer"](d, n_layers, n_heads, vocab)
-    if kind == "full":
-        return seed["FullAttnResTransformer"](d, n_layers, n_heads, vocab)
-    return seed["BlockAttnResTransformer"](d, n_layers, n_heads, vocab, n_blocks)
+    return build(seed, kind, d, n_layers, n_heads, vocab, n_blocks)
 
 
 def randomize_seed(model, seed=0):
@@ -239,3 +232,26 @@ def test_block_attnres_jits(variant):
     p = random_params(DecoderLM(cfg), toks)
     eager = DecoderLM(cfg).apply({"params": p}, toks)
     assert_self_consistent(jax.jit(DecoderLM(cfg).apply)({"params": p}, toks), eager, f"AttnRes {variant} block jit vs eager")
+
+
+def test_seed_init_draws_the_seeds_own_weights(seed):
+    """scripts/seed002_init.seed_init (exp_attnres.py --init seed): the weights of the seed's own model
+    built after torch.manual_seed(s) (torch's default init), here drawn again in this process. For the
+    'paper' variant every leaf the seed's model has is that model's; the rest are norm scales (1)
+    and pseudo-queries (0), which is also what the seed's init gives them."""
+    cfg = get_preset("seed-attnres-full").replace(vocab_size=40, d_model=32, n_layer=4, d_ff=128,
+                                                  attnres_variant="paper")
+    got = seed_init(cfg, "full", 3)
+    torch.manual_seed(3)
+    _, want = from_seed_attnres(build(seed, "full", 32, 4, 4, 40, 3).state_dict(), "full")
+    want = dict(jax.tree_util.tree_leaves_with_path(want))
+    own = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
+        if path in want:
+            np.testing.assert_array_equal(leaf, want[path], err_msg=jax.tree_util.keystr(path))
+            own += 1
+        else:
+            assert np.all(leaf == 1) or np.all(leaf == 0), jax.tree_util.keystr(path)
+    assert own >= 4 * 7 + 2  # per layer q/k/v/o, fc_in/fc_out, w; embedding and head
+    emb = np.asarray(got["tok_embed"]["embedding"])
+    assert 0.9 < emb.std() < 1.1  # torch nn.Embedding: N(0, 1), not jaxgpt's N(0, 0.02)

@@ -24,7 +24,8 @@ Default budget (reduced to fit this session's loaded CPU): 3 models (Standard, F
 'paper' variant) x 3 seeds x 60 updates, each model compiled once (about 3-5 min on the quiet
 2-core CPU: a 12-layer AttnRes update costs several times a Standard one there). That is very
 early training (the loss is still falling fast): it shows early convergence speed, not the
-paper's end-of-training gap; ``--steps 1000`` is a more meaningful run. ``--variants paper,seed`` adds the seed variant; ``--steps`` /
+paper's end-of-training gap. The committed results are ``--steps 600 --variants paper,seed``
+(``run_experiments.py --full``). ``--variants paper,seed`` adds the seed variant; ``--steps`` /
 ``--layers`` / ``--width`` change the rest. ``--smoke``: 4 layers, 4 updates, 1 seed, Standard
 and Full, < 60 s on a quiet machine.
 
@@ -226,7 +227,7 @@ def figures(runs, dilution, args):
 
 def markdown(res, args) -> str:
     M, D = res["models"], res["dilution"]
-    load = "measured under load (other jobs shared the 2 CPU cores)"
+    load = expkit.timing_note(res.get("load"))
     fv = {n: M[n]["final_val"]["mean"] for n in M}
     lines = ["# Experiment 3b: Attention Residuals on a deep, narrow character LM (tinyshakespeare)\n",
              f"`scripts/exp_attnres_charlm.py{' --smoke' if args.smoke else ''}`: {args.layers} layers x {args.width} wide, "
@@ -268,6 +269,7 @@ def markdown(res, args) -> str:
             rows.append([f"AttnRes keeps it bounded ({n})", f"RMS first -> last: {a[0]:.2f} -> {a[-1]:.2f}, max {max(a):.2f}",
                          "holds" if max(a) < max(s) else f"does not hold (max {max(a):.2f} vs Standard {max(s):.2f})"])
     lines.append(expkit.table(["claim", "measured", "verdict"], rows))
+    res["claim_rows"] = [{"source": "AttnRes paper", "claim": c, "measured": m, "verdict": v} for c, m, v in rows]
     lines.append("\n## Final validation loss and cost\n")
     lines.append(expkit.table(["model", "final validation loss", "per seed", "ms/update", "ratio vs Standard"],
                               [[n, expkit.pm(M[n]["final_val"]), " ".join(f"{r['final_val']:.3f}" for r in M[n]["runs"]),

@@ -127,7 +127,7 @@ def train_run(name: str, preset: str, over: dict, seed: int, n_steps: int, cache
     path = stem.with_suffix(".json")
     if path.exists() and not fresh:
         print(f"cached: {path.name}")
-        return json.loads(path.read_text())
+        return {**json.loads(path.read_text()), "from_cache": True}
     if cached_only:
         print(f"missing (--cached-only): {name} seed {seed}")
         return None

@@ -101,7 +101,7 @@ def markdown(res: dict, rows: list[dict], base: str, args) -> str:
           "the seed's 15-epoch run (`TrainConfig(epochs=15)` + `with_epochs`: AdamW 3e-4, cosine to 0.1x over "
           f"15 x {e['steps_per_epoch']} steps), so over the first {steps} steps the learning rate stays near 3e-4 "
           "as in the seed. Loss = training loss; \"final\" = mean of the last 20 steps; "
-          "mean ± std over seeds. All timings were **measured under load** (other jobs shared the 2-core CPU).\n",
+          f"mean ± std over seeds. Timings: {res['note']}.\n",
           "## Claimed vs measured\n",
           expkit.table(["claim", "source", "measured", "verdict"],
                        [[str(r[k]).replace("|", "/") for k in ("claim", "source", "measured", "verdict")] for r in rows]),
@@ -127,7 +127,7 @@ def markdown(res: dict, rows: list[dict], base: str, args) -> str:
           "\n## Cross-framework (seed 0, baseline): jaxgpt vs torch_ref\n\n![cross](cross_framework.png)\n",
           expkit.table(["", "jaxgpt", "torch_ref"],
                        [["final loss (last 20 steps)", f"{c['final_loss_jax']:.5f}", f"{c['final_loss_torch']:.5f}"],
-                        ["ms/step (under load)", f"{c['ms_per_step_jax']:.1f}", f"{c['ms_per_step_torch']:.1f}"]]),
+                        ["ms/step", f"{c['ms_per_step_jax']:.1f}", f"{c['ms_per_step_torch']:.1f}"]]),
           f"\nSame initial weights (jaxgpt's init converted with `torch_ref.convert.load_params`), same batches "
           f"(`task.batch`), torch {c['torch_version']} with {c['torch_threads']} threads in its own process. "
           f"Absolute final difference {c['final_abs_diff']:.2e} (tolerance {c['tolerance']}); largest per-step "

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,7 +35,47 @@ def parse(doc: str, name: str, *, seeds: int = 3, extra: Callable[[argparse.Argu
     if args.smoke:
         args.seeds = min(args.seeds, 2)
     args.out.mkdir(parents=True, exist_ok=True)
+    _LOAD.start()
     return args
+
+
+class _LoadSampler(threading.Thread):
+    """The 1-minute load average every 15 s while an experiment runs, so its timings say whether
+    other jobs shared the 2 cores (the experiment itself accounts for up to ~2)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.samples: list[float] = []
+
+    def start(self):
+        if not self.is_alive() and not self.samples:
+            self.samples.append(os.getloadavg()[0])
+            super().start()
+
+    def run(self):
+        while True:
+            time.sleep(15)
+            self.samples.append(os.getloadavg()[0])
+
+
+_LOAD = _LoadSampler()
+BUSY_LOAD = 3.0  # above this 1-minute load average, other jobs competed for the 2 cores
+
+
+def load_record() -> dict:
+    s = _LOAD.samples or [os.getloadavg()[0]]
+    return {"median": round(statistics.median(s), 2), "max": round(max(s), 2), "samples": len(s),
+            "quiet": max(s) <= BUSY_LOAD}
+
+
+def timing_note(record: dict | None = None) -> str:
+    """How to read a run's timings, from the load sampled while it ran (``record``: a saved
+    ``load_record()``, e.g. from a results JSON; default: this process's)."""
+    r = record or load_record()
+    if r["quiet"]:
+        return f"measured on a quiet machine (1-min load average median {r['median']}, max {r['max']})"
+    return (f"measured under load (1-min load average median {r['median']}, max {r['max']}: "
+            "other jobs shared the 2 CPU cores)")
 
 
 def shakespeare() -> Path:
@@ -187,7 +229,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def write_results(out: Path, name: str, results: dict, markdown: str, *, smoke: bool, started: float) -> Path:
     """``out/<name>.json`` (with wall time and the smoke flag) and ``out/README.md``."""
-    results = {"experiment": name, "smoke": smoke, "wall_s": round(time.perf_counter() - started, 1), **results}
+    results = {"experiment": name, "smoke": smoke, "wall_s": round(time.perf_counter() - started, 1),
+               "load": load_record(), **results}
     path = out / f"{name}.json"
     path.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
     (out / "README.md").write_text(markdown)
