@@ -2,7 +2,7 @@
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the test suite
 #   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
-#                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2.5 h), the committed results
+#                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2 h), the committed results
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

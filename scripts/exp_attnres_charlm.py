@@ -24,7 +24,7 @@ Default budget (reduced to fit this session's loaded CPU): 3 models (Standard, F
 'paper' variant) x 3 seeds x 60 updates, each model compiled once (about 3-5 min on the quiet
 2-core CPU: a 12-layer AttnRes update costs several times a Standard one there). That is very
 early training (the loss is still falling fast): it shows early convergence speed, not the
-paper's end-of-training gap. The committed results are ``--steps 600 --variants paper,seed``
+paper's end-of-training gap. The committed results are ``--steps 300 --variants paper,seed``
 (``run_experiments.py --full``). ``--variants paper,seed`` adds the seed variant; ``--steps`` /
 ``--layers`` / ``--width`` change the rest. ``--smoke``: 4 layers, 4 updates, 1 seed, Standard
 and Full, < 60 s on a quiet machine.

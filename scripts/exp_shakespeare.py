@@ -24,7 +24,7 @@ Parts (``--parts``, default ``seed003,nanogpt,big``; ``ablation`` adds the torch
 
 Default time budget on the 2-core CPU when it is quiet: about 15 minutes (seed003 < 1 min;
 nanogpt 6 runs x 1.5-2 min; big 2 min of training, ``--big-seconds``; the committed results
-are ``run_experiments.py --full``: 10 min of it and the ``ablation`` part). Under load (5 jobs sharing the 2 cores) a 2000-step run
+are ``run_experiments.py --full``: 5 min of it and the ``ablation`` part). Under load (5 jobs sharing the 2 cores) a 2000-step run
 takes ~12 min, so runs are cached in ``OUT/runs/*.json`` and a rerun only does what is missing
 (``--fresh`` redoes them). ``--smoke`` runs tiny versions of the parts (about 15 s each when quiet, ~1 min under load).
 
@@ -618,7 +618,7 @@ def report(res: dict, out: Path, args, started: float):
         within = abs(gap) <= max(2 * se, 0.01)
         claims.append(["issue: jaxgpt (all dropout off) is behind nanoGPT, 1.90-1.92 vs 1.874",
                        "gap ~0.03-0.05", f"gap on the whole val split {gap:+.3f} ± {se:.3f} (n={sj['n']}+{st['n']})",
-                       "no gap beyond noise: the difference is within 2 standard errors" if within
+                       "does not hold any more: no gap beyond noise, the difference is within 2 standard errors" if within
                        else f"gap remains (measured {gap:+.3f} ± {se:.3f})"])
     ds = res["dropout_semantics"]
     claims.append(["issue: `--set dropout=0.0` turns off nanoGPT's one dropout",

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/run_experiments.py            # all of them, default budgets (~1 h on 2 CPU cores)
     .venv/bin/python scripts/run_experiments.py --smoke    # seconds each: checks that all of them run
     .venv/bin/python scripts/run_experiments.py minigpt attnres   # a subset, by name
-    .venv/bin/python scripts/run_experiments.py --full     # the seeds' full budgets (~2.5 h): the committed results
+    .venv/bin/python scripts/run_experiments.py --full     # the seeds' full budgets (~2 h): the committed results
     .venv/bin/python scripts/run_experiments.py --collect  # run nothing: rebuild SUMMARY.md and CLAIMS.md
 
 Each experiment writes results/<name>/ (figures, <name>.json, README.md with its claimed-vs-measured
@@ -88,13 +88,13 @@ def write_claims(root: Path) -> Path:
     return path
 
 
-# --full: the seeds' own budgets where the default cuts them (the committed results): ~2.5 h on a
+# --full: the seeds' own budgets where the default cuts them (the committed results): ~2 h on a
 # quiet 2-core CPU, against ~1 h for the defaults.
 FULL = {
     "minigpt": ["--epochs", "15"],  # the seed's 15 epochs (the default runs the first)
     "attnres": ["--epochs", "300"],  # the seed's 300 epochs (default 60)
-    "attnres_charlm": ["--steps", "600", "--variants", "paper,seed"],  # default 60 updates, paper variant only
-    "shakespeare": ["--parts", "seed003,nanogpt,big,ablation", "--big-seconds", "600"],  # default big 120 s, no ablation
+    "attnres_charlm": ["--steps", "300", "--variants", "paper,seed"],  # default 60 updates, paper variant only
+    "shakespeare": ["--parts", "seed003,nanogpt,big,ablation", "--big-seconds", "300"],  # default big 120 s, no ablation
 }
 
 
@@ -103,7 +103,7 @@ def main() -> int:
     p.add_argument("names", nargs="*", help=f"experiments to run (default: all): {', '.join(EXPERIMENTS)}")
     p.add_argument("--smoke", action="store_true", help="tiny budgets (CI); results go to --out, not results/")
     p.add_argument("--out", type=Path, help="folder for the results (default: results/; with --smoke a temp folder)")
-    p.add_argument("--full", action="store_true", help="the seeds' full budgets (see FULL; ~2.5 h): the committed results")
+    p.add_argument("--full", action="store_true", help="the seeds' full budgets (see FULL; ~2 h): the committed results")
     p.add_argument("--collect", action="store_true",
                    help="run nothing: rebuild SUMMARY.md and CLAIMS.md from the saved results")
     args = p.parse_args()
