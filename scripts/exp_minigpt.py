@@ -22,7 +22,8 @@ to 0.1x, clip 1.0, batches of 32 x 64) and presets ``seed-minigpt[-nopos|-postln
 Default time budget on a quiet 2-core CPU: about 20 min, estimated from ~100 ms/step (6 configs x 3
 seeds x 500 steps + 303 more steps of seed 0's baseline ~ 16 min, torch_ref 500 steps, decoding
 ~1 min); the brief's ~15 min does not hold these 18 runs. The default runs the first epoch (803
-steps) of the seed's 15-epoch run (~12,000 steps, ~20 min alone): ``--epochs 15`` runs them all (the committed results: ``run_experiments.py --full``).
+steps) of the seed's 15-epoch run (~12,000 steps, ~20 min alone): ``--epochs 15`` runs them all
+(the committed results: ``run_experiments.py --full``; 91 ms/step quiet).
 Under load (5 jobs on the 2 cores) it took over an hour (jaxgpt ~400 ms/step, torch_ref ~2 s/step).
 Training runs are cached in ``runs/exp_minigpt/`` (``--fresh`` ignores the cache).
 ``--smoke``: a 1-layer model, a few steps, seconds.

@@ -24,8 +24,8 @@ Parts (``--parts``, default ``seed003,nanogpt,big``; ``ablation`` adds the torch
 
 Default time budget on the 2-core CPU when it is quiet: about 15 minutes (seed003 < 1 min;
 nanogpt 6 runs x 1.5-2 min; big 2 min of training, ``--big-seconds``; the committed results
-are ``run_experiments.py --full``: 5 min of it and the ``ablation`` part). Under load (5 jobs sharing the 2 cores) a 2000-step run
-takes ~12 min, so runs are cached in ``OUT/runs/*.json`` and a rerun only does what is missing
+are ``run_experiments.py --full``: 5 min of it and the ``ablation`` part). Under load (5 jobs
+sharing the 2 cores) a 2000-step run takes ~12 min, so runs are cached in ``OUT/runs/*.json`` and a rerun only does what is missing
 (``--fresh`` redoes them). ``--smoke`` runs tiny versions of the parts (about 15 s each when quiet, ~1 min under load).
 
     .venv/bin/python scripts/exp_shakespeare.py [--smoke] [--out DIR] [--seeds 3] [--parts seed003,nanogpt,big]
@@ -635,7 +635,9 @@ def report(res: dict, out: Path, args, started: float):
                   f"to 1e-4 over 5000 iterations, beta2 0.99, weight decay 0.1, clip 1.0. Trained for "
                   f"{b['train_s']:.0f} s (compile + the `--big-seconds` budget): **{b['steps']} iterations** "
                   f"({b['s_per_step_after_first']:.2f} s/iteration after the first, "
-                  f"{b.get('timing', 'measured under load')}){', still in the warmup' if b['steps'] <= 100 else ''}. Last training loss {b['history'][-1]['loss']:.3f}; validation loss on 32 random "
+                  f"{b.get('timing', 'measured under load')})"
+                  f"{', still in the warmup' if b['steps'] <= 100 else ''}. "
+                  f"Last training loss {b['history'][-1]['loss']:.3f}; validation loss on 32 random "
                   f"256-token windows {b['val_sample_loss']:.3f}.\n\n![6x384 loss](big_loss.png)\n\n"
                   f"Sample (\"\\n\", T 0.8, top-k 200):\n```\n{b['sample']}\n```\n")
         claims.append(["nanoGPT README: 6x384 config reaches val ~1.47 after 5000 iterations (~3 min on an A100)", "1.47",
