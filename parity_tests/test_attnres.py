@@ -238,7 +238,9 @@ def test_seed_init_draws_the_seeds_own_weights(seed):
     """scripts/seed002_init.seed_init (exp_attnres.py --init seed): the weights of the seed's own model
     built after torch.manual_seed(s) (torch's default init), here drawn again in this process. For the
     'paper' variant every leaf the seed's model has is that model's; the rest are norm scales (1)
-    and pseudo-queries (0), which is also what the seed's init gives them."""
+    and pseudo-queries (0), which is also what the seed's init gives them. A check of seed_init's
+    subprocess and tree merge (exact equality); the converter it shares with this reference is checked
+    against the seed's own forward pass in test_seed_models_match."""
     cfg = get_preset("seed-attnres-full").replace(vocab_size=40, d_model=32, n_layer=4, d_ff=128,
                                                   attnres_variant="paper")
     got = seed_init(cfg, "full", 3)

@@ -349,7 +349,7 @@ def main():
             cache = args.out / "runs" / f"{name}_seed{seed}.json"
             old = json.loads(cache.read_text()) if args.resume and cache.exists() else {}
             if old.get("epochs") == args.epochs and old.get("init", "jaxgpt") == args.init:
-                runs[name].append(json.loads(cache.read_text()))
+                runs[name].append(old)
                 print(f"{name} seed {seed}: reused {cache}", flush=True)
                 continue
             init = initial_params(config, tc, name, seed, args.init)

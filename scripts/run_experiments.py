@@ -57,7 +57,8 @@ def write_summary(root: Path, names, walls: dict, *, smoke: bool = False) -> Pat
     for name in names:
         readme, path = root / name / "README.md", root / name / f"{name}.json"
         wall = walls.get(name) or (json.loads(path.read_text()).get("wall_s") if path.exists() else None)
-        summary.append(f"\n## {name} ({f'{wall} s' if wall is not None else 'not run'})\n\n" + (readme.read_text() if readme.exists() else "(no results)\n"))
+        body = readme.read_text() if readme.exists() else "(no results)\n"
+        summary.append(f"\n## {name} ({f'{wall} s' if wall is not None else 'not run'})\n\n{body}")
     (root / "SUMMARY.md").write_text("".join(summary))
     return root / "SUMMARY.md"
 
@@ -71,7 +72,7 @@ def write_claims(root: Path) -> Path:
             continue
         rows = claim_rows(json.loads(path.read_text()))
         for r in rows:
-            v = r["verdict"].split(" (")[0].split(";")[0].split(":")[0].strip()
+            v = r["verdict"]
             key = "holds" if v.startswith("holds") else "does not hold" if v.startswith("does not") else \
                 "not measurable here" if v.startswith("not measurable") else "other"
             counts[key] = counts.get(key, 0) + 1

@@ -83,8 +83,9 @@ def seed_init(config, kind: str, seed: int) -> dict:
     _, src = from_seed_attnres(sd, kind, n_head=config.n_head, attnres_blocks=config.attnres_blocks)
     target = jax.device_get(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"])
     flat_src = dict(jax.tree_util.tree_leaves_with_path(src))
+    flat_target = jax.tree_util.tree_leaves_with_path(target)
     leaves = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+    for path, leaf in flat_target:
         if path in flat_src:
             if flat_src[path].shape != leaf.shape:
                 raise ValueError(f"{jax.tree_util.keystr(path)}: seed shape {flat_src[path].shape} != {leaf.shape}")
@@ -93,7 +94,7 @@ def seed_init(config, kind: str, seed: int) -> dict:
             leaves.append(leaf)
         else:
             raise ValueError(f"{jax.tree_util.keystr(path)} has no counterpart in seed 002's {kind} model")
-    targets = {p for p, _ in jax.tree_util.tree_leaves_with_path(target)}
+    targets = {p for p, _ in flat_target}
     # the seed variant's shared key norm has no 'paper' counterpart; at init it is all ones, nothing drawn
     missing = [p for p in flat_src if p not in targets and not np.all(flat_src[p] == 1)]
     if missing:
