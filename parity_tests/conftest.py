@@ -30,7 +30,7 @@ jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPU r
 
 import torch  # noqa: E402
 
-from jaxgpt.layout import params_to_state_dict, state_dict_to_params  # noqa: E402
+from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params  # noqa: E402
 
 torch.set_default_dtype(torch.float32)
 TOL = 1e-5  # float32 forward and gradient tolerance, max abs on unit-scale tensors

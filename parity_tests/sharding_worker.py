@@ -19,7 +19,7 @@ import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from jaxgpt.config import ModelConfig, TrainConfig  # noqa: E402
-from jaxgpt.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch  # noqa: E402
+from jaxgpt.parallel.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch  # noqa: E402
 from jaxgpt.train.step import init_state, make_train_step  # noqa: E402
 
 MODELS = {  # tiny, so the 8 compilations per model stay a few seconds each

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_close, assert_self_consistent, check_module, load_into, randomize
-from jaxgpt.attention import Attention, KVCache, causal_mask, scaled_dot_product_attention as sdpa
-from torch_ref import attention as tattn
+from jaxgpt.nn.attention import Attention, KVCache, causal_mask, scaled_dot_product_attention as sdpa
+from torch_ref.nn import attention as tattn
 
 HEADS = [(4, 4), (4, 2), (4, 1), (6, 3)]  # (n_head, n_kv_head): MHA, GQA, MQA, GQA
 

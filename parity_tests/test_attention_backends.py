@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from conftest import assert_close, assert_grads_close, assert_self_consistent, randomize
 from jaxgpt import PRESETS, build
-from jaxgpt.attention import attention_core, scaled_dot_product_attention as sdpa
-from jaxgpt.attention_backends import blocked_attention, warn_once
+from jaxgpt.nn.attention import attention_core, scaled_dot_product_attention as sdpa
+from jaxgpt.nn.kernels import blocked_attention, warn_once
 from jaxgpt.models import abstract_params, init_cache
 
 IMPLS = ("jax", "blocked")  # 'cudnn' on a CPU is 'jax' plus a warning: test_cudnn_on_cpu_warns_once

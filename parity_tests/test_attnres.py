@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from conftest import (SHARED, TOL, assert_close, assert_grads_close, assert_self_consistent, grads_err, load_into,
                       random_params, randomize, require_shared)
-from jaxgpt.attnres import AttnResLayers
+from jaxgpt.nn.attnres import AttnResLayers
 from jaxgpt.config import ModelConfig, get_preset
-from jaxgpt.layout import params_to_state_dict, state_dict_to_params
+from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params
 from jaxgpt.convert import from_seed_attnres
 from jaxgpt.models.decoder import DecoderLM
-from torch_ref.attnres import AttnResLayers as TLayers
+from torch_ref.nn.attnres import AttnResLayers as TLayers
 from torch_ref.models.decoder import DecoderLM as TDecoderLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -1,4 +1,4 @@
-"""jaxgpt.bench on a tiny decoder: every number is there, positive and finite, the table shows
+"""jaxgpt.tools.bench on a tiny decoder: every number is there, positive and finite, the table shows
 each row, and the configs it cannot measure are refused with a clear message."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from jaxgpt.bench import _preset_name, bench, format_table
+from jaxgpt.tools.bench import _preset_name, bench, format_table
 from jaxgpt.config import get_preset
 
 TINY = get_preset("seed-minigpt").replace(n_layer=2)

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conftest import assert_close, check_module, load_into, randomize
-from jaxgpt.block import Block
+from jaxgpt.nn.block import Block
 from jaxgpt.config import ModelConfig
-from jaxgpt.layout import params_to_state_dict, state_dict_to_params, to_numpy
-from torch_ref.block import Block as TBlock
+from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params, to_numpy
+from torch_ref.nn.block import Block as TBlock
 from torch_ref.convert import module_params
 
 

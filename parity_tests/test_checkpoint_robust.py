@@ -22,7 +22,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxgpt.cli import apply_sets, main
+from jaxgpt.cli import main
+from jaxgpt.config import apply_sets
 from jaxgpt.config import get_preset
 from jaxgpt.train.checkpoint import FILES, Checkpoints, DamagedCheckpoint
 

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgpt.cli import apply_sets, main, parse_value
+from jaxgpt.cli import main
+from jaxgpt.config import apply_sets, parse_value
 from jaxgpt.config import TrainConfig, get_preset
 from jaxgpt.train.checkpoint import Checkpoints
 from jaxgpt.train.loop import prepare

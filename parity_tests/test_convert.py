@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import randomize
-from jaxgpt.block import Block
+from jaxgpt.nn.block import Block
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import params_to_state_dict, state_dict_to_params
-from torch_ref.block import Block as TBlock
+from torch_ref.nn.block import Block as TBlock
 from torch_ref.convert import load_params, module_params
 
 CFG = ModelConfig(d_model=16, n_head=4, n_kv_head=2, norm="layernorm", mlp="gelu", qkv_bias=True, mlp_bias=True)

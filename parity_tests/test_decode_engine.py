@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxgpt.generate as gen_module
-from jaxgpt.attention import KVCache
+import jaxgpt.inference.generate as gen_module
+from jaxgpt.nn.attention import KVCache
 from jaxgpt.config import ModelConfig
-from jaxgpt.generate import generate
+from jaxgpt.inference.generate import generate
 from jaxgpt.models import build, init_params
 from jaxgpt.models.decoder import init_cache, unstack_layers
 

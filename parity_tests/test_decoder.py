@@ -13,7 +13,7 @@ from jaxgpt import PRESETS, build
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import (abstract_params, from_hf, from_nanogpt, from_seed_gpt, from_seed_minigpt,
                             load_safetensors, save_safetensors, to_hf)
-from jaxgpt.generate import generate
+from jaxgpt.inference.generate import generate
 from jaxgpt.models import DecoderLM
 from torch_ref import build as tbuild
 from torch_ref.generate import generate as tgenerate

@@ -17,7 +17,7 @@ from jaxgpt import PRESETS, build
 from jaxgpt.config import REMATS, EncDecConfig
 from jaxgpt.convert import (from_hf, load_safetensors, params_to_state_dict, save_safetensors, state_dict_to_params,
                             to_hf)
-from jaxgpt.generate import generate
+from jaxgpt.inference.generate import generate
 from jaxgpt.models import abstract_params, init_cache, stacked_paths
 from torch_ref import build as tbuild
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from conftest import assert_close, assert_self_consistent, load_into, randomize
-from jaxgpt.cli import apply_sets
+from jaxgpt.config import apply_sets
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset
 from jaxgpt.data import builtin_pairs
-from jaxgpt.generate import generate
+from jaxgpt.inference.generate import generate
 from jaxgpt.models.decoder import DecoderLM
 from jaxgpt.train.optim import schedule
 from jaxgpt.train.tasks import load_task, fit_config, pairs_task, text_task, with_epochs
-from jaxgpt.translate import translate_all
+from jaxgpt.inference.translate import translate_all
 from torch_ref.models.decoder import DecoderLM as TDecoderLM
 
 PAIRS = builtin_pairs()
@@ -134,7 +134,7 @@ def _trained_pairs_model(residual="standard"):
 
 
 def test_translate_all_equals_per_sentence_greedy_generate():
-    """Reference: jaxgpt.generate (cached, one sentence at a time, its own code path) on each
+    """Reference: jaxgpt.inference.generate (cached, one sentence at a time, its own code path) on each
     prompt; translate_all decodes all prompts together in one padded window."""
     cfg, params, tok, pairs = _trained_pairs_model()
     res = translate_all(cfg, params, tok, pairs)
@@ -189,8 +189,8 @@ def test_gpt2_presets_dropout_sets_attention_dropout_too():
     assert off.attention_dropout == 0.0  # what nanoGPT's --dropout=0.0 means
     own, _ = apply_sets(cfg, ["dropout=0.0", "attn_dropout=0.1"])
     assert (own.dropout, own.attention_dropout) == (0.0, 0.1)
-    from jaxgpt.attention import attention_from_config
-    from torch_ref.attention import attention_from_config as t_attention
+    from jaxgpt.nn.attention import attention_from_config
+    from torch_ref.nn.attention import attention_from_config as t_attention
 
     assert attention_from_config(off, "attn").attn_dropout == t_attention(off).attn_dropout == 0.0
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg

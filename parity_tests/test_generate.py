@@ -1,4 +1,4 @@
-"""Generation (jaxgpt/generate.py): sampled decoding with and without the KV cache under the same
+"""Generation (jaxgpt/inference/generate.py): sampled decoding with and without the KV cache under the same
 rng, the sampling filters (top-k, top-p, temperature) on their own and against torch_ref's, EOS
 handling, the crop-to-context fallback, one compilation per setting, and argument errors.
 (Greedy cached == uncached == torch_ref without EOS or cropping is in test_decoder.py.)"""
@@ -10,9 +10,9 @@ import torch
 
 from conftest import load_into
 from jaxgpt import build
-from jaxgpt import generate as gen_module
+from jaxgpt.inference import generate as gen_module
 from jaxgpt.config import ModelConfig
-from jaxgpt.generate import generate, sample_logits
+from jaxgpt.inference.generate import generate, sample_logits
 from jaxgpt.models import init_params
 from torch_ref import build as tbuild
 from torch_ref.generate import generate as tgenerate

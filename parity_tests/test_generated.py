@@ -1,4 +1,4 @@
-"""jaxgpt.generated (the built-in generated tasks) and the smoke runs of the experiment scripts that
+"""jaxgpt.data.generated (the built-in generated tasks) and the smoke runs of the experiment scripts that
 use them: scripts/exp_attention_basics.py and scripts/exp_seed004.py."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxgpt import generated as g
+from jaxgpt.data import generated as g
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

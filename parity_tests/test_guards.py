@@ -1,5 +1,5 @@
 """Guards (issue #8 items 2, 3 and masks): what JAX would do silently is an error, eagerly and in
-checked mode (jaxgpt.checks, checkify) under jit, with the same message as torch_ref.
+checked mode (jaxgpt.nn.checks, checkify) under jit, with the same message as torch_ref.
 
 - A KV cache written past its capacity (dynamic_update_slice clamps the start: old slots are
   overwritten) through Attention and DecoderLM.
@@ -22,20 +22,20 @@ import torch
 import torch_ref
 from conftest import check_module
 from jaxgpt import build
-from jaxgpt.attention import Attention, KVCache, scaled_dot_product_attention as sdpa
-from jaxgpt import checks
-from jaxgpt.checks import checked
+from jaxgpt.nn.attention import Attention, KVCache, scaled_dot_product_attention as sdpa
+from jaxgpt.nn import checks
+from jaxgpt.nn.checks import checked
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig
 from jaxgpt.data import IGNORE_INDEX
-from jaxgpt.generate import generate, generate_seq2seq
+from jaxgpt.inference.generate import generate, generate_seq2seq
 from jaxgpt.models import init_params
 from jaxgpt.models.decoder import init_cache
 from jaxgpt.train import cross_entropy, init_state, make_train_step
 from jaxgpt.train.loop import evaluate, fit
 from jaxgpt.train.step import make_eval_step
 from jaxgpt.train.tasks import fit_config, load_task
-from jaxgpt.validate import check_batch
-from torch_ref import attention as tattn
+from jaxgpt.core.validate import check_batch
+from torch_ref.nn import attention as tattn
 from torch_ref.convert import load_params
 from torch_ref.generate import generate as tgenerate
 from torch_ref.models.decoder import init_cache as tinit_cache

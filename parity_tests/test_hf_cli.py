@@ -11,7 +11,7 @@ import torch
 
 from hf_dirs import TEXT, gpt2_dir
 from jaxgpt.cli import main
-from jaxgpt.hf_tokenizer import HFTokenizer, special_ids
+from jaxgpt.data.hf_tokenizer import HFTokenizer, special_ids
 
 PROMPT = "the cat sat"
 

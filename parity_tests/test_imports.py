@@ -1,5 +1,5 @@
 """Framework boundaries, checked in fresh interpreters: torch_ref never imports JAX or Flax, jaxgpt
-never imports torch, and jaxgpt.layout (what the two share) imports neither. Also: the shared layout
+never imports torch, and jaxgpt.core.layout (what the two share) imports neither. Also: the shared layout
 facts have one source (the old homes re-export them), and the harness turns a missing ../shared
 into an error under CI=true."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TORCH_SIDE = ["torch_ref", "torch_ref.models", "torch_ref.attnres", "torch_ref.convert", "torch_ref.train",
+TORCH_SIDE = ["torch_ref", "torch_ref.models", "torch_ref.nn.attnres", "torch_ref.convert", "torch_ref.train",
               "torch_ref.generate"]
-JAX_SIDE = ["jaxgpt", "jaxgpt.convert", "jaxgpt.train", "jaxgpt.generate"]
+JAX_SIDE = ["jaxgpt", "jaxgpt.convert", "jaxgpt.train", "jaxgpt.inference.generate"]
 
 
 def first_importers(modules: list[str], banned: set[str]) -> dict[str, list[str]]:
@@ -51,16 +51,16 @@ def test_jaxgpt_imports_no_torch():
 
 
 def test_layout_imports_no_framework():
-    found = first_importers(["jaxgpt.layout"], {"jax", "jaxlib", "flax", "torch"})
-    assert "numpy" in found.pop("<all>") and not found["jaxgpt.layout"], found
+    found = first_importers(["jaxgpt.core.layout"], {"jax", "jaxlib", "flax", "torch"})
+    assert "numpy" in found.pop("<all>") and not found["jaxgpt.core.layout"], found
 
 
 def test_layout_facts_have_one_source():
-    """The old homes re-export jaxgpt.layout; encdec's STACKED agrees with it."""
-    import jaxgpt.attnres
+    """The old homes re-export jaxgpt.core.layout; encdec's STACKED agrees with it."""
+    import jaxgpt.nn.attnres
     import jaxgpt.convert
     import jaxgpt.convert.rule
-    import jaxgpt.layout as L
+    import jaxgpt.core.layout as L
     import jaxgpt.models
     from jaxgpt.config import get_preset
     from jaxgpt.models.encdec import STACKED
@@ -68,7 +68,7 @@ def test_layout_facts_have_one_source():
     assert jaxgpt.convert.params_to_state_dict is jaxgpt.convert.rule.params_to_state_dict is L.params_to_state_dict
     assert jaxgpt.convert.state_dict_to_params is L.state_dict_to_params and jaxgpt.convert.to_numpy is L.to_numpy
     assert jaxgpt.models.stacked_paths is L.stacked_paths
-    assert jaxgpt.attnres.seal_schedule is L.seal_schedule and jaxgpt.attnres.key_eps is L.key_eps
+    assert jaxgpt.nn.attnres.seal_schedule is L.seal_schedule and jaxgpt.nn.attnres.key_eps is L.key_eps
     assert L.stacked_paths(get_preset("seed-transformer")) == STACKED
 
 

@@ -8,8 +8,8 @@ import torch
 
 from conftest import assert_close, check_module
 from jaxgpt.config import ModelConfig
-from jaxgpt.mlp import ACTIVATIONS, MLP, SwiGLU, make_mlp
-from torch_ref import mlp as tmlp
+from jaxgpt.nn.mlp import ACTIVATIONS, MLP, SwiGLU, make_mlp
+from torch_ref.nn import mlp as tmlp
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import assert_close, check_module, randomize
-from jaxgpt import norms
+from jaxgpt.nn import norms
 from jaxgpt.config import FLOAT32_EPS
-from torch_ref import norms as tnorms
+from torch_ref.nn import norms as tnorms
 
 SHAPES = [(2, 5, 16), (3, 64), (1, 7, 48)]
 

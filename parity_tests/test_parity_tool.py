@@ -1,4 +1,4 @@
-"""`jaxgpt parity` (jaxgpt.parity) on every supported source: HF GPT-2 / LLaMA / BERT directories,
+"""`jaxgpt parity` (jaxgpt.tools.parity) on every supported source: HF GPT-2 / LLaMA / BERT directories,
 a nanoGPT ckpt.pt and a torch_ref .pt, in float32 at 1e-5 (and bfloat16 at its own 5e-2); and it
 catches deliberately broken converters, naming the first bad layer and exiting 1."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from conftest import randomize
 from hf_dirs import bert_dir, gpt2_dir, llama_dir, nanogpt_ckpt
 from jaxgpt.cli import main
-from jaxgpt.parity import format_table, run
+from jaxgpt.tools.parity import format_table, run
 
 TOL = 1e-5
 
@@ -134,6 +134,6 @@ def test_importing_jaxgpt_parity_stays_torch_free():
     import subprocess
     import sys
 
-    code = ("import sys, jaxgpt, jaxgpt.parity, jaxgpt.hf_tokenizer, jaxgpt.convert.torch_nn; "
+    code = ("import sys, jaxgpt, jaxgpt.tools.parity, jaxgpt.data.hf_tokenizer, jaxgpt.convert.torch_nn; "
             "sys.exit(any(m in sys.modules for m in ('torch', 'torch_ref', 'transformers')))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

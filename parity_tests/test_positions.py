@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import assert_close, assert_self_consistent
-from jaxgpt import positions as P
-from torch_ref import positions as TP
+from jaxgpt.nn import positions as P
+from torch_ref.nn import positions as TP
 
 
 def _seed_sinusoidal(max_len, d):

@@ -30,13 +30,13 @@ from hypothesis import strategies as st
 
 import torch_ref
 from conftest import assert_close, check_module, load_into, random_params
-from jaxgpt.attention import Attention, KVCache, scaled_dot_product_attention
-from jaxgpt.block import Block
+from jaxgpt.nn.attention import Attention, KVCache, scaled_dot_product_attention
+from jaxgpt.nn.block import Block
 from jaxgpt.config import EncDecConfig, ModelConfig, get_preset
-from jaxgpt.layout import flatten, params_to_state_dict, stacked_paths, state_dict_to_params
+from jaxgpt.core.layout import flatten, params_to_state_dict, stacked_paths, state_dict_to_params
 from jaxgpt.models import abstract_params, build, init_cache
-from torch_ref import attention as tattn
-from torch_ref.block import Block as TBlock
+from torch_ref.nn import attention as tattn
+from torch_ref.nn.block import Block as TBlock
 from torch_ref.convert import load_params, module_params
 from torch_ref.models import init_cache as tinit_cache
 

@@ -1,4 +1,4 @@
-"""Sharded training (jaxgpt.sharding) on simulated CPU devices, each case in a subprocess started
+"""Sharded training (jaxgpt.parallel.sharding) on simulated CPU devices, each case in a subprocess started
 with XLA_FLAGS=--xla_force_host_platform_device_count=N (the device count is fixed when JAX
 starts, and this pytest process has already started it). The worker, sharding_worker.py, prints
 measurements; the assertions are here.
@@ -24,7 +24,7 @@ import pytest
 
 from jaxgpt.config import PRESETS
 from jaxgpt.models import abstract_params
-from jaxgpt.sharding import logical_axes, parse_mesh
+from jaxgpt.parallel.sharding import logical_axes, parse_mesh
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 TOL = 1e-5
@@ -143,7 +143,7 @@ def test_two_processes_on_localhost():
 def test_host_devices_after_jax_started_is_an_error():
     import jax
 
-    from jaxgpt.sharding import use_host_devices
+    from jaxgpt.parallel.sharding import use_host_devices
 
     jax.devices()  # this pytest process has started JAX with one CPU device
     use_host_devices(1)  # enough already: nothing to do
@@ -154,7 +154,7 @@ def test_host_devices_after_jax_started_is_an_error():
 def test_multi_host_flags_go_together():
     import argparse
 
-    from jaxgpt.cli import _start_devices
+    from jaxgpt.cli.common import _start_devices
 
     args = argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=None, process_id=0, mesh=None)
     with pytest.raises(ValueError, match="needs --coordinator HOST:PORT, --num-processes N and --process-id I"):
@@ -204,7 +204,7 @@ def test_checked_step_on_a_one_device_mesh():
     """mesh=... with checked=True (in this process: a 1-device mesh): same loss as the plain step,
     and a bad target still raises instead of being scored as the last class."""
     from jaxgpt.config import ModelConfig, TrainConfig
-    from jaxgpt.sharding import make_mesh, shard_batch
+    from jaxgpt.parallel.sharding import make_mesh, shard_batch
     from jaxgpt.train.step import init_state, make_train_step
 
     cfg = ModelConfig(vocab_size=16, d_model=16, n_layer=1, n_head=2, max_len=8)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from conftest import assert_close
-from jaxgpt.block import Block
+from jaxgpt.nn.block import Block
 from jaxgpt.convert.torch_nn import (attend_mask, decoder_layer_params, encoder_layer_params,
                                      from_torch_transformer, layer_config, transformer_config)
 from jaxgpt.models.encdec import EncoderDecoder

@@ -13,7 +13,7 @@ tokens are compared with jaxgpt's cached ones (``tokens_match``).
 
 Measured per (batch, new tokens): tokens/s (batch x new tokens / wall time, compile excluded)
 and time to first token (a 1-token generate). Rows:
-- jax cached: ``jaxgpt.generate`` (prefill + compiled while-loop over the per-layer KV cache).
+- jax cached: ``jaxgpt.inference.generate`` (prefill + compiled while-loop over the per-layer KV cache).
 - jax uncached: the prefix is recomputed every step, padded up to a multiple of 64 (so at most
   context/64 compiles; causal attention makes the padding invisible).
 - torch_ref cached / uncached: ``torch_ref.generate.generate`` (uncached recomputes the exact prefix).
@@ -69,7 +69,7 @@ def worker_jax(model_dir: str, cases, cached: bool, prompt_len: int) -> list[dic
     import numpy as np
 
     from jaxgpt.convert.hf import load_hf
-    from jaxgpt.generate import generate
+    from jaxgpt.inference.generate import generate
     from jaxgpt.models import build
 
     config, params = load_hf(model_dir)
@@ -117,7 +117,7 @@ def _torch_ref_model(model_dir: str):
 
     import torch_ref.models
     from jaxgpt.convert.hf import load_hf
-    from jaxgpt.layout import params_to_state_dict, stacked_paths
+    from jaxgpt.core.layout import params_to_state_dict, stacked_paths
 
     config, params = load_hf(model_dir)
     model = torch_ref.models.build(config)
@@ -188,7 +188,7 @@ def worker(args) -> None:
 # Per-token cost vs cache slots (one compiled loop of decode steps) ---------------------------------
 def slots_worker(slots: list[int], steps: int, vocab: int) -> list[dict]:
     """ms per decode step of the 6 x 384 model inside a compiled fori_loop, for each cache size:
-    'generate' = what jaxgpt.generate runs (unstacked layers, per-layer caches); 'stacked' = the
+    'generate' = what jaxgpt.inference.generate runs (unstacked layers, per-layer caches); 'stacked' = the
     public DecoderLM(cache=init_cache(...)) call with scanned layers and the (L, ...) cache."""
     import inspect
 

@@ -10,7 +10,7 @@ defaults: AdamW, cosine schedule, clipping at 1.0), float32, for:
   torch.compile   the same step with the model wrapped in torch.compile (inductor; needs a C++ compiler);
   jaxgpt-default  jaxgpt.train.step.make_train_step on ModelConfig defaults;
   jaxgpt-...      the same step with the engine settings of JAX_SETTINGS (ModelConfig values a user can
-                  set, and the batch split over host CPU devices with jaxgpt.sharding.use_host_devices).
+                  set, and the batch split over host CPU devices with jaxgpt.parallel.sharding.use_host_devices).
 Each (framework, setting) runs in its own subprocess (thread pools of two frameworks in one process
 interfere), one after the other in rounds (A B C D, D C B A, ...); each process compiles, warms up and
 then times `steps` steps one by one; the table reports the median over all rounds' steps.
@@ -94,7 +94,7 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
     # a JAX_SETTINGS name, or a JSON {"config": {...}, "host_devices": n} (to try a setting by hand)
     chosen = json.loads(setting) if setting.startswith("{") else JAX_SETTINGS[setting]
     devices = chosen.get("host_devices", 1)
-    from jaxgpt.sharding import use_host_devices
+    from jaxgpt.parallel.sharding import use_host_devices
     use_host_devices(devices)  # before jax initialises its backend
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -8,12 +8,12 @@ Reproduces, with jaxgpt's own functions (no training):
 - the sinusoidal position table (seeds 000 and 004): heatmap and waveforms, against the seeds'
   own formula, and the period of each dimension;
 - the causal mask grid (seed 003) and masked attention weights (seed 004), from
-  ``jaxgpt.attention.scaled_dot_product_attention(..., return_weights=True)``;
+  ``jaxgpt.nn.attention.scaled_dot_product_attention(..., return_weights=True)``;
 - the RoPE relative-position check (seed 000): q.k at fixed distance over absolute offsets, the
   whole score matrix against m - n, in both of jaxgpt's layouts and the seed's complex form;
 - temperature (0.1 / 0.5 / 1 / 2), top-k (1 / 3 / 5 / 10) and top-k vs top-p on seed 003's sharp
   and flat distributions, as bar charts: the filtered distributions, checked against
-  ``jaxgpt.generate.sample_logits`` by drawing from it.
+  ``jaxgpt.inference.generate.sample_logits`` by drawing from it.
 
 Claims checked (each is a row of results/attention_basics/README.md): seed 000 "without scaling,
 softmax goes one-hot; d_k=512 max weight ~1.0; with scaling more uniform; score variance d_k ->
@@ -67,7 +67,7 @@ def verdict(ok: bool, measured: str) -> str:
 def saturation(out: Path, trials: int, pyplot) -> tuple[dict, list]:
     import jax.numpy as jnp
 
-    from jaxgpt.attention import scaled_dot_product_attention as sdpa
+    from jaxgpt.nn.attention import scaled_dot_product_attention as sdpa
 
     rng = np.random.default_rng(42)
     res: dict = {"trials": trials, "T": 8, "per_dk": {}}
@@ -169,7 +169,7 @@ def seed_sinusoid(max_len: int, d_model: int) -> np.ndarray:
 
 
 def positions_fig(out: Path, pyplot) -> tuple[dict, list]:
-    from jaxgpt.positions import sinusoidal_table
+    from jaxgpt.nn.positions import sinusoidal_table
 
     pe = sinusoidal_table(128, 64)
     diffs = {f"{L}x{d}": float(np.abs(sinusoidal_table(L, d) - seed_sinusoid(L, d)).max()) for L, d in ((8, 8), (128, 64))}
@@ -178,7 +178,7 @@ def positions_fig(out: Path, pyplot) -> tuple[dict, list]:
     crossings = {d: int((np.diff(np.sign(pe[:64, d])) != 0).sum()) for d in dims}
     fig, axes = pyplot.subplots(1, 2, figsize=(11, 4))
     im = axes[0].imshow(pe[:64], aspect="auto", cmap="RdBu_r")
-    axes[0].set(xlabel="encoding dimension", ylabel="position", title="sinusoidal table (jaxgpt.positions), d_model=64")
+    axes[0].set(xlabel="encoding dimension", ylabel="position", title="sinusoidal table (jaxgpt.nn.positions), d_model=64")
     fig.colorbar(im, ax=axes[0])
     for d in dims:
         axes[1].plot(pe[:64, d], label=f"dim {d} (period {period[d]:.1f})", alpha=0.8)
@@ -192,7 +192,7 @@ def positions_fig(out: Path, pyplot) -> tuple[dict, list]:
     worst = max(diffs.values())
     rows = [
         ["000, 004", "PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)",
-         f"jaxgpt.positions.sinusoidal_table vs the seeds' code (float32): max diff {worst:.1e} (8x8 and 128x64)",
+         f"jaxgpt.nn.positions.sinusoidal_table vs the seeds' code (float32): max diff {worst:.1e} (8x8 and 128x64)",
          verdict(worst < 1e-4, f"{worst:.1e}")],
         ["000", "low dimensions are low-frequency (slow), high dimensions high-frequency (fast)",
          f"period in positions: dim 0/1 {period[0]:.1f}, dim 10/11 {period[10]:.1f}, dim 30/31 {period[30]:.0f}; "
@@ -209,7 +209,7 @@ def positions_fig(out: Path, pyplot) -> tuple[dict, list]:
 def causal_fig(out: Path, pyplot) -> tuple[dict, list]:
     import jax.numpy as jnp
 
-    from jaxgpt.attention import causal_mask, scaled_dot_product_attention as sdpa
+    from jaxgpt.nn.attention import causal_mask, scaled_dot_product_attention as sdpa
 
     mask = np.asarray(causal_mask(10, 10))
     tril = np.tril(np.ones((10, 10), bool))
@@ -228,7 +228,7 @@ def causal_fig(out: Path, pyplot) -> tuple[dict, list]:
             axes[0].text(j, i, "✓" if mask[i, j] else "✗", ha="center", va="center",
                          color="white" if mask[i, j] else "red", fontsize=9)
     axes[0].set(xticks=range(10), yticks=range(10), xlabel="key position j", ylabel="query position i",
-                title="jaxgpt.attention.causal_mask(10, 10): True = may attend")
+                title="jaxgpt.nn.attention.causal_mask(10, 10): True = may attend")
     axes[1].imshow(w, cmap="Blues", vmin=0, vmax=1)
     for i in range(5):
         for j in range(5):
@@ -279,7 +279,7 @@ def seed_rope(x: np.ndarray, pos: int) -> np.ndarray:
 def rope_fig(out: Path, pyplot, trials: int) -> tuple[dict, list]:
     import jax.numpy as jnp
 
-    from jaxgpt.positions import apply_rope
+    from jaxgpt.nn.positions import apply_rope
 
     d, n = 16, 64
     g = np.random.default_rng(42)
@@ -382,11 +382,11 @@ def seed003_top_p_keep(logits, top_p=0.9) -> np.ndarray:
 
 
 def draw(logits, n: int, seed: int, **kw) -> np.ndarray:
-    """Empirical frequencies of n draws from jaxgpt.generate.sample_logits."""
+    """Empirical frequencies of n draws from jaxgpt.inference.generate.sample_logits."""
     import jax
     import jax.numpy as jnp
 
-    from jaxgpt.generate import sample_logits
+    from jaxgpt.inference.generate import sample_logits
 
     tiled = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
     toks = np.asarray(sample_logits(tiled, jax.random.PRNGKey(seed), **kw))
@@ -556,7 +556,7 @@ def main() -> None:
           "- `causal_mask.png`: the causal mask grid and causal weights of 5 tokens (seed 004's sentence).",
           "- `rope_relative.png`: the RoPE score grid, all scores against n - m, and score against distance.",
           "- `sampling_temperature.png`, `sampling_top_k.png`, `top_k_vs_top_p.png`: exact filtered "
-          "distributions (bars) and frequencies drawn with `jaxgpt.generate.sample_logits` (marks).",
+          "distributions (bars) and frequencies drawn with `jaxgpt.inference.generate.sample_logits` (marks).",
           ""]
     for f in ("saturation", "positional_encoding", "causal_mask", "rope_relative", "sampling_temperature",
               "sampling_top_k", "top_k_vs_top_p"):

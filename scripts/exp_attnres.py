@@ -186,9 +186,9 @@ def greedy_batch(config, params, tokenizer, sources, max_len: int = 40) -> list[
 
 
 def translate(config, params, tokenizer, pairs) -> dict:
-    """jaxgpt.translate.translate_all when the library has it, else greedy_batch (same rule)."""
+    """jaxgpt.inference.translate.translate_all when the library has it, else greedy_batch (same rule)."""
     try:
-        from jaxgpt.translate import translate_all
+        from jaxgpt.inference.translate import translate_all
     except ImportError:
         translate_all = None
     if translate_all is not None:
@@ -286,7 +286,7 @@ def torch_worker(spec_path: Path) -> None:
 
 
 def run_torch(config, tc, init_params, tmp: Path, tag: str, threads: int) -> dict:
-    from jaxgpt.layout import params_to_state_dict, stacked_paths
+    from jaxgpt.core.layout import params_to_state_dict, stacked_paths
 
     import jax
 
@@ -391,7 +391,7 @@ def main():
         r = train_run(config, tc, task, bumped, steps_cache)
         runs["standard"][0]["control"] = [h["loss"] for h in r["history"]]
         try:  # the library's translate_all against this script's greedy_batch, on the control's weights
-            from jaxgpt.translate import translate_all
+            from jaxgpt.inference.translate import translate_all
 
             a = translate_all(config, r["params"], task.tokenizer, pairs)
             b = greedy_batch(config, r["params"], task.tokenizer, [p[0] for p in pairs])
@@ -644,7 +644,7 @@ def markdown(res, args, names, variants, pairs) -> str:
     tcheck = res.get("translate_check")
     lines.append(f"\nTranslations decoded with {', '.join(hows)} (greedy_batch: this script's batched form of the seed's "
                  "greedy_translate, up to 40 ids in all)" + (
-                     f"; on the control model, jaxgpt.translate.translate_all gives {tcheck['translate_all_exact']}/50 "
+                     f"; on the control model, jaxgpt.inference.translate.translate_all gives {tcheck['translate_all_exact']}/50 "
                      f"and greedy_batch {tcheck['greedy_batch_exact']}/50 exact, same pairs right: {tcheck['same_exact_set']}"
                      if tcheck else "") + ".")
     lines.append(f"\nCompute: {res['compute_s'] / 60:.1f} min of training (jaxgpt compile + updates, and torch_ref updates) "

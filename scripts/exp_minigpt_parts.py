@@ -199,14 +199,14 @@ def torch_side(base0: dict, steps: int, cache: Path, out: Path, *, fresh: bool) 
 
 
 def kv_cache(config, params, tokenizer, out: Path, *, smoke: bool) -> dict:
-    """Greedy decoding time vs length: jaxgpt.generate with its KV cache; an uncached loop that
+    """Greedy decoding time vs length: jaxgpt.inference.generate with its KV cache; an uncached loop that
     recomputes the growing prefix every token (the seed's baseline; prefix padded to a multiple
     of 16 positions, which a causal model ignores, so that 16 shapes compile instead of one per
-    length); and jaxgpt.generate(use_cache=False) (a fixed max_len window every token)."""
+    length); and jaxgpt.inference.generate(use_cache=False) (a fixed max_len window every token)."""
     import jax
     import jax.numpy as jnp
 
-    from jaxgpt.generate import generate
+    from jaxgpt.inference.generate import generate
     from jaxgpt.models.decoder import DecoderLM
 
     model, bucket = DecoderLM(config), 16
@@ -259,7 +259,7 @@ def kv_plot(kv: dict, out: Path) -> None:
     pyplot = expkit.plt()
     fig, (a0, a1) = pyplot.subplots(1, 2, figsize=(10, 3.8))
     x = [r["new_tokens"] for r in rows]
-    for m, label in (("kv_cache", "jaxgpt.generate, KV cache"), ("growing_prefix", "no cache: growing prefix"),
+    for m, label in (("kv_cache", "jaxgpt.inference.generate, KV cache"), ("growing_prefix", "no cache: growing prefix"),
                      ("fixed_window", "no cache: fixed max_len window")):
         a0.plot(x, [r[f"{m}_ms"] for r in rows], "o-", label=label)
     a0.set(xscale="log", yscale="log", xlabel="new tokens (prompt 16)", ylabel="ms (median)", title="greedy decoding")
@@ -281,7 +281,7 @@ def samples(config, params, tokenizer, *, smoke: bool) -> dict:
     import jax
 
     from jaxgpt.data import builtin_corpus
-    from jaxgpt.generate import generate
+    from jaxgpt.inference.generate import generate
 
     corpus = builtin_corpus(CORPUS)
     grams = {corpus[i:i + 3] for i in range(len(corpus) - 2)}

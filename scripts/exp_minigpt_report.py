@@ -138,7 +138,7 @@ def markdown(res: dict, rows: list[dict], base: str, args) -> str:
                        [[r["new_tokens"], f"{r['kv_cache_ms']:.1f}", f"{r['growing_prefix_ms']:.1f}",
                          f"{r['fixed_window_ms']:.1f}", f"{r['speedup_vs_growing_prefix']:.1f}x", r["identical"]]
                         for r in kv["rows"]]),
-          "\nKV cache: `jaxgpt.generate` (one compiled prefill + while_loop). Growing prefix: the seed's "
+          "\nKV cache: `jaxgpt.inference.generate` (one compiled prefill + while_loop). Growing prefix: the seed's "
           "baseline, a Python loop with one jitted forward of the whole prefix per token (padded to a "
           "multiple of 16 positions so that 16 shapes compile). Fixed window: `generate(use_cache=False)`.\n",
           "\n## Samples (model of the long run, rng PRNGKey(0))\n",

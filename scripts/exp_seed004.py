@@ -2,7 +2,7 @@
 
 1. MiniBERT (preset ``seed-minibert``: 128 wide, 2 Pre-LN layers, learned positions, [CLS]
    classifier, dropout 0.1) classifying generated sentiment-like rows
-   (``jaxgpt.generated.sentiment_rows``: filler words plus 1 or 3 sentiment words, label = the
+   (``jaxgpt.data.generated.sentiment_rows``: filler words plus 1 or 3 sentiment words, label = the
    majority polarity; variable lengths, so every batch is padded and the padding mask matters).
    Seed 004 trains it on IMDb with Adam(1e-3, weight decay 1e-5), clip 1.0, batch 16 (not shipped
    here, and not reachable offline). Held-out test accuracy over training, mean and spread over 3
@@ -10,8 +10,8 @@
    without it.
 2. The encoder-decoder (preset ``seed-transformer``: sqrt(d)-scaled embeddings, sinusoidal
    positions, Post-LN, ReLU; 64 wide, 1 layer, 4 heads) on generated copy / reverse / sort pairs
-   (``jaxgpt.generated.sequence_pairs``: 3-8 symbols over 10 letters): greedy exact match on
-   held-out pairs (``jaxgpt.translate.translate_all``), over training, 3 seeds. Seed 004 only runs
+   (``jaxgpt.data.generated.sequence_pairs``: 3-8 symbols over 10 letters): greedy exact match on
+   held-out pairs (``jaxgpt.inference.translate.translate_all``), over training, 3 seeds. Seed 004 only runs
    this model forward on random ids; the task and the claim "learns to high exact match" are the
    issue's.
 3. Seed 004's tiny character GPT: "hello world! this is a tiny gpt demo.", 128 wide, 2 Pre-LN
@@ -89,7 +89,7 @@ def minibert(args, budget: dict) -> tuple[dict, list]:
     from jaxgpt import PRESETS, build
     from jaxgpt.config import TrainConfig
     from jaxgpt.data import pad_batch
-    from jaxgpt.generated import sentiment_rows, split_rows
+    from jaxgpt.data.generated import sentiment_rows, split_rows
     from jaxgpt.train.tasks import classify_task, fit_config
 
     n_train, n_test, steps = budget["bert_rows"], budget["bert_test"], budget["bert_steps"]
@@ -168,9 +168,9 @@ def encdec(args, budget: dict) -> tuple[dict, list]:
 
     from jaxgpt import PRESETS
     from jaxgpt.config import TrainConfig
-    from jaxgpt.generated import sequence_pairs, split_rows
+    from jaxgpt.data.generated import sequence_pairs, split_rows
     from jaxgpt.train.tasks import fit_config, pairs_task
-    from jaxgpt.translate import translate_all
+    from jaxgpt.inference.translate import translate_all
 
     res: dict = {}
     rows_out, curves = [], {}
@@ -344,8 +344,8 @@ def tiny_gpt(args, budget: dict) -> tuple[dict, list]:
     import jax
 
     from jaxgpt.config import ModelConfig, TrainConfig
-    from jaxgpt.generate import generate
-    from jaxgpt.generated import TINY_GPT_TEXT
+    from jaxgpt.inference.generate import generate
+    from jaxgpt.data.generated import TINY_GPT_TEXT
     from jaxgpt.train.tasks import text_task
 
     text, steps = TINY_GPT_TEXT, budget["gpt_steps"]
@@ -446,7 +446,7 @@ def main() -> None:
     md = ["# Experiment 5: seed 004 (MiniBERT, encoder-decoder, tiny character GPT)\n",
           f"Command: `.venv/bin/python scripts/exp_seed004.py{' --smoke' if args.smoke else ''}` "
           f"({args.seeds} seed(s) per part; wall time {time.perf_counter() - started:.0f} s on the 2-core CPU, "
-          "measured under load: other jobs shared the machine). Data: `jaxgpt.generated` (deterministic, seed 0).\n",
+          "measured under load: other jobs shared the machine). Data: `jaxgpt.data.generated` (deterministic, seed 0).\n",
           expkit.table(["source", "claim", "measured", "verdict"], [[str(c).replace("|", "\\|") for c in r] for r in rows]),
           "\n## Setup and differences from the seed\n",
           f"- MiniBERT: preset `seed-minibert` (dropout 0.1) on {results['minibert']['tokens']} tokens "
@@ -458,7 +458,7 @@ def main() -> None:
           "Adam's L2 weight decay 1e-5, where jaxgpt decays 1e-5 decoupled (AdamW).",
           "- Encoder-decoder: preset `seed-transformer` (1 layer each side, 64 wide, Post-LN, ReLU, sqrt(d) "
           "embedding scale, sinusoidal positions, output bias) with max_len 16; sources of 3-8 symbols over "
-          "`abcdefghij`; greedy decoding with `jaxgpt.translate.translate_all`; exact match = the whole output "
+          "`abcdefghij`; greedy decoding with `jaxgpt.inference.translate.translate_all`; exact match = the whole output "
           "string equals the target. " + results["encdec"]["config"] + ".",
           "- Tiny GPT: the seed's model in jaxgpt (`pos=learned`, LayerNorm, exact GELU, biases, "
           "`lm_head_bias=True` for the seed's `fc_out` Linear); Adam lr 1e-3, no weight decay, no clipping, batch 1 "

@@ -139,7 +139,7 @@ def cached(out: Path, key: str, fresh: bool, fn):
 def jax_sample(config, params, tok, prompt: str, n: int, *, temperature: float, top_k: int, seed: int) -> str:
     import jax
 
-    from jaxgpt.generate import generate
+    from jaxgpt.inference.generate import generate
 
     ids = np.asarray([tok.encode(prompt)], np.int32)
     out = generate(config, params, ids, n, temperature=temperature, top_k=top_k, rng=jax.random.PRNGKey(seed))

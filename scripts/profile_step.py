@@ -299,7 +299,7 @@ def _jax_state(shape: str, setting: str, variant: str | None = None):
     config, batch, seq_len, _ = bt.SHAPES[shape]
     chosen = json.loads(setting) if setting.startswith("{") else bt.JAX_SETTINGS[setting]
     devices = chosen.get("host_devices", 1)
-    from jaxgpt.sharding import use_host_devices
+    from jaxgpt.parallel.sharding import use_host_devices
     use_host_devices(devices)
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -489,12 +489,12 @@ VARIANTS = {
 def apply_variant(name: str) -> None:
     """Monkeypatch jaxgpt in THIS process with the prototypes named in ``name`` ('+'-joined VARIANTS
     keys). Attention variants replace Attention.__call__ (same params, same math) on the plain training
-    path (no cache, no RoPE, no mask, no dropout); gelu-erf replaces jaxgpt.mlp.ACTIVATIONS['gelu']."""
+    path (no cache, no RoPE, no mask, no dropout); gelu-erf replaces jaxgpt.nn.mlp.ACTIVATIONS['gelu']."""
     import jax
     import jax.numpy as jnp
 
-    from jaxgpt import attention as A
-    from jaxgpt import mlp
+    from jaxgpt.nn import attention as A
+    from jaxgpt.nn import mlp
     parts = name.split("+")
     if "gelu-erf" in parts:
         mlp.ACTIVATIONS["gelu"] = lambda x: 0.5 * x * (1.0 + jax.lax.erf(x * (2.0 ** -0.5)))

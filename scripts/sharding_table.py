@@ -52,14 +52,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from jaxgpt.sharding import use_host_devices
+    from jaxgpt.parallel.sharding import use_host_devices
 
     use_host_devices(DEVICES)
     import jax
     import numpy as np
 
     from jaxgpt.config import TrainConfig, get_preset
-    from jaxgpt.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch
+    from jaxgpt.parallel.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch
     from jaxgpt.train.step import init_state, make_train_step
 
     config = get_preset(args.preset)

@@ -6,7 +6,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from jaxgpt.layout import params_to_state_dict, stacked_paths, state_dict_to_params
+from jaxgpt.core.layout import params_to_state_dict, stacked_paths, state_dict_to_params
 
 
 def _default_stacked(module: nn.Module) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Autoregressive decoding mirroring jaxgpt/generate.py: prefill, then one token per step through
+"""Autoregressive decoding mirroring jaxgpt/inference/generate.py: prefill, then one token per step through
 the per-layer KV caches; an uncached path recomputes the window (cropped to max_len)."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxgpt.config import TrainConfig
-from jaxgpt.data import IGNORE_INDEX, batch_keys
+from jaxgpt.core.constants import IGNORE_INDEX, batch_keys
 
 
 def loss_terms(model: nn.Module, batch: dict) -> dict:

@@ -125,7 +125,7 @@ def _block_template(config: ModelConfig, cross: bool):
     import jax
     import jax.numpy as jnp
 
-    from jaxgpt.block import Block
+    from jaxgpt.nn.block import Block
 
     def init():
         x = jnp.zeros((1, 1, config.d_model), jnp.float32)

@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
-from jaxgpt.layout import stacked_paths  # framework-free: torch_ref shares it
+from jaxgpt.core.layout import stacked_paths  # framework-free: torch_ref shares it
 from jaxgpt.models.decoder import DecoderLM, DecoderOutput, init_cache
 
 

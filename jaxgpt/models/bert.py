@@ -13,10 +13,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import checks, validate
+from jaxgpt.nn import checks
+from jaxgpt.core import validate
 from jaxgpt.config import BertConfig
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
-from jaxgpt.norms import norm_from_config
+from jaxgpt.nn.norms import norm_from_config
 
 
 class BertOutput(NamedTuple):

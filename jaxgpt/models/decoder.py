@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from jaxgpt import checks, validate
-from jaxgpt.attention import KVCache
-from jaxgpt.block import Block
+from jaxgpt.nn import checks
+from jaxgpt.core import validate
+from jaxgpt.nn.attention import KVCache
+from jaxgpt.nn.block import Block
 from jaxgpt.config import ModelConfig
-from jaxgpt.mlp import dense
-from jaxgpt.norms import norm_from_config
-from jaxgpt.positions import sinusoidal_table
+from jaxgpt.nn.mlp import dense
+from jaxgpt.nn.norms import norm_from_config
+from jaxgpt.nn.positions import sinusoidal_table
 
 
 class DecoderOutput(NamedTuple):
@@ -75,7 +76,7 @@ def check_tokens(tokens, vocab_size: int, max_len: int, offset: int = 0) -> None
 
     JAX gathers clamp bad indices silently, so concrete (eager) inputs are checked here on the
     host; traced inputs (under jit) get the same checks as checkify debug checks, reported in
-    checked mode (``jaxgpt.checks.checked``) and compiled away otherwise.
+    checked mode (``jaxgpt.nn.checks.checked``) and compiled away otherwise.
     """
     t = tokens.shape[-1]
     if not checks.is_traced(offset):
@@ -143,7 +144,7 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
         cache, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
         return x, cache, weights
 
-    # "intermediates": 0 stacks what capture_intermediates / sow record per layer (jaxgpt.parity reads
+    # "intermediates": 0 stacks what capture_intermediates / sow record per layer (jaxgpt.tools.parity reads
     # each Block's output from it); without that collection mutable, nothing changes.
     scan = nn.scan(body, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
                    in_axes=0, length=config.n_layer, unroll=config.scan_unroll)
@@ -242,7 +243,7 @@ class DecoderLM(nn.Module):
             x, cache, weights = run_blocks(cfg, x, mask=mask, positions=positions, cache=cache,
                                            return_weights=return_weights, deterministic=deterministic)
         else:
-            from jaxgpt.attnres import AttnResLayers
+            from jaxgpt.nn.attnres import AttnResLayers
 
             if cache is not None:
                 raise ValueError(f"residual={cfg.residual!r} does not support a KV cache; decode without one")

@@ -131,7 +131,7 @@ class Checkpoints:
     """Save every N steps, keep the last K verified ones, restore the latest intact (or a given) step.
 
     ``log`` receives the one-line notices (fallback to an older step, a save that failed its
-    read-back); default: stderr. ``mesh``: a ``jaxgpt.sharding`` mesh the restored arrays are split
+    read-back); default: stderr. ``mesh``: a ``jaxgpt.parallel.sharding`` mesh the restored arrays are split
     over (any mesh: a step saved on 8 devices restores onto 2, or onto one device with None).
     """
 
@@ -292,7 +292,7 @@ class Checkpoints:
         if self.mesh is not None:
             if isinstance(target, TrainState):
                 return target  # abstract_state(mesh=...) placed it
-            from jaxgpt.sharding import param_shardings
+            from jaxgpt.parallel.sharding import param_shardings
 
             shardings = param_shardings(config, target, self.mesh)
         else:

@@ -24,7 +24,7 @@ from jaxgpt.config import TrainConfig
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step
 from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
-from jaxgpt.validate import check_batch
+from jaxgpt.core.validate import check_batch
 
 
 ENGINE = ("mesh",)  # TrainConfig fields a run may change when it resumes: placement, not math
@@ -39,7 +39,7 @@ def _mesh(tc: TrainConfig):
     """The jax Mesh of ``tc.mesh`` (None when unset: the single-device path, unchanged)."""
     if not tc.mesh:
         return None
-    from jaxgpt.sharding import make_mesh
+    from jaxgpt.parallel.sharding import make_mesh
 
     return make_mesh(tc.mesh)
 
@@ -124,7 +124,7 @@ def _placer(mesh):
     divides, else replicated (a short last batch of a classification set)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxgpt.sharding import shard_batch
+    from jaxgpt.parallel.sharding import shard_batch
 
     rows = mesh.shape["data"] * mesh.shape["fsdp"]
 
@@ -169,7 +169,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
     if state is None:
         state = init_state(config, tc, mesh=mesh)  # with a mesh: created in its sharding
     elif mesh is not None:  # restored or --init weights: split over the mesh (a no-op when already placed)
-        from jaxgpt.sharding import state_shardings
+        from jaxgpt.parallel.sharding import state_shardings
 
         state = jax.device_put(state, state_shardings(config, state, mesh))
     place = (lambda b: b) if mesh is None else _placer(mesh)

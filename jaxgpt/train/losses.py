@@ -5,15 +5,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import checks, validate
-from jaxgpt.data import IGNORE_INDEX, batch_keys
+from jaxgpt.nn import checks
+from jaxgpt.core import validate
+from jaxgpt.core.constants import IGNORE_INDEX, batch_keys
 from jaxgpt.models import build
 
 def cross_entropy(logits, targets, ignore_index: int = IGNORE_INDEX):
     """logits (..., V), targets (...) int -> (sum of -log p(target), number of kept targets,
     number of kept targets that are the argmax). Computed in float32 like torch's F.cross_entropy.
     Targets must be in [0, V) or ``ignore_index`` (JAX would score -1 as class V-1, and V as NaN):
-    a ValueError when concrete, a checked-mode check (``jaxgpt.checks``) when traced."""
+    a ValueError when concrete, a checked-mode check (``jaxgpt.nn.checks``) when traced."""
     if checks.is_traced(targets):
         checks.check_in_range(targets, logits.shape[-1], "target", space="", allow=ignore_index)
     else:

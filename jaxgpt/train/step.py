@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxgpt import checks
+from jaxgpt.nn import checks
 from jaxgpt.config import TrainConfig
 from jaxgpt.models import init_params
 from jaxgpt.train.losses import loss_terms
@@ -34,12 +34,12 @@ class TrainState(struct.PyTreeNode):
 def init_state(config, tc: TrainConfig, params=None, mesh=None) -> TrainState:
     """Step 0: params from ``init_params(config, fold_in(PRNGKey(seed), 0))`` unless given.
 
-    mesh: a ``jaxgpt.sharding`` mesh: every array is created directly in its sharding by one
+    mesh: a ``jaxgpt.parallel.sharding`` mesh: every array is created directly in its sharding by one
     ``jax.jit(..., out_shardings=...)``, never whole on one device (the values do not depend on the
     mesh: JAX's partitionable threefry draws the same numbers however the output is split)."""
     key = jax.random.PRNGKey(tc.seed)
     if mesh is not None:
-        from jaxgpt.sharding import state_shardings
+        from jaxgpt.parallel.sharding import state_shardings
 
         def fresh(p):
             p = init_params(config, jax.random.fold_in(key, 0)) if p is None else p
@@ -63,7 +63,7 @@ def abstract_state(config, tc: TrainConfig, mesh=None) -> TrainState:
     shapes = jax.eval_shape(lambda: init_state(config, tc))
     if mesh is None:
         return shapes
-    from jaxgpt.sharding import state_shardings
+    from jaxgpt.parallel.sharding import state_shardings
 
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                         state_shardings(config, shapes, mesh))
@@ -71,9 +71,9 @@ def abstract_state(config, tc: TrainConfig, mesh=None) -> TrainState:
 
 def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None):
     """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
-    ``checked``: checked mode (``jaxgpt.checks``): a bad id, target or label raises ValueError
+    ``checked``: checked mode (``jaxgpt.nn.checks``): a bad id, target or label raises ValueError
     instead of being clamped or scored silently; off by default (the checks compile away).
-    ``mesh``: a ``jaxgpt.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
+    ``mesh``: a ``jaxgpt.parallel.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
     batch rows are split over ('data', 'fsdp') (``sharding.shard_batch``), metrics replicated; jit
     propagates the rest. None: the single-device step, unchanged.
 
@@ -92,7 +92,7 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None
             if mesh is None:
                 terms = loss_terms(config, p, micro, rng=rng, train=True)
             else:  # activations split by row: FSDP weights are then gathered layer by layer in the scan
-                from jaxgpt.sharding import constrain_activations
+                from jaxgpt.parallel.sharding import constrain_activations
 
                 with constrain_activations(mesh, jax.tree.leaves(micro)[0].shape[0]):
                     terms = loss_terms(config, p, micro, rng=rng, train=True)
@@ -134,7 +134,7 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None
     if mesh is not None:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from jaxgpt.sharding import batch_sharding, state_shardings
+        from jaxgpt.parallel.sharding import batch_sharding, state_shardings
 
         state_sh = state_shardings(config, abstract_state(config, tc), mesh)
         shardings = dict(in_shardings=(state_sh, batch_sharding(mesh)),

@@ -20,7 +20,7 @@ from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig
 from jaxgpt.data import (IGNORE_INDEX, CharTokenizer, PairTokenizer, builtin_corpus, builtin_pairs, encode_pairs,
                          get_batch, load_text, pad_batch, shuffled_batch, split_train_val, tokenizer_from_dict,
                          train_bpe)
-from jaxgpt.validate import check_ids, check_padding_mask, check_targets
+from jaxgpt.core.validate import check_ids, check_padding_mask, check_targets
 
 KEYS = {"lm": ("x", "y"), "pairs": ("x", "y"), "seq2seq": ("src", "tgt", "src_mask", "labels"),
         "classify": ("input_ids", "attention_mask", "labels")}

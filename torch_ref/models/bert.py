@@ -7,11 +7,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from jaxgpt import validate
+from jaxgpt.core import validate
 from jaxgpt.config import BertConfig
-from torch_ref.block import Block
+from torch_ref.nn.block import Block
 from torch_ref.models.decoder import add_embeddings, check_tokens, embed_tokens
-from torch_ref.norms import make_norm
+from torch_ref.nn.norms import make_norm
 
 
 class BertOutput(NamedTuple):

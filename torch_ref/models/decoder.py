@@ -8,12 +8,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from jaxgpt import validate
+from jaxgpt.core import validate
 from jaxgpt.config import ModelConfig
-from torch_ref.attention import KVCache
-from torch_ref.block import Block
-from torch_ref.norms import make_norm
-from torch_ref.positions import sinusoidal_table
+from torch_ref.nn.attention import KVCache
+from torch_ref.nn.block import Block
+from torch_ref.nn.norms import make_norm
+from torch_ref.nn.positions import sinusoidal_table
 
 
 class DecoderOutput(NamedTuple):
@@ -74,7 +74,7 @@ class DecoderLM(nn.Module):
         if cfg.residual == "standard":
             self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         else:
-            from torch_ref.attnres import AttnResLayers
+            from torch_ref.nn.attnres import AttnResLayers
 
             self.layers = AttnResLayers(cfg)
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.final_norm else None

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.layout import key_eps, seal_schedule
-from torch_ref.attention import attention_from_config
-from torch_ref.mlp import make_mlp
-from torch_ref.norms import make_norm
+from jaxgpt.core.layout import key_eps, seal_schedule
+from torch_ref.nn.attention import attention_from_config
+from torch_ref.nn.mlp import make_mlp
+from torch_ref.nn.norms import make_norm
 
 
 class KeyNorm(nn.Module):

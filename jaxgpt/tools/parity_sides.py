@@ -2,7 +2,7 @@
 next to its jaxgpt conversion, a forward pass that records every layer's output, and the way back
 from torch gradients to a jaxgpt params tree.
 
-Reference models (see jaxgpt.parity for the reasoning): an HF directory runs its transformers class;
+Reference models (see jaxgpt.tools.parity for the reasoning): an HF directory runs its transformers class;
 a nanoGPT ``ckpt.pt`` runs transformers' GPT2LMHeadModel (nanoGPT's architecture); a torch_ref ``.pt``
 runs torch_ref, imported here lazily, for that input only. Nothing in this module imports torch,
 transformers or torch_ref at import time.
@@ -63,7 +63,7 @@ def load_sides(source: str | Path, dtype: str = "float32") -> dict:
         import transformers
 
         from jaxgpt.convert.hf import load_hf
-        from jaxgpt.hf_tokenizer import HFTokenizer
+        from jaxgpt.data.hf_tokenizer import HFTokenizer
 
         config, params = load_hf(source)
         arch = transformers.AutoConfig.from_pretrained(source, local_files_only=True).architectures[0]

@@ -31,11 +31,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.attention import attention_from_config
+from jaxgpt.nn.attention import attention_from_config
 from jaxgpt.config import ModelConfig
-from jaxgpt.layout import key_eps, seal_schedule  # framework-free: torch_ref shares them
-from jaxgpt.mlp import make_mlp
-from jaxgpt.norms import jax_rsqrt, norm_from_config
+from jaxgpt.core.layout import key_eps, seal_schedule  # framework-free: torch_ref shares them
+from jaxgpt.nn.mlp import make_mlp
+from jaxgpt.nn.norms import jax_rsqrt, norm_from_config
 
 
 class KeyNorm(nn.Module):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxgpt.config import PRESETS, ModelConfig, TrainConfig, get_preset
-from jaxgpt.generate import generate
+from jaxgpt.inference.generate import generate
 from jaxgpt.models import count_params
 from jaxgpt.train.step import init_state, make_train_step
 

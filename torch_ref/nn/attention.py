@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jaxgpt import validate
-from torch_ref.mlp import linear
-from torch_ref.positions import apply_rope
+from jaxgpt.core import validate
+from torch_ref.nn.mlp import linear
+from torch_ref.nn.positions import apply_rope
 
 
 @dataclass
@@ -38,7 +38,7 @@ def causal_mask(q_len: int, k_len: int, q_offset: int = 0, device=None) -> torch
 
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
                                  return_weights=False, kv_heads_first=False, dropout_rate=0.0):
-    """Same contract as jaxgpt.attention.scaled_dot_product_attention (q: (B, Tq, H, D);
+    """Same contract as jaxgpt.nn.attention.scaled_dot_product_attention (q: (B, Tq, H, D);
     k, v: (B, Tk, H_kv, D) or (B, H_kv, Tk, D) with kv_heads_first; mask bool, True = attend,
     other dtypes / shapes are a ValueError; rows with no visible key give zeros).
     Returns out (B, Tq, H, D) [, weights (B, H, Tq, Tk)]."""

@@ -4,7 +4,7 @@ Why they exist: a JAX gather clamps an out-of-range index (token id -1 reads row
 target -1 is scored as class vocab-1, an id >= vocab can give NaN logits) and
 ``dynamic_update_slice`` clamps its start (a full KV cache overwrites its last slots), all
 without an error, and the train step is always jitted. So data is checked where it enters, on
-the host, with NumPy arrays; the jit-safe counterparts live in ``jaxgpt.checks`` (checkify).
+the host, with NumPy arrays; the jit-safe counterparts live in ``jaxgpt.nn.checks`` (checkify).
 
 Every check raises ONE ValueError naming the offending value, where it is and the limit.
 """
@@ -15,7 +15,12 @@ from typing import Sequence
 import numpy as np
 
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
-from jaxgpt.data import IGNORE_INDEX, batch_keys
+from jaxgpt.core.constants import IGNORE_INDEX, batch_keys
+
+
+def int_at_least(name: str, value, low: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def _first(bad: np.ndarray) -> tuple[int, ...]:

@@ -59,7 +59,7 @@ def translate_all(config, params, tokenizer: PairTokenizer, pairs: Sequence[tupl
     if budget < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {budget}")
     if isinstance(config, EncDecConfig):
-        from jaxgpt.generate import generate_seq2seq
+        from jaxgpt.inference.generate import generate_seq2seq
 
         src, mask = pad_batch([tokenizer.encode(s) for s, _ in pairs], config.encoder.max_len, tokenizer.pad_id)
         width = int(mask.sum(1).max())

@@ -27,7 +27,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.mesh_spec import AXES, mesh_devices, parse_mesh  # noqa: F401 - re-exported
+from jaxgpt.config.mesh import AXES, mesh_devices, parse_mesh  # noqa: F401 - re-exported
 
 BATCH = ("data", "fsdp")  # mesh axes the batch is split over
 
@@ -108,7 +108,7 @@ def logical_axes(path, ndim: int) -> tuple:
         axes = PARAM_RULES[module][leaf]
     else:
         raise ValueError(f"no sharding rule for parameter {'/'.join(names)!r}; add its module to "
-                         "jaxgpt.sharding.PARAM_RULES (logical axes per leaf)")
+                         "jaxgpt.parallel.sharding.PARAM_RULES (logical axes per leaf)")
     if ndim == len(axes) + 1:  # nn.scan's stacked copy: (L, ...)
         return ("layers",) + axes
     if ndim != len(axes):

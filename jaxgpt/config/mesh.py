@@ -1,5 +1,5 @@
 """The ``--mesh data=N,fsdp=M,tensor=K`` syntax, framework-free so that TrainConfig (which imports
-no framework) can validate it; ``jaxgpt.sharding`` builds the jax Mesh from it."""
+no framework) can validate it; ``jaxgpt.parallel.sharding`` builds the jax Mesh from it."""
 from __future__ import annotations
 
 import math
@@ -25,7 +25,7 @@ def parse_mesh(spec: str, n_devices: int | None = None) -> dict[str, int]:
     if n_devices is not None and total != n_devices:
         raise ValueError(f"mesh {spec!r} needs {total} devices (data*fsdp*tensor), but {n_devices} are available; "
                          "make the product equal the device count (on a CPU, more host devices: "
-                         "jaxgpt.sharding.use_host_devices(n) before JAX starts)")
+                         "jaxgpt.parallel.sharding.use_host_devices(n) before JAX starts)")
     return sizes
 
 

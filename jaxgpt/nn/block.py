@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from jaxgpt.attention import attention_from_config
+from jaxgpt.nn.attention import attention_from_config
 from jaxgpt.config import ModelConfig
-from jaxgpt.mlp import make_mlp
-from jaxgpt.norms import norm_from_config
+from jaxgpt.nn.mlp import make_mlp
+from jaxgpt.nn.norms import norm_from_config
 
 
 class Block(nn.Module):

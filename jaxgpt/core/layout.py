@@ -18,7 +18,7 @@ and torch_ref must not import JAX or Flax to learn them, so they live here:
 - ``stacked_paths(config)``: the Flax paths of the scanned layer stacks (re-exported by
   ``jaxgpt.models``);
 - ``key_eps`` and ``seal_schedule``: the Attention Residuals layout (re-exported by
-  ``jaxgpt.attnres``).
+  ``jaxgpt.nn.attnres``).
 
 Half precision: torch bfloat16/float16 tensors and NumPy/ml_dtypes float16/bfloat16 arrays are
 accepted everywhere an array is read (``to_numpy``) and upcast explicitly to float32, which is

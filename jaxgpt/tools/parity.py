@@ -11,8 +11,8 @@ exists outside jaxgpt's converters:
   transposes are done here, in torch, not by jaxgpt's converter;
 - a torch_ref ``.pt`` (written by ``jaxgpt convert``): torch_ref, the only torch implementation of
   those models. This is the one place jaxgpt imports torch_ref, lazily, for that input only.
-jaxgpt.parity_sides builds those models and imports torch, transformers and torch_ref inside
-functions only: ``import jaxgpt`` (and ``import jaxgpt.parity``) stays torch-free.
+jaxgpt.tools.parity_sides builds those models and imports torch, transformers and torch_ref inside
+functions only: ``import jaxgpt`` (and ``import jaxgpt.tools.parity``) stays torch-free.
 
 Numerics: float32 runs with ``jax_default_matmul_precision='highest'`` (set globally by ``run``)
 and TF32 off in torch; errors are judged as max |jax - torch| / max(1, max |torch|) (unit-scale
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.parity_sides import load_sides, torch_forward
+from jaxgpt.tools.parity_sides import load_sides, torch_forward
 
 DEFAULT_TOL = {"float32": 1e-5, "bfloat16": 5e-2}
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -245,7 +245,7 @@ def _generation(side, params, prompt, n: int, judged: bool) -> dict:
     torch_ref.generate), all on one prompt row; EOS does not stop either side."""
     import torch
 
-    from jaxgpt.generate import generate
+    from jaxgpt.inference.generate import generate
 
     config, model = side["config"], side["torch"]
     n = min(n, config.max_len - prompt.shape[1])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt import validate
+from jaxgpt.core import validate
 from jaxgpt.config import ModelConfig, check_sampling
 from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
 

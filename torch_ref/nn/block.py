@@ -4,9 +4,9 @@ from __future__ import annotations
 from torch import nn
 
 from jaxgpt.config import ModelConfig
-from torch_ref.attention import attention_from_config
-from torch_ref.mlp import make_mlp
-from torch_ref.norms import make_norm
+from torch_ref.nn.attention import attention_from_config
+from torch_ref.nn.mlp import make_mlp
+from torch_ref.nn.norms import make_norm
 
 
 class Block(nn.Module):

@@ -13,11 +13,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import checks, validate
-from jaxgpt.attention_backends import blocked_attention, grouped_mask, jax_attention, warn_once
+from jaxgpt.nn import checks
+from jaxgpt.core import validate
+from jaxgpt.nn.kernels import blocked_attention, grouped_mask, jax_attention, warn_once
 from jaxgpt.config import ATTENTION_IMPLS
-from jaxgpt.mlp import dense
-from jaxgpt.positions import apply_rope
+from jaxgpt.nn.mlp import dense
+from jaxgpt.nn.positions import apply_rope
 
 
 class KVCache(NamedTuple):

@@ -1,4 +1,4 @@
-"""Checked mode: the same input checks as ``jaxgpt.validate``, but jit-safe (jax.experimental.checkify).
+"""Checked mode: the same input checks as ``jaxgpt.core.validate``, but jit-safe (jax.experimental.checkify).
 
 Under ``jax.jit`` a value is a tracer and cannot raise, and JAX clamps bad gather / update
 indices silently. So the models, the loss and the KV cache also state their checks with
@@ -7,7 +7,7 @@ reductions, the compiled program is unchanged: benchmark-neutral by default); in
 ``checkify.checkify`` they are functionalized and reported. ``checked(fn)`` does the wrapping
 and raises the first failure as a ValueError:
 
-    from jaxgpt.checks import checked
+    from jaxgpt.nn.checks import checked
     forward = checked(lambda p, x: model.apply({"params": p}, x))   # jit-compiled, checked
     forward(params, tokens)   # ValueError: token id 70 is outside the vocabulary [0, 64) ...
 
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from jaxgpt.data import IGNORE_INDEX
+from jaxgpt.core.constants import IGNORE_INDEX
 
 
 def is_traced(x) -> bool:
@@ -47,7 +47,7 @@ def check_in_range(x, limit: int, what: str, *, space: str = "the vocabulary", a
 
 
 def check_cache_room(cached, new: int, capacity: int) -> None:
-    """debug_check for a traced KV cache index (jaxgpt.validate.check_cache_room when concrete)."""
+    """debug_check for a traced KV cache index (jaxgpt.core.validate.check_cache_room when concrete)."""
     checkify.debug_check(cached + new <= capacity,
                          f"KV cache overflow: {{cached}} cached + {new} new > capacity {capacity}", cached=cached)
 

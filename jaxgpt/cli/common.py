@@ -1,0 +1,113 @@
+"""What several commands share: user errors, device start-up, loading weights for inference and --init."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxgpt.config import ModelConfig, apply_sets
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+               FloatingPointError)
+
+
+
+def _train_sets(args) -> list[str]:
+    """``--set`` values, plus ``--epochs N`` as ``epochs=N``."""
+    return args.set + ([f"epochs={args.epochs}"] if args.epochs else [])
+
+
+def _init_from(args, **train_sets):
+    """``train --init SRC``: fine-tune the weights of a jaxgpt checkpoint, .safetensors, .pt or HF
+    directory with its own tokenizer. Returns what ``prepare`` does; a rerun resumes as usual.
+    ``train_sets``: TrainConfig fields set by flags (``--mesh``)."""
+    import jax
+
+    from jaxgpt.config import ModelConfig
+    from jaxgpt.models import abstract_params
+    from jaxgpt.convert.files import detect_format, load_weights
+    from jaxgpt.train.loop import prepare
+    from jaxgpt.train.step import init_state
+    from jaxgpt.train.tasks import fit_config, load_task, with_epochs
+
+    fmt = detect_format(args.init)
+    config, params, extras = _load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
+    config, tc = apply_sets(config, _train_sets(args))
+    tc = tc.replace(**train_sets)
+    shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
+    if shapes(abstract_params(config)) != shapes(params):
+        raise ValueError(f"--set changes the shapes of {args.init}'s parameters; only shape-free settings "
+                         "(dropout, training keys) apply to --init")
+    if (Path(args.out) / "checkpoints").is_dir():
+        from jaxgpt.train.checkpoint import Checkpoints
+
+        ckpts = Checkpoints(args.out, create=False)
+        saved = ckpts.latest_step() is not None
+        ckpts.close()
+        if saved:  # resume the fine-tuning run exactly
+            return prepare(args.out, config, tc, data=args.data, corpus=args.corpus)
+    tok = extras.get("tokenizer")
+    if tok is None:
+        raise ValueError(f"{args.init} has no tokenizer (imported weights without tokenizer.json): "
+                         "it cannot encode the training data")
+    if tok.get("kind") == "hf" and not isinstance(config, ModelConfig):
+        raise ValueError(f"{args.init}: fine-tuning from an HF directory supports decoder LMs (GPT-2, LLaMA), "
+                         f"not {type(config).__name__}")
+    task = load_task(config, tc, data=args.data, corpus=args.corpus, tokenizer=tok)
+    fitted = fit_config(config, task)
+    if fitted != config:
+        have = config.to_dict()
+        diffs = [f"{k}={v!r} (the weights have {have[k]!r})" for k, v in fitted.to_dict().items() if have[k] != v]
+        raise ValueError(f"{args.init} does not fit this data: it needs {', '.join(diffs)}")
+    tc = with_epochs(tc, task)
+    return config, tc, task, init_state(config, tc, params)
+
+
+def _start_devices(args) -> None:
+    """Before JAX starts: join a multi-host run (jax.distributed), or, on one host, give the CPU as
+    many host devices as ``--mesh`` needs (also a CPU speed lever: the batch split over both cores)."""
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi):
+        if any(v is None for v in multi):
+            raise ValueError("multi-host training needs --coordinator HOST:PORT, --num-processes N and "
+                             f"--process-id I together; got {args.coordinator!r}, {args.num_processes!r}, "
+                             f"{args.process_id!r}")
+        if not 0 <= args.process_id < args.num_processes:
+            raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+        import jax
+
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    elif args.mesh:
+        from jaxgpt.parallel.sharding import mesh_devices, use_host_devices
+
+        use_host_devices(mesh_devices(args.mesh))  # CPU only; a GPU/TPU host keeps its own device count
+
+
+
+def _load_hf_dir(path: str) -> tuple[object, dict, dict]:
+    """(config, params, extras) of a Hugging Face model directory, its tokenizer.json included."""
+    from jaxgpt.convert.files import load_weights
+    from jaxgpt.data.hf_tokenizer import tokenizer_dict
+
+    config, params, extras = load_weights(path, "hf")
+    return config, params, {**extras, "tokenizer": extras.get("tokenizer") or tokenizer_dict(path),
+                            "source": f"hf:{path}"}
+
+
+def _is_hf_dir(path: str) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file() and not (p / "checkpoints").is_dir()
+
+
+def _load_for_inference(ckpt: str, step: int | None):
+    """A jaxgpt run/checkpoint directory or a Hugging Face model directory -> (config, params, meta, tokenizer)."""
+    from jaxgpt.data import tokenizer_from_dict
+    from jaxgpt.train.checkpoint import Checkpoints
+
+    if _is_hf_dir(ckpt):
+        if step is not None:
+            raise ValueError(f"--step {step}: {ckpt} is a Hugging Face directory, which holds one set of weights")
+        config, params, meta = _load_hf_dir(ckpt)
+    else:
+        config, params, meta = Checkpoints(ckpt, create=False).restore_params(step)
+    tok = tokenizer_from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None
+    return config, params, meta, tok
+

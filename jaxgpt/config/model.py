@@ -1,0 +1,223 @@
+"""Model configs: one decoder/encoder stack (ModelConfig), BERT and the encoder-decoder.
+
+Framework-free on purpose: torch_ref builds its modules from the very same objects, so a config
+means the same architecture on both sides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxgpt.config.base import _Config, _choice, _positive, _probability
+
+POS = ("none", "sinusoidal", "learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("relu", "gelu", "gelu_tanh", "swiglu")
+PLACEMENTS = ("pre", "post")
+ROPE_LAYOUTS = ("half", "interleaved")
+RESIDUALS = ("standard", "full_attnres", "block_attnres")
+ATTNRES_VARIANTS = ("seed", "paper")
+POOLERS = ("cls", "tanh")
+# Rematerialisation of each layer (engine knob, no numerical effect): 'none' saves every activation,
+# 'full' recomputes the whole layer in the backward pass, the others are jax.checkpoint_policies names.
+REMATS = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# Precision policy: 'dtype' is the compute dtype of matmuls and activations, 'param_dtype' the stored
+# (master) weights. Softmax, norm statistics, logits/loss and optimizer state stay float32 whatever they are.
+DTYPES = ("float32", "bfloat16", "float16")
+# Attention core (engine knob, same math): 'xla' einsum softmax (returns weights for plots), 'jax'
+# jax.nn.dot_product_attention (XLA implementation), 'cudnn' the same with cuDNN flash attention on GPU,
+# 'blocked' a flash-style online-softmax loop over key/value blocks (memory linear in sequence length).
+ATTENTION_IMPLS = ("xla", "jax", "cudnn", "blocked")
+
+# torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
+FLOAT32_EPS = 1.1920928955078125e-07
+
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError for sampling settings that cannot sample (jaxgpt and torch_ref generation)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and not top_k >= 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Config):
+    """One transformer stack. Variants are knobs, not subclasses.
+
+    Sizes: ``d_model`` is split into ``n_head`` heads of ``head_dim``; keys and values use
+    ``n_kv_head`` heads (``None`` = ``n_head``: MHA; 1: MQA; otherwise GQA).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None
+    d_ff: int | None = None  # None: 4 * d_model (swiglu: 2/3 of that, rounded up to a multiple of 8)
+    max_len: int = 256  # context window; sizes learned/sinusoidal tables and KV caches
+    pos: str = "sinusoidal"
+    rope_base: float = 10000.0
+    rope_layout: str = "half"  # 'half' = HF LLaMA rotate_half, 'interleaved' = adjacent pairs (seed 000)
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm only
+    mlp: str = "swiglu"
+    mlp_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    norm_placement: str = "pre"
+    final_norm: bool = True
+    dropout: float = 0.0  # embedding and residual-branch dropout
+    attn_dropout: float | None = 0.0  # None: the same as dropout (nanoGPT's and GPT-2's single dropout)
+    tie_embeddings: bool = False
+    lm_head_bias: bool = False  # bias on the untied output projection (seed 004's decoder-only models)
+    init_std: float = 0.02
+    scale_out_init: bool = False  # GPT-2: o_proj/down_proj/fc_out std = init_std / sqrt(2 n_layer)
+    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (seed 004 encoder-decoder)
+    # Attention Residuals (seed 002 / arXiv 2603.15031): depth-wise softmax mixing of earlier outputs.
+    residual: str = "standard"
+    attnres_variant: str = "seed"  # 'seed': the seed's code exactly; 'paper': the published formulation
+    attnres_blocks: int = 4  # block_attnres: number of blocks N (seed: layers per block = max(1, n_layer // N))
+    attnres_eps: float | None = None  # key RMSNorm eps (None: norm_eps)
+    attnres_key_gain: bool = True  # learnable gain in the key RMSNorm (the paper leaves this open)
+    # Engine knobs: how the layer stack is compiled; they change neither the math nor torch_ref.
+    scan_layers: bool = True  # nn.scan over one Block (params (L, ...) under 'layers'); False: layers_0, layers_1, ...
+    scan_unroll: int = 1  # layers per iteration of the scanned loop (1 = rolled; >= n_layer = fully unrolled)
+    remat: str = "none"  # one of REMATS: what each layer keeps for the backward pass
+    attention_impl: str = "xla"  # one of ATTENTION_IMPLS
+    attention_block: int = 512  # key/value block length of attention_impl='blocked'
+    dtype: str = "float32"  # compute dtype (DTYPES); bfloat16 with param_dtype float32 = mixed precision
+    param_dtype: str = "float32"  # dtype the weights are stored (and optimised) in
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layer", "n_head", "max_len"):
+            _positive(name, getattr(self, name))
+        if self.n_kv_head is not None:
+            _positive("n_kv_head", self.n_kv_head)
+        if self.d_ff is not None:
+            _positive("d_ff", self.d_ff)
+        _choice("pos", self.pos, POS)
+        _choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
+        _choice("norm", self.norm, NORMS)
+        _choice("mlp", self.mlp, MLPS)
+        _choice("norm_placement", self.norm_placement, PLACEMENTS)
+        _choice("residual", self.residual, RESIDUALS)
+        _choice("attnres_variant", self.attnres_variant, ATTNRES_VARIANTS)
+        _positive("attnres_blocks", self.attnres_blocks)
+        _positive("scan_unroll", self.scan_unroll)
+        _choice("remat", self.remat, REMATS)
+        _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _positive("attention_block", self.attention_block)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("param_dtype", self.param_dtype, DTYPES)
+        if self.residual != "standard" and (self.remat != "none" or self.scan_unroll != 1):
+            raise ValueError(f"residual={self.residual!r} layers are not scanned or rematerialised; got "
+                             f"remat={self.remat!r}, scan_unroll={self.scan_unroll} (use 'none' and 1)")
+        if self.residual != "standard" and self.norm_placement != "pre":
+            raise ValueError(f"residual={self.residual!r} mixes pre-norm sublayer outputs; it needs norm_placement='pre'")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.kv_heads}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.pos == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.rope_base <= 1:
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        _probability("dropout", self.dropout)
+        if self.attn_dropout is not None:
+            _probability("attn_dropout", self.attn_dropout)
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ValueError("lm_head_bias=True needs an untied lm_head (tie_embeddings=False)")
+
+    # Derived sizes -------------------------------------------------------------------------
+    @property
+    def attention_dropout(self) -> float:
+        """The attention-weight dropout rate: ``attn_dropout``, or ``dropout`` when that is None."""
+        return self.dropout if self.attn_dropout is None else self.attn_dropout
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.mlp == "swiglu":  # keep the parameter count of a 4x two-matrix MLP
+            return -(-(8 * self.d_model // 3) // 8) * 8
+        return 4 * self.d_model
+
+    @property
+    def out_init_std(self) -> float:
+        """Init std of the projections that write into the residual stream."""
+        return self.init_std / (2 * self.n_layer) ** 0.5 if self.scale_out_init else self.init_std
+
+
+@dataclass(frozen=True)
+class BertConfig(_Config):
+    """An encoder with a sequence classifier: seed 004's MiniBERT or the standard BERT layout.
+
+    MiniBERT: learned positions, Pre-LN layers, final LayerNorm, classifier on the [CLS] vector.
+    BERT: + token-type embeddings and an embedding LayerNorm, Post-LN layers (no final norm),
+    tanh pooler (dense + tanh on [CLS]) before the classifier.
+    """
+
+    encoder: ModelConfig
+    n_classes: int = 2
+    type_vocab_size: int = 0  # 0: no token-type embeddings
+    embed_norm: bool = False  # LayerNorm on the summed embeddings
+    pooler: str = "cls"  # 'cls': classifier(h[:, 0]); 'tanh': classifier(tanh(dense(h[:, 0])))
+
+    def _validate(self) -> None:
+        _positive("n_classes", self.n_classes)
+        if self.type_vocab_size < 0:
+            raise ValueError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
+        _choice("pooler", self.pooler, POOLERS)
+        if self.encoder.pos == "rope":
+            raise ValueError("BERT uses absolute positions: encoder.pos must not be 'rope'")
+
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BertConfig":
+        return cls(**{**d, "encoder": ModelConfig.from_dict(d["encoder"])})
+
+
+@dataclass(frozen=True)
+class EncDecConfig(_Config):
+    """Encoder-decoder Transformer (seed 004): the decoder's blocks add cross-attention over the
+    encoder output; the output projection maps to decoder.vocab_size."""
+
+    encoder: ModelConfig
+    decoder: ModelConfig
+    out_bias: bool = True  # seed 004's output Linear has a bias
+
+    def _validate(self) -> None:
+        if self.encoder.d_model != self.decoder.d_model:
+            raise ValueError(f"encoder.d_model={self.encoder.d_model} != decoder.d_model={self.decoder.d_model}")
+
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EncDecConfig":
+        return cls(**{**d, "encoder": ModelConfig.from_dict(d["encoder"]),
+                      "decoder": ModelConfig.from_dict(d["decoder"])})
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig | BertConfig | EncDecConfig:
+    """Inverse of ``config.to_dict()`` for any of the three config types."""
+    if "decoder" in d:
+        return EncDecConfig.from_dict(d)
+    if "encoder" in d:
+        return BertConfig.from_dict(d)
+    return ModelConfig.from_dict(d)

@@ -1,0 +1,72 @@
+"""``--set key=value`` overrides: text -> typed values -> (model config, TrainConfig)."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxgpt.config.model import EncDecConfig, ModelConfig
+from jaxgpt.config.train import TrainConfig
+
+
+def parse_value(text: str):
+    """'3' -> 3, '1e-3' -> 0.001, 'true'/'false'/'none' -> bool/None, anything else -> the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _as_field(cls, name: str, raw: str, value):
+    """A string field keeps the text as typed ('none' is a value of ``pos``, '1' could be a name)."""
+    return raw if cls.field_types()[name] == (str,) else value
+
+
+def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
+    """``key=value`` settings -> (model config, TrainConfig). Training keys go to TrainConfig;
+    model keys to the config (BERT: its own fields or the encoder's; encoder-decoder: both
+    stacks, or one with an ``encoder.``/``decoder.`` prefix)."""
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    own = {f.name for f in dataclasses.fields(config)} - {"encoder", "decoder"}
+    train: dict = {}
+    model: dict[str, dict] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        value = parse_value(raw)
+        if key in train_fields:
+            train[key] = _as_field(TrainConfig, key, raw, value)
+            continue
+        target, _, name = key.rpartition(".")
+        if name in model_fields:
+            value = _as_field(ModelConfig, name, raw, value)
+        elif name in own:
+            value = _as_field(type(config), name, raw, value)
+        if isinstance(config, ModelConfig) and not target and name in model_fields:
+            model.setdefault("", {})[name] = value
+        elif not isinstance(config, ModelConfig) and not target and name in own:
+            model.setdefault("self", {})[name] = value
+        elif not isinstance(config, ModelConfig) and name in model_fields and target in ("", "encoder", "decoder"):
+            stacks = [target] if target else ["encoder"] + (["decoder"] if isinstance(config, EncDecConfig) else [])
+            if target == "decoder" and not isinstance(config, EncDecConfig):
+                raise ValueError(f"{key!r}: a {type(config).__name__} has no decoder")
+            for stack in stacks:
+                model.setdefault(stack, {})[name] = value
+        else:
+            raise ValueError(f"unknown setting {key!r}; training keys: {', '.join(sorted(train_fields))}; "
+                             f"model keys: {', '.join(sorted(model_fields | own))}")
+    if "" in model:
+        config = config.replace(**model[""])
+    nested = {stack: getattr(config, stack).replace(**model[stack]) for stack in ("encoder", "decoder") if stack in model}
+    if nested or "self" in model:
+        config = config.replace(**nested, **model.get("self", {}))
+    return config, TrainConfig(**train)
+
+

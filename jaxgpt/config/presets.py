@@ -1,0 +1,70 @@
+"""Named configurations: the seeds' models, GPT-2, LLaMA and BERT sizes (values, no framework)."""
+from __future__ import annotations
+
+from typing import Any
+
+from jaxgpt.config.model import FLOAT32_EPS, BertConfig, EncDecConfig, ModelConfig
+
+
+def _gpt2(d_model: int, n_layer: int, n_head: int, **kw: Any) -> ModelConfig:
+    base = dict(vocab_size=50257, max_len=1024, d_model=d_model, n_layer=n_layer, n_head=n_head, pos="learned",
+                norm="layernorm", norm_eps=1e-5, mlp="gelu_tanh", mlp_bias=True, qkv_bias=True, o_bias=True,
+                tie_embeddings=True, dropout=0.1, attn_dropout=None, scale_out_init=True)
+    return ModelConfig(**{**base, **kw})
+
+
+def _llama(vocab_size: int, d_model: int, n_layer: int, n_head: int, n_kv_head: int, d_ff: int, max_len: int,
+           **kw: Any) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                       d_ff=d_ff, max_len=max_len, pos="rope", rope_layout="half", norm="rmsnorm", norm_eps=1e-6,
+                       mlp="swiglu", **kw)
+
+
+# Seed 000's MiniGPT: sinusoidal positions, RMSNorm (eps 1e-6), Pre-LN, SwiGLU, untied head.
+_SEED_MINIGPT = ModelConfig(vocab_size=128, d_model=64, n_head=4, n_layer=4, d_ff=256, max_len=256,
+                            pos="sinusoidal", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu")
+# Seed 002's translation LM: no positions, torch nn.RMSNorm default eps, exact GELU 4x MLP, no biases.
+_SEED_ATTNRES = ModelConfig(vocab_size=147, d_model=128, n_head=4, n_layer=6, d_ff=512, max_len=128, pos="none",
+                            norm="rmsnorm", norm_eps=FLOAT32_EPS, mlp="gelu")
+# Seed 004's MiniBERT encoder: learned positions, Pre-LN, final LayerNorm, exact GELU, biases everywhere.
+_SEED_MINIBERT = ModelConfig(vocab_size=30522, d_model=128, n_head=4, n_layer=2, d_ff=256, max_len=256,
+                             pos="learned", norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True,
+                             qkv_bias=True, o_bias=True, dropout=0.1, attn_dropout=0.1)
+_BERT_BASE = ModelConfig(vocab_size=30522, d_model=768, n_head=12, n_layer=12, d_ff=3072, max_len=512,
+                         pos="learned", norm="layernorm", norm_eps=1e-12, mlp="gelu", mlp_bias=True, qkv_bias=True,
+                         o_bias=True, norm_placement="post", final_norm=False, dropout=0.1, attn_dropout=0.1)
+# Seed 004's encoder-decoder demo: sqrt(d)-scaled embeddings, sinusoidal positions, Post-LN, ReLU FFN.
+_SEED_ENCDEC = ModelConfig(vocab_size=10000, d_model=64, n_head=4, n_layer=1, d_ff=256, max_len=512,
+                           pos="sinusoidal", norm="layernorm", norm_eps=1e-5, mlp="relu", mlp_bias=True,
+                           qkv_bias=True, o_bias=True, norm_placement="post", final_norm=False, embed_scale=True)
+
+PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
+    "seed-minigpt": _SEED_MINIGPT,
+    "seed-minigpt-nopos": _SEED_MINIGPT.replace(pos="none"),
+    "seed-minigpt-postln": _SEED_MINIGPT.replace(norm_placement="post"),
+    "seed-minigpt-relu": _SEED_MINIGPT.replace(mlp="relu", mlp_bias=True),
+    "gpt2-small": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    # Seed 003 / nanoGPT shakespeare-char: nanoGPT and the seed use torch's exact nn.GELU.
+    "gpt2-shakespeare-char": _gpt2(384, 6, 6, vocab_size=65, max_len=256, mlp="gelu", dropout=0.2),
+    "llama-tiny": _llama(512, 256, 4, 8, 2, 688, 512),
+    "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 2048),
+    "llama-1b": _llama(128256, 2048, 16, 32, 8, 8192, 8192, rope_base=500000.0, tie_embeddings=True),
+    "seed-attnres-standard": _SEED_ATTNRES,
+    "seed-attnres-full": _SEED_ATTNRES.replace(residual="full_attnres"),
+    "seed-attnres-block": _SEED_ATTNRES.replace(residual="block_attnres", attnres_blocks=3),
+    "seed-minibert": BertConfig(_SEED_MINIBERT, n_classes=2),
+    "bert-base": BertConfig(_BERT_BASE, n_classes=2, type_vocab_size=2, embed_norm=True, pooler="tanh"),
+    "seed-transformer": EncDecConfig(_SEED_ENCDEC, _SEED_ENCDEC.replace(vocab_size=8000)),
+}
+
+
+def get_preset(name: str) -> ModelConfig | BertConfig | EncDecConfig:
+    """PRESETS[name], with an error listing the names when it is unknown."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+

@@ -1,0 +1,130 @@
+"""TrainConfig: optimisation, data and run settings shared by jaxgpt.train and torch_ref.train."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxgpt.config.base import _Config, _choice, _positive, _probability
+
+SCHEDULES = ("cosine", "constant")
+DECAY = ("all", "linear", "matrices")
+TOKENIZERS = ("char", "bpe")
+ON_NONFINITE = ("stop", "skip")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Config):
+    """Optimisation and data settings, shared by jaxgpt.train and torch_ref.train.
+
+    Defaults are seed 000's: AdamW(lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on every
+    parameter), cosine annealing to 0.1 * lr, gradient clipping at 1.0, batches of 32 x 64.
+    """
+
+    steps: int = 500
+    batch_size: int = 32  # sequences per optimizer step (split into grad_accum micro-batches)
+    seq_len: int = 64  # LM window; pair and classification data: padded sequence length
+    grad_accum: int = 1
+    lr: float = 3e-4
+    schedule: str = "cosine"  # 'cosine': linear warmup, then cosine to lr * min_lr_ratio; 'constant'
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # 'all': every parameter (the seeds, torch AdamW); 'linear': Linear kernels only; 'matrices': Linear
+    # kernels and embeddings, not norms or biases (nanoGPT's "every >= 2-D parameter")
+    decay: str = "all"
+    grad_clip: float | None = 1.0  # global-norm clip; None = off
+    seed: int = 0  # init, batch order and dropout all derive from it
+    tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)
+    bpe_vocab: int = 1024
+    val_fraction: float = 0.1  # 0: train on everything (no validation split, no evaluation)
+    # Epoch-based runs: epochs > 0 makes the run epochs passes over the training data; steps and
+    # steps_per_epoch are then derived from the data (jaxgpt.train.tasks.with_epochs; jaxgpt train does it).
+    epochs: int = 0
+    steps_per_epoch: int = 0  # set by with_epochs; 0 = unknown
+    lr_per_epoch: bool = False  # the schedule advances once per epoch (CosineAnnealingLR(T_max=epochs), seed 002)
+    eval_every: int = 100  # 0 = only at the end
+    eval_batches: int = 10
+    log_every: int = 10
+    ckpt_every: int = 100  # 0 = only at the end
+    keep: int = 3  # checkpoints kept on disk (plus the newest until it has been read back intact)
+    # A NaN/inf loss or gradient norm: 'stop' (error naming the step, nothing saved after it) or 'skip' (the
+    # jitted step keeps the old params and optimizer state; the batch is consumed, metrics count it).
+    on_nonfinite: str = "stop"
+    # Engine knob (jaxgpt.parallel.sharding): device mesh 'data=N,fsdp=M,tensor=K' ('' = one device). It changes
+    # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp.
+    mesh: str = ""
+
+    def _validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
+            _positive(name, getattr(self, name))
+        for name in ("warmup_steps", "eval_every", "ckpt_every", "seed", "epochs", "steps_per_epoch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("decay", self.decay, DECAY)
+        _choice("tokenizer", self.tokenizer, TOKENIZERS)
+        _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        if self.bpe_vocab < 257:
+            raise ValueError(f"bpe_vocab must be >= 257 (256 byte tokens + merges), got {self.bpe_vocab!r}")
+        if self.warmup_steps >= self.steps and self.schedule == "cosine" and self.warmup_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be < steps={self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        _probability("beta1", self.beta1)
+        _probability("beta2", self.beta2)
+        if self.weight_decay < 0 or self.eps <= 0:
+            raise ValueError(f"need weight_decay >= 0 and eps > 0, got {self.weight_decay!r}, {self.eps!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction!r}")
+        if self.lr_per_epoch and not self.epochs:
+            raise ValueError("lr_per_epoch=True steps the schedule once per epoch: it needs epochs > 0")
+        if self.steps_per_epoch and self.epochs and self.steps != self.epochs * self.steps_per_epoch:
+            raise ValueError(f"steps={self.steps} is not epochs * steps_per_epoch = {self.epochs} * "
+                             f"{self.steps_per_epoch}; derive them with jaxgpt.train.tasks.with_epochs")
+        if self.mesh:
+            from jaxgpt.config.mesh import parse_mesh
+
+            sizes = parse_mesh(self.mesh)
+            if self.micro_batch % (sizes["data"] * sizes["fsdp"]):
+                raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp="
+                                 f"{sizes['data'] * sizes['fsdp']} devices, but batch_size/grad_accum="
+                                 f"{self.micro_batch} is not a multiple of it")
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch_size // self.grad_accum
+
+    @property
+    def schedule_units(self) -> tuple[int, int]:
+        """(updates per schedule step, schedule steps in the run): (1, steps), or with lr_per_epoch
+        (steps_per_epoch, epochs)."""
+        if self.lr_per_epoch:
+            if not self.steps_per_epoch:
+                raise ValueError("lr_per_epoch needs steps_per_epoch: derive it with jaxgpt.train.tasks.with_epochs")
+            return self.steps_per_epoch, self.epochs
+        return 1, self.steps
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of update ``step`` (0-based): linear warmup over ``warmup_steps`` (reaching
+        lr at step warmup_steps - 1), then cosine from lr to lr * min_lr_ratio at ``steps``. With
+        lr_per_epoch the unit is the epoch: update ``step`` uses epoch step // steps_per_epoch, and
+        warmup_steps counts epochs. jaxgpt.train.optim.schedule is the same formula in jnp."""
+        if self.schedule == "constant":
+            return self.lr
+        per, total = self.schedule_units
+        step //= per
+        w, floor = self.warmup_steps, self.lr * self.min_lr_ratio
+        if step < w:
+            return self.lr * (step + 1) / w
+        progress = min(max((step - w) / max(total - w, 1), 0.0), 1.0)
+        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+

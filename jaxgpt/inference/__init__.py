@@ -1,0 +1,1 @@
+"""Inference: sampling, cached generation (decoder LMs and the encoder-decoder) and translation."""

@@ -1,0 +1,1 @@
+"""Device meshes, logical-axis sharding rules, sharded init and multi-host start-up."""
