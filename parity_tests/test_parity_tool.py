@@ -137,3 +137,52 @@ def test_importing_jaxgpt_parity_stays_torch_free():
     code = ("import sys, jaxgpt, jaxgpt.tools.parity, jaxgpt.data.hf_tokenizer, jaxgpt.convert.torch_nn; "
             "sys.exit(any(m in sys.modules for m in ('torch', 'torch_ref', 'transformers')))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_run_puts_jax_and_torch_global_settings_back(dirs, monkeypatch):
+    """run() compares at full precision (JAX 'highest', no TF32 in torch, torch seeded) and leaves
+    JAX's and torch's global settings, and torch's random state, as it found them: after a normal
+    return and after an error."""
+    import torch
+
+    from jaxgpt.tools import parity
+
+    flags = parity._torch_flags(torch)
+    new_api = flags[0][1] == "fp32_precision"
+    seen = []
+    real = parity.torch_forward
+
+    def spy(side, inputs, **kw):  # the settings while run() compares
+        seen.append((jax.config.jax_default_matmul_precision, [getattr(o, a) for o, a in flags]))
+        return real(side, inputs, **kw)
+
+    def state():
+        return jax.config.jax_default_matmul_precision, [getattr(o, a) for o, a in flags], torch.get_rng_state()
+
+    saved = jax.config.jax_default_matmul_precision, [getattr(o, a) for o, a in flags]
+    try:  # a caller's own global settings, unlike the ones run() needs
+        jax.config.update("jax_default_matmul_precision", "bfloat16")
+        for o, a in flags:
+            setattr(o, a, "tf32" if new_api else True)
+        torch.manual_seed(1234)
+        monkeypatch.setattr(parity, "torch_forward", spy)
+        before = state()
+        assert run(dirs["gpt2"], generate=0)["ok"]
+        assert seen == [("highest", ["ieee" if new_api else False] * len(flags))]
+        after = state()
+        assert after[:2] == before[:2] == ("bfloat16", ["tf32" if new_api else True] * len(flags))
+        assert torch.equal(after[2], before[2]), "run() left torch's random state changed"
+
+        def boom(*a, **k):
+            torch.manual_seed(99)
+            raise RuntimeError("torch side failed")
+
+        monkeypatch.setattr(parity, "torch_forward", boom)
+        with pytest.raises(RuntimeError, match="torch side failed"):
+            run(dirs["gpt2"], generate=0)
+        after = state()
+        assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+    finally:
+        jax.config.update("jax_default_matmul_precision", saved[0])
+        for (o, a), v in zip(flags, saved[1]):
+            setattr(o, a, v)

@@ -64,6 +64,7 @@ def _check_step(row: dict) -> None:
         assert row[what] <= TOL, f"{what} differs from the single-device step by {row[what]:.3g}"
 
 
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
 @pytest.mark.parametrize("case", [f"{n} {m}" for n, ms in CI_CASES.items() for m in ms])
 def test_sharded_step_matches_single_device(steps, case):
     _check_step(steps[case])
@@ -75,6 +76,7 @@ def test_sharded_step_llama_data_fsdp():
         _check_step(row)
 
 
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
 @pytest.mark.parametrize("case", [f"gpt {m}" for m in MESHES] + [f"llama {m}" for m in CI_CASES["llama"]])
 def test_params_and_optimizer_really_sharded(steps, case):
     row, sizes = steps[case], parse_mesh(case.split()[1])
@@ -87,16 +89,19 @@ def test_params_and_optimizer_really_sharded(steps, case):
             assert per_device < total
 
 
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
 @pytest.mark.parametrize("case", ["gpt data=2,fsdp=4", "gpt data=2,fsdp=2,tensor=2", "llama data=2,fsdp=2,tensor=2"])
 def test_fsdp_gathers_weights_per_layer_inside_the_scan(steps, case):
     # the compiled step all-gathers inside the layer loop's while body (ZeRO-3), not the whole stack up front
     assert steps[case]["gather_in_scan"]
 
 
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
 def test_data_parallel_gathers_nothing(steps):
     assert not steps["gpt data=8"]["gather_in_scan"]
 
 
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
 def test_gqa_kv_heads_replicated_when_tensor_exceeds_them(steps):
     # llama: 8 query heads, 2 kv heads. tensor=2 splits k_proj by kv head; tensor=8 cannot, so it stays whole
     assert steps["llama data=2,fsdp=2,tensor=2"]["k_proj_spec"] == "P(None, 'fsdp', 'tensor')"
@@ -105,6 +110,7 @@ def test_gqa_kv_heads_replicated_when_tensor_exceeds_them(steps):
     assert steps["llama tensor=8"]["k_proj_shard"] == [2, 32, 8]
 
 
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
 def test_checkpoint_restores_onto_other_meshes(tmp_path):
     saved = run_worker("save", str(tmp_path / "run"), "data=2,fsdp=2,tensor=2", str(tmp_path / "saved.npz"), devices=8)
     assert saved == {"devices": 8, "shards": 8}
@@ -124,6 +130,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
 def test_two_processes_on_localhost():
     port = str(_free_port())
     procs = [run_worker("dist", port, str(i), "2", "data=2,fsdp=2", devices=2, wait=False) for i in range(2)]
@@ -151,8 +158,13 @@ def test_host_devices_after_jax_started_is_an_error():
         use_host_devices(2)
 
 
-def test_multi_host_flags_go_together():
+def test_multi_host_flags_go_together(monkeypatch):
     import argparse
+
+    import jax
+
+    joined = []  # never reach the real jax.distributed.initialize: it would wait for the other process
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: joined.append((a, k)))
 
     from jaxgpt.cli.common import _start_devices
 
@@ -161,6 +173,13 @@ def test_multi_host_flags_go_together():
         _start_devices(args)
     with pytest.raises(ValueError, match=r"--process-id must be in \[0, 2\), got 2"):
         _start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=2, mesh=None))
+    # each process brings mesh size / processes devices: a mesh of 3 cannot be shared by 2 processes
+    with pytest.raises(ValueError, match=r"^--mesh fsdp=3 spans 3 devices, which do not split evenly over "
+                       r"--num-processes 2; use a mesh whose size is a multiple of 2$"):
+        _start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=0, mesh="fsdp=3"))
+    assert joined == []
+    _start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=1, mesh="fsdp=2"))
+    assert joined == [(("127.0.0.1:1234",), {"num_processes": 2, "process_id": 1})]  # one host device each: fits
 
 
 def test_train_config_mesh_is_validated():
@@ -178,6 +197,68 @@ def test_every_preset_parameter_has_a_rule(name):
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(PRESETS[name])):
         axes = logical_axes(path, leaf.ndim)  # raises on a parameter no rule covers
         assert len(axes) == leaf.ndim
+
+
+def _abstract_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1):
+    """A mesh of any size without the devices (param_specs reads only its axis sizes)."""
+    from jax.sharding import AbstractMesh
+
+    return AbstractMesh((data, fsdp, tensor), ("data", "fsdp", "tensor"))
+
+
+def _replicated_over(specs, params, axis: str) -> int:
+    """Parameters whose PartitionSpec does not name ``axis``, counted from the specs themselves."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    named = lambda s: {a for e in s for a in ((e,) if isinstance(e, str) else e or ())}  # noqa: E731
+    return sum(int(np.prod(x.shape)) for x, s in zip(jax.tree.leaves(params),
+                                                     jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P)))
+               if axis not in named(s))
+
+
+def test_a_mesh_that_cannot_split_a_parameter_says_which_and_how_much_stays_whole():
+    """gpt2-small on fsdp=4,tensor=2 (issue #18): vocab 50257 is odd, so the tied embedding cannot be
+    split over 'tensor'; with the position table, norms and d_model biases (replicated over
+    'tensor' by design) 31.7% of the parameters stay whole on both tensor devices."""
+    from jaxgpt.parallel.sharding import ReplicationWarning, param_specs
+
+    config, mesh = PRESETS["gpt2-small"], _abstract_mesh(fsdp=4, tensor=2)
+    params = abstract_params(config)
+    with pytest.warns(ReplicationWarning) as caught:
+        specs = param_specs(config, params, mesh)
+    (message,) = [str(w.message) for w in caught if w.category is ReplicationWarning]
+    assert message == (
+        "mesh fsdp=4,tensor=2 cannot split 1 parameter as the sharding rules say, so it stays whole (replicated) "
+        "over tensor: tok_embed/embedding (50257, 768): its vocab dimension 50257 is not a multiple of tensor=2. "
+        "Parameters left whole over each axis: fsdp 0.1% (102,912 of 124,439,808), tensor 31.7% (39,440,640 of "
+        "124,439,808; 31.0% from the parameters above). Training is still correct, but each device holds more "
+        "than the mesh suggests; to split them: vocab_size=50258 (a multiple of tensor=2); or a smaller axis")
+    # the counts are the specs' own: what param_specs returned leaves exactly these out
+    assert _replicated_over(specs, params, "tensor") == 39_440_640
+    assert _replicated_over(specs, params, "fsdp") == 102_912
+    assert tuple(specs["tok_embed"]["embedding"]) == (None, "fsdp")
+
+
+def test_head_counts_that_do_not_divide_are_named_and_a_mesh_that_fits_is_quiet():
+    import warnings
+
+    from jaxgpt.parallel.sharding import ReplicationWarning, param_specs, unsplit
+
+    config = PRESETS["llama-small"]  # 12 query heads, 4 kv heads
+    report = unsplit(config, abstract_params(config), _abstract_mesh(tensor=8))
+    reasons = {f["param"]: f["reason"] for f in report["failed"]}
+    assert reasons == {"layers/attn/q_proj/kernel": "n_head=12 is not a multiple of tensor=8 (a head would be cut)",
+                       "layers/attn/o_proj/kernel": "n_head=12 is not a multiple of tensor=8 (a head would be cut)",
+                       "layers/attn/k_proj/kernel": "n_kv_head=4 is not a multiple of tensor=8 (a head would be cut)",
+                       "layers/attn/v_proj/kernel": "n_kv_head=4 is not a multiple of tensor=8 (a head would be cut)"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicationWarning)  # a warning here fails the test
+        for name, mesh in (("llama-small", _abstract_mesh(fsdp=2, tensor=4)), ("gpt2-small", _abstract_mesh(fsdp=8)),
+                           ("bert-base", _abstract_mesh(fsdp=4, tensor=2))):
+            param_specs(PRESETS[name], abstract_params(PRESETS[name]), mesh)
+        padded = PRESETS["gpt2-small"].replace(vocab_size=50304)  # the suggested fix silences it
+        param_specs(padded, abstract_params(padded), _abstract_mesh(fsdp=4, tensor=2))
 
 
 def test_unknown_parameter_is_an_error():

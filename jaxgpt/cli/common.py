@@ -62,7 +62,8 @@ def _init_from(args, **train_sets):
 
 
 def _start_devices(args) -> None:
-    """Before JAX starts: join a multi-host run (jax.distributed), or, on one host, give the CPU as
+    """Before JAX starts: join a multi-host run (jax.distributed; each process gets
+    ``--mesh``'s device count / ``--num-processes`` host devices), or, on one host, give the CPU as
     many host devices as ``--mesh`` needs (also a CPU speed lever: the batch split over both cores)."""
     multi = (args.coordinator, args.num_processes, args.process_id)
     if any(v is not None for v in multi):
@@ -72,6 +73,15 @@ def _start_devices(args) -> None:
                              f"{args.process_id!r}")
         if not 0 <= args.process_id < args.num_processes:
             raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+        if args.mesh:  # each process brings its share of the mesh (on CPU hosts: that many host devices)
+            from jaxgpt.parallel.sharding import mesh_devices, use_host_devices
+
+            total = mesh_devices(args.mesh)
+            if total % args.num_processes:
+                raise ValueError(f"--mesh {args.mesh} spans {total} devices, which do not split evenly over "
+                                 f"--num-processes {args.num_processes}; use a mesh whose size is a multiple of "
+                                 f"{args.num_processes}")
+            use_host_devices(total // args.num_processes)  # CPU only; a GPU/TPU host keeps its own devices
         import jax
 
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)

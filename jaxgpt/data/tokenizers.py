@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from jaxgpt.core.validate import int_at_least as _int_at_least
+from jaxgpt.data.corpora import load_text
 
 SPACE = "\u2581"  # '▁': seed 002 writes English spaces as the SentencePiece word marker
 

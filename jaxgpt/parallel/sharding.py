@@ -15,12 +15,17 @@ propagates the rest (activations follow their inputs and the parameters):
 A dimension that does not divide by its mesh axes is replicated over them rather than padded:
 with GQA, kv heads that do not divide by the tensor size (n_kv_head 2, tensor 8) leave k_proj and
 v_proj whole on every tensor device (each device then computes the kv heads its query heads need;
-XLA inserts the slices). The math is the same on every mesh; only the placement changes.
+XLA inserts the slices). The math is the same on every mesh; only the placement changes, and not
+silently: ``param_specs`` warns (``ReplicationWarning``, once per model and mesh) naming each
+parameter a mesh axis cannot split where its rule says to, with the share of all parameters left
+whole over each axis; ``unsplit`` returns the same as data.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -140,11 +145,105 @@ def _spec(axes: tuple, shape: tuple, mesh: Mesh, rules) -> P:
     return P(*spec)
 
 
-def param_specs(config, params, mesh: Mesh):
-    """Tree of PartitionSpecs matching ``params`` (arrays or ShapeDtypeStructs)."""
+def _param_specs(config, params, mesh: Mesh):
     rules = _rules(config, mesh)
     return jax.tree_util.tree_map_with_path(
         lambda path, x: _spec(logical_axes(path, len(x.shape)), x.shape, mesh, rules), params)
+
+
+def param_specs(config, params, mesh: Mesh):
+    """Tree of PartitionSpecs matching ``params`` (arrays or ShapeDtypeStructs). Warns
+    (``ReplicationWarning``) when the mesh cannot split some parameters as their rules say."""
+    specs = _param_specs(config, params, mesh)
+    report = unsplit(config, params, mesh, specs)
+    if report["failed"] and jax.process_index() == 0:  # multi-host: by process 0 only
+        # issued from this one line: Python's default filter shows each message once per process
+        warnings.warn(replication_message(report), ReplicationWarning)
+    return specs
+
+
+class ReplicationWarning(UserWarning):
+    """A mesh axis cannot split some parameters that its rules assign to it: they stay whole on
+    every device of that axis (correct, but the memory per device is larger than the mesh suggests)."""
+
+
+def _mesh_axes(entry) -> tuple:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def unsplit(config, params, mesh: Mesh, specs=None) -> dict:
+    """What ``mesh`` leaves whole. {'mesh': 'fsdp=4,tensor=2', 'total': parameter count,
+    'replicated': {axis: parameters not split over it} for every parameter-splitting axis (fsdp,
+    tensor) of size > 1, 'failed': [{'param', 'shape', 'axis', 'size', 'reason', 'hint'}] for each
+    parameter an axis's rule says to split but cannot (a dimension, or the head count, that is not
+    a multiple of the axis size)}. Parameters whose rules never split them over an axis (norms,
+    position tables, d_model biases over 'tensor') are replicated by design: counted, not listed."""
+    specs = _param_specs(config, params, mesh) if specs is None else specs
+    rules = _rules(config, mesh)
+    stacks = [getattr(config, k) for k in ("encoder", "decoder") if hasattr(config, k)] or [config]
+    gqa = any(c.kv_heads != c.n_head for c in stacks)
+    heads = {"heads": ("n_head", [c.n_head for c in stacks]),
+             "kv_heads": ("n_kv_head" if gqa else "n_head", [c.kv_heads for c in stacks])}
+    dropped = {k for k, v in rules if v is None} - {k for k, v in LOGICAL_RULES if v is None}
+    axes = [a for a in ("fsdp", "tensor") if mesh.shape[a] > 1]
+    total, replicated, failed = 0, dict.fromkeys(axes, 0), []
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))):
+        n = math.prod(x.shape)
+        total += n
+        used = {a for e in spec for a in _mesh_axes(e)}
+        for a in axes:
+            replicated[a] += n * (a not in used)
+        logical = logical_axes(path, len(x.shape))
+        wanted = nn.logical_to_mesh_axes(logical, LOGICAL_RULES)
+        for dim, name, want in zip(x.shape, logical, wanted):
+            for a in _mesh_axes(want):
+                if a not in axes or a in used:
+                    continue
+                size = mesh.shape[a]
+                if name in dropped:
+                    what, counts = heads[name]
+                    bad = "/".join(map(str, sorted({h for h in counts if h % size})))
+                    reason = f"{what}={bad} is not a multiple of {a}={size} (a head would be cut)"
+                    hint = f"a {a} size that divides {what}={bad}"
+                else:
+                    reason = f"its {name} dimension {dim} is not a multiple of {a}={size}"
+                    hint = f"vocab_size={-(-dim // size) * size} (a multiple of {a}={size})" if name == "vocab" \
+                        else f"a {name} dimension that is a multiple of {a}={size}"
+                failed.append({"param": "/".join(_names(path)), "shape": tuple(x.shape), "axis": a, "size": size,
+                               "reason": reason, "hint": hint})
+    spec = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
+    return {"mesh": spec, "total": total, "replicated": replicated, "failed": failed}
+
+
+def replication_message(report: dict, limit: int = 6) -> str:
+    """The ``ReplicationWarning`` text of an ``unsplit`` report: the parameters (grouped by
+    reason, at most ``limit`` named), then the share left whole over each axis."""
+    groups: dict[str, list[str]] = {}
+    for f in report["failed"]:
+        groups.setdefault(f["reason"], []).append(f"{f['param']} {f['shape']}")
+    parts, named = [], 0
+    for reason, params in groups.items():
+        shown = params[:max(limit - named, 1)]
+        named += len(shown)
+        more = f" and {len(params) - len(shown)} more" if len(params) > len(shown) else ""
+        parts.append(f"{', '.join(shown)}{more}: {reason}")
+    n, total = len(report["failed"]), report["total"]
+    by_axis = {}
+    for f in report["failed"]:
+        by_axis.setdefault(f["axis"], {})[f["param"]] = math.prod(f["shape"])
+    shares = []
+    for a, count in report["replicated"].items():
+        share = f"{a} {count / total:.1%} ({count:,} of {total:,}"
+        if a in by_axis:
+            share += f"; {sum(by_axis[a].values()) / total:.1%} from the parameters above"
+        shares.append(share + ")")
+    hints = list(dict.fromkeys(f["hint"] for f in report["failed"]))
+    axes = "/".join(dict.fromkeys(f["axis"] for f in report["failed"]))
+    return (f"mesh {report['mesh']} cannot split {n} parameter{'s' if n > 1 else ''} as the sharding rules say, "
+            f"so {'they stay' if n > 1 else 'it stays'} whole (replicated) over {axes}: {'; '.join(parts)}. "
+            f"Parameters left whole over each axis: {', '.join(shares)}. Training is still correct, but each "
+            f"device holds more than the mesh suggests; to split them: {'; '.join(hints)}; or a smaller axis")
 
 
 def param_shardings(config, params, mesh: Mesh):
@@ -252,6 +351,6 @@ def describe(config, params, mesh: Mesh) -> dict[str, str]:
 
 
 __all__ = ["AXES", "LOGICAL_RULES", "PARAM_RULES", "batch_sharding", "bytes_per_device", "constrain_activations",
-           "describe", "gathers_in_scan", "mesh_devices",
+           "describe", "gathers_in_scan", "mesh_devices", "ReplicationWarning", "replication_message", "unsplit",
            "logical_axes", "make_mesh", "param_shardings", "param_specs", "parse_mesh", "shard_batch",
            "state_shardings", "use_host_devices"]

@@ -14,13 +14,16 @@ exists outside jaxgpt's converters:
 jaxgpt.tools.parity_sides builds those models and imports torch, transformers and torch_ref inside
 functions only: ``import jaxgpt`` (and ``import jaxgpt.tools.parity``) stays torch-free.
 
-Numerics: float32 runs with ``jax_default_matmul_precision='highest'`` (set globally by ``run``)
-and TF32 off in torch; errors are judged as max |jax - torch| / max(1, max |torch|) (unit-scale
-tensors are judged by their plain max abs error; large ones relative to their scale) against
-``tol`` (1e-5 in float32, 5e-2 in bfloat16, where generation is reported but not judged).
+Numerics: float32 runs with ``jax_default_matmul_precision='highest'`` and TF32 off in torch,
+torch seeded with ``seed`` (``reference_numerics``: for the duration of ``run`` only; JAX's and
+torch's global settings and torch's CPU random state are as before afterwards, also after an
+error). Errors are judged as max |jax - torch| / max(1, max |torch|) (unit-scale tensors are
+judged by their plain max abs error; large ones relative to their scale) against ``tol`` (1e-5
+in float32, 5e-2 in bfloat16, where generation is reported but not judged).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -120,12 +123,49 @@ def _logit_stats(a, ref) -> dict:
     return {**_err(a, ref), "kl": kl, "top1": float((a.argmax(-1) == ref.argmax(-1)).mean())}
 
 
-def run(source: str | Path, *, prompt: str | None = None, batch: int = 2, seq_len: int = 16, seed: int = 0,
-        dtype: str = "float32", tol: float | None = None, grads: bool = False, generate: int = 8) -> dict:
-    """The parity report of ``source`` (see the module docstring) as a JSON-able dict; ``report['ok']``."""
+# torch >= 2.9: the fp32_precision flags are the state; the legacy allow_tf32 flags are views of
+# them that raise once both APIs have been used, so only these are read, set and put back.
+_TORCH_FP32 = (("cuda.matmul", "fp32_precision"), ("cudnn.conv", "fp32_precision"), ("cudnn.rnn", "fp32_precision"))
+_TORCH_LEGACY = (("cuda.matmul", "allow_tf32"), ("cudnn", "allow_tf32"))
+
+
+def _torch_flags(torch) -> list[tuple[object, str]]:
+    """(object, attribute) of torch's TF32 switches, in the API this torch has."""
+    new = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    out = []
+    for path, attr in _TORCH_FP32 if new else _TORCH_LEGACY:
+        obj = torch.backends
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        out.append((obj, attr))
+    return out
+
+
+@contextlib.contextmanager
+def reference_numerics(seed: int = 0):
+    """For the duration of the block: JAX float32 matmuls at 'highest' precision, TF32 off in
+    torch, torch's CPU generator seeded with ``seed``. On exit (errors included) everything is as
+    it was: JAX's precision is a scoped setting, torch's flags are restored, its RNG forked."""
     import jax
     import torch
 
+    flags = _torch_flags(torch)
+    saved = [getattr(obj, attr) for obj, attr in flags]
+    off = "ieee" if flags[0][1] == "fp32_precision" else False
+    with jax.default_matmul_precision("highest"), torch.random.fork_rng(devices=[]):
+        try:
+            for obj, attr in flags:
+                setattr(obj, attr, off)
+            torch.manual_seed(seed)
+            yield
+        finally:
+            for (obj, attr), value in zip(flags, saved):
+                setattr(obj, attr, value)
+
+
+def run(source: str | Path, *, prompt: str | None = None, batch: int = 2, seq_len: int = 16, seed: int = 0,
+        dtype: str = "float32", tol: float | None = None, grads: bool = False, generate: int = 8) -> dict:
+    """The parity report of ``source`` (see the module docstring) as a JSON-able dict; ``report['ok']``."""
     if dtype not in DEFAULT_TOL:
         raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DEFAULT_TOL)}")
     if generate < 0:
@@ -134,10 +174,13 @@ def run(source: str | Path, *, prompt: str | None = None, batch: int = 2, seq_le
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     tol = DEFAULT_TOL[dtype] if tol is None else float(tol)
-    jax.config.update("jax_default_matmul_precision", "highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.manual_seed(seed)
+    with reference_numerics(seed):
+        return _run(source, prompt, batch, seq_len, seed, dtype, tol, grads, generate)
+
+
+def _run(source, prompt, batch, seq_len, seed, dtype, tol, grads, generate) -> dict:
+    import jax
+
     side = load_sides(source, dtype)
     config, params = side["config"], side["params"]
     if dtype != "float32":

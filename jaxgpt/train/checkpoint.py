@@ -14,6 +14,13 @@ are caught at restore, as unreadable or as a checksum mismatch, and reported as
 newest intact step and says so in one line. Old steps are pruned here, not by orbax's
 ``max_to_keep``, and only once ``keep`` newer steps have been read back intact, so the last good
 checkpoint is never deleted while a newer one is unverified.
+
+Multi-host (``jax.distributed``, a directory every process sees): every process calls ``save``,
+``wait``, ``restore`` and ``set_aside``. Orbax needs that: each process writes and reads its own
+shards, its save/delete hold barriers, and its process 0 renames the finished step into place and
+deletes. What jaxgpt itself writes (the file table, a step moved aside) is written by process 0
+alone (``jaxgpt.parallel.hosts``); every process reads each save back, since the checksums are
+computed over the global arrays.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import orbax.checkpoint as ocp
 
 from jaxgpt.config import TrainConfig, config_from_dict
 from jaxgpt.models import abstract_params
+from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.step import TrainState, abstract_state
 
 FORMAT = "jaxgpt-checkpoint/1"
@@ -144,8 +152,10 @@ class Checkpoints:
         self.damaged: list[DamagedCheckpoint] = []  # what the last restore skipped
         self._verified: set[int] = set()  # read back intact by this process
         self._unverified: list[int] = []  # saved by this process, not read back yet
-        # max_to_keep=None: orbax never deletes; _prune does, after verification.
-        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=create)
+        # max_to_keep=None: orbax never deletes; _prune does, after verification. Opening an existing
+        # directory (create=False) holds no barrier (orbax's root-metadata sync is off; it has no
+        # metadata to write): multi-host processes may differ in whether they open one to look.
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=create, save_root_metadata=create)
         self._mngr = ocp.CheckpointManager(self.dir, options=options)
 
     def steps(self) -> list[int]:
@@ -177,13 +187,14 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Finish pending saves, read each one back, then delete steps beyond ``keep`` verified ones."""
-        self._mngr.wait_until_finished()
+        self._mngr.wait_until_finished()  # multi-host: every process's shards are written, the step renamed
         while self._unverified:
             step = self._unverified.pop(0)
             try:
-                table = _file_table(self.dir / str(step))  # what was written...
-                self._load(step, train=True)  # ...reads back intact: record it
-                self._write_files(step, table)
+                table = _file_table(self.dir / str(step)) if is_primary() else None  # what was written...
+                self._load(step, train=True)  # ...reads back intact (every process: its shards): record it
+                if table is not None:
+                    self._write_files(step, table)
                 self._verified.add(step)
             except DamagedCheckpoint as e:
                 self.log(f"{e} (right after saving it: check the disk); older checkpoints are kept")
@@ -198,17 +209,22 @@ class Checkpoints:
             return
         for step in self.steps():
             if step < newest_verified[-1]:
-                self._mngr.delete(step)
+                self._mngr.delete(step)  # multi-host: called everywhere (a barrier), orbax's process 0 deletes
 
     def set_aside(self, step: int) -> Path:
-        """Move step ``step`` out of the checkpoint list (to ``<step>.damaged``, never deleted)."""
+        """Move step ``step`` out of the checkpoint list (to ``<step>.damaged``, never deleted).
+        Multi-host: every process calls it; process 0 moves the directory."""
+        barrier(f"jaxgpt set_aside {step}: named")  # every process picks the same free name...
         src = self.dir / str(step)
         dst = self.dir / f"{step}.damaged"
         n = 1
         while dst.exists():
             n += 1
             dst = self.dir / f"{step}.damaged{n}"
-        src.rename(dst)
+        barrier(f"jaxgpt set_aside {step}: moving")  # ...before process 0 takes it
+        if is_primary():
+            src.rename(dst)
+        barrier(f"jaxgpt set_aside {step}: moved")
         self._mngr.reload()
         return dst
 
