@@ -64,16 +64,11 @@ def test_rejects_sequences_past_the_context_window():
         bench(TINY, seq_len=512)
 
 
-# ---- scripts/bench_train.py: the jaxgpt vs torch_ref train-step race
+# ---- scripts/benchmarks/bench_train.py: the jaxgpt vs torch_ref train-step race
 
 def _bench_train():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
-    spec = importlib.util.spec_from_file_location("bench_train", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts.benchmarks import bench_train
+    return bench_train
 
 
 def test_model_flops_count_the_matmuls_not_the_position_table():
@@ -90,15 +85,16 @@ def test_model_flops_count_the_matmuls_not_the_position_table():
     assert bt.model_flops_per_step(config, n_params, batch, seq_len) == expected
 
 
+@pytest.mark.smoke  # the script end to end in a subprocess: make test-slow
 def test_bench_train_quick_smoke(tmp_path):
     """The CI smoke run: both frameworks in their own processes, every field the table needs."""
     import subprocess
     import sys
     from pathlib import Path
     out = tmp_path / "bench_train.json"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_train.py"
-    p = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
-                       timeout=600, check=False)
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "scripts.benchmarks.bench_train", "--quick", "--out", str(out)], cwd=root,
+                       capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads(out.read_text())
     assert set(result["peak_gflops"]) == {"jax", "torch"} and result["peak"] == max(result["peak_gflops"].values())

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SHARED, require_shared
+
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+pytestmark = pytest.mark.smoke  # each test runs a script end to end in a subprocess: make test-slow
 
 
-def _run(script: str, out: Path) -> dict:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--smoke", "--out", str(out)], check=True,
+def _run(module: str, out: Path) -> dict:
+    subprocess.run([sys.executable, "-m", f"scripts.experiments.{module}", "--smoke", "--out", str(out)], check=True,
                    cwd=ROOT, timeout=600)
-    name = script.removeprefix("exp_").removesuffix(".py")
+    name = module.removeprefix("exp_")
     data = json.loads((out / f"{name}.json").read_text())
     assert data["smoke"] is True and data["experiment"] == name
     assert (out / "README.md").read_text().startswith("# Experiment 3")
@@ -24,7 +26,8 @@ def _run(script: str, out: Path) -> dict:
 
 
 def test_exp_attnres_smoke(tmp_path):
-    data = _run("exp_attnres.py", tmp_path)
+    require_shared(SHARED / "seeds" / "002_cf3e92bca7241f9e.txt", "seed file")  # --init seed draws from it
+    data = _run("exp_attnres", tmp_path)
     assert {"config", "preset_check", "claims", "models", "torch_ref", "tolerance"} <= set(data)
     assert set(data["models"]) == {"standard", "full-seed"}
     for m in data["models"].values():
@@ -39,9 +42,9 @@ def test_exp_attnres_smoke(tmp_path):
         assert (tmp_path / png).stat().st_size > 0
 
 
-@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="needs ../shared/data/tinyshakespeare.txt")
 def test_exp_attnres_charlm_smoke(tmp_path):
-    data = _run("exp_attnres_charlm.py", tmp_path)
+    require_shared(SHARED / "data" / "tinyshakespeare.txt", "data file")
+    data = _run("exp_attnres_charlm", tmp_path)
     assert set(data["models"]) == {"standard", "full-paper"}
     for m in data["models"].values():
         assert m["final_val"]["n"] == 1 and m["runs"][0]["val_loss"]

@@ -1,4 +1,4 @@
-"""Smoke test of scripts/exp_minigpt.py (experiment 2 + its torch_ref half): the tiny version runs
+"""Smoke test of scripts/experiments/exp_minigpt.py (experiment 2 + its torch_ref half): the tiny version runs
 end to end and writes its JSON, README and figures."""
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.smoke  # runs the script end to end in a subprocess: make test-slow
 
 
 def test_exp_minigpt_smoke(tmp_path):
     out = tmp_path / "minigpt"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "exp_minigpt.py"), "--smoke", "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "scripts.experiments.exp_minigpt", "--smoke", "--out", str(out)],
                    check=True, cwd=ROOT, timeout=600)
     res = json.loads((out / "minigpt.json").read_text())
     for key in ("runs", "curves", "epochs", "cross_framework", "kv_cache", "samples", "heatmaps", "claims"):

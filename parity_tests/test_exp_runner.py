@@ -1,4 +1,4 @@
-"""scripts/run_experiments.py's collection step (self-contained, no training): every experiment's
+"""scripts/experiments/run_experiments.py's collection step (self-contained, no training): every experiment's
 claimed-vs-measured rows, in whichever shape its JSON stores them, end up in results/CLAIMS.md."""
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import run_experiments  # noqa: E402
+from scripts.experiments import run_experiments
 
 
 def _write(root: Path, name: str, data: dict) -> None:
     (root / name).mkdir(parents=True)
     (root / name / f"{name}.json").write_text(json.dumps({"wall_s": 12.5, **data}))
-    (root / name / "README.md").write_text(f"# {name}\n")
+    (root / name / "README.md").write_text(f"# {name}\n\n![loss]({name}.png) [json]({name}.json) "
+                                           "[docs](../../docs/x.md) [web](https://example.org/a.png) [top](#top)\n")
 
 
 def test_collect_writes_every_claim_row(tmp_path):
@@ -34,3 +34,6 @@ def test_collect_writes_every_claim_row(tmp_path):
     assert "| e | 1.91 (claimed: 1.88) | holds for the recipe |" in text
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "## attention_basics (12.5 s)" in summary and "## minigpt (not run)\n\n(no results)" in summary
+    # the READMEs' relative links, rebased from results/<name>/ onto results/ (where SUMMARY.md is)
+    assert ("![loss](attnres/attnres.png) [json](attnres/attnres.json) [docs](attnres/../../docs/x.md) "
+            "[web](https://example.org/a.png) [top](#top)") in summary

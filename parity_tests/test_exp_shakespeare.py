@@ -1,5 +1,5 @@
-"""Smoke tests of scripts/exp_shakespeare.py (experiment 4: seed 003 / nanoGPT Shakespeare) and
-its nanoGPT-faithful torch mirror scripts/nanogpt_torch.py."""
+"""Smoke tests of scripts/experiments/exp_shakespeare.py (experiment 4: seed 003 / nanoGPT Shakespeare)
+and its nanoGPT-faithful torch mirror scripts/experiments/nanogpt_torch.py."""
 from __future__ import annotations
 
 import json
@@ -10,19 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SHARED, require_shared
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "exp_shakespeare.py"
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-
-needs_data = pytest.mark.skipif(not DATA.exists(), reason="../shared/data/tinyshakespeare.txt is missing")
 
 
-@needs_data
+@pytest.mark.smoke  # the script end to end in a subprocess: make test-slow
 @pytest.mark.parametrize("part", ["seed003", "nanogpt", "big"])
 def test_smoke(tmp_path, part):
+    require_shared(SHARED / "data" / "tinyshakespeare.txt", "data file")
     out = tmp_path / "shakespeare"
-    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--parts", part], cwd=ROOT, check=True,
-                   timeout=600)
+    subprocess.run([sys.executable, "-m", "scripts.experiments.exp_shakespeare", "--smoke", "--out", str(out),
+                    "--parts", part], cwd=ROOT, check=True, timeout=600)
     res = json.loads((out / "shakespeare.json").read_text())
     assert res["smoke"] is True
     assert {"claims", "init_std", "dropout_semantics", "figures", "data"} <= set(res)
@@ -45,8 +44,7 @@ def test_smoke(tmp_path, part):
 
 def test_nanogpt_recipe_pieces():
     """get_lr and the weight-decay groups follow nanoGPT's train.py / configure_optimizers."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import nanogpt_torch as nt
+    from scripts.experiments import nanogpt_torch as nt
     from torch_ref.models.decoder import DecoderLM
 
     nc = nt.NanoConfig()

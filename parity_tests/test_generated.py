@@ -1,5 +1,5 @@
 """jaxgpt.data.generated (the built-in generated tasks) and the smoke runs of the experiment scripts that
-use them: scripts/exp_attention_basics.py and scripts/exp_seed004.py."""
+use them: scripts/experiments/exp_attention_basics.py and exp_seed004.py."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 from jaxgpt.data import generated as g
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sentiment_rows_deterministic_balanced_and_labelled_by_the_rule():
@@ -94,7 +94,8 @@ def test_tiny_gpt_text_and_no_framework_import():
 
 
 def _smoke(script: str, tmp_path: Path, name: str) -> dict:
-    p = subprocess.run([sys.executable, str(SCRIPTS / script), "--smoke", "--out", str(tmp_path)],
+    module = "scripts.experiments." + script.removesuffix(".py")
+    p = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}.json").read_text())
@@ -107,6 +108,7 @@ def _smoke(script: str, tmp_path: Path, name: str) -> dict:
     return result
 
 
+@pytest.mark.smoke  # the script end to end in a subprocess: make test-slow
 def test_exp_attention_basics_smoke(tmp_path):
     r = _smoke("exp_attention_basics.py", tmp_path, "attention_basics")
     assert {"saturation", "positions", "causal", "rope", "sampling", "claims"} <= set(r)
@@ -120,6 +122,7 @@ def test_exp_attention_basics_smoke(tmp_path):
     assert r["sampling"]["top_k1_draws_equal_argmax"] == 1.0
 
 
+@pytest.mark.smoke  # the script end to end in a subprocess: make test-slow
 def test_exp_seed004_smoke(tmp_path):
     r = _smoke("exp_seed004.py", tmp_path, "seed004")
     assert {"minibert", "encdec", "tiny_gpt", "claims"} <= set(r)

@@ -1,4 +1,4 @@
-"""scripts/profile_step.py --quick: the per-op profile of one jaxgpt and one torch train step runs,
+"""scripts/benchmarks/profile_step.py --quick: the per-op profile of one jaxgpt and one torch train step runs,
 every category is there with finite, non-negative times, and the HLO classifier sorts ops."""
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from scripts.benchmarks.profile_ops import CATEGORIES, classify_hlo, jax_category, torch_category
+from scripts.harness import parse_hlo
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import profile_step  # noqa: E402
 
 
+@pytest.mark.smoke  # the script end to end in a subprocess: make test-slow
 def test_quick_profile(tmp_path):
     out = tmp_path / "profile.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--quick", "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "scripts.benchmarks.profile_step", "--quick", "--out", str(out)],
                    check=True, cwd=ROOT, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
     assert out.with_suffix(".md").exists()
@@ -27,7 +30,7 @@ def test_quick_profile(tmp_path):
         for key in ("categories_ms", "categories_best_ms", "op_counts", "step_ms", "profiled_wall_ms",
                     "peak_gflops", "top_ops"):
             assert key in run, (name, key)
-        assert set(run["categories_ms"]) == set(profile_step.CATEGORIES)
+        assert set(run["categories_ms"]) == set(CATEGORIES)
         assert all(math.isfinite(v) and v >= 0 for v in run["categories_ms"].values())
         assert run["op_counts"]["matmul fwd"] > 0 and run["op_counts"]["matmul bwd"] > 0, name
         assert run["op_counts"]["optimizer + clip"] > 0, name
@@ -57,12 +60,12 @@ ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
   ROOT %mm = f32[4,2]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation, metadata={op_name="jit(f)/jvp(M)/dot"}
 }
 """
-    info = profile_step.classify_hlo(profile_step.parse_hlo(hlo))
+    info = classify_hlo(parse_hlo(hlo))
     assert info["mm"]["kind"] == "matmul" and info["mm"]["phase"] == "fwd"
     assert info["mm"]["flops"] == 2 * 4 * 2 * 8 and not info["mm"]["batched"]
     assert info["tr"]["kind"] == "layout" and info["tr"]["phase"] == "bwd"
-    assert profile_step.jax_category(info["mm"]) == "matmul fwd"
-    assert profile_step.jax_category(info["tr"]) == "layout copy/transpose"
-    assert profile_step.torch_category("aten::mm", "bwd") == "matmul bwd"
-    assert profile_step.torch_category("aten::_scaled_dot_product_flash_attention_for_cpu", "fwd") == "attention core"
-    assert profile_step.torch_category("aten::add_", "opt") == "optimizer + clip"
+    assert jax_category(info["mm"]) == "matmul fwd"
+    assert jax_category(info["tr"]) == "layout copy/transpose"
+    assert torch_category("aten::mm", "bwd") == "matmul bwd"
+    assert torch_category("aten::_scaled_dot_product_flash_attention_for_cpu", "fwd") == "attention core"
+    assert torch_category("aten::add_", "opt") == "optimizer + clip"

@@ -25,32 +25,35 @@ from torch_ref.train import make_optimizer, train
 TINY = dict(d_model=32, n_layer=2, n_head=4, max_len=64)
 
 
-def test_schedule_is_lr_at_and_the_seeds_cosine():
-    tc = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
-    f = jax.jit(schedule(tc))
-    ours = np.array([float(f(s)) for s in range(tc.steps)])
-    ref = np.array([tc.lr_at(s) for s in range(tc.steps)])
-    np.testing.assert_allclose(ours, ref, rtol=1e-6)
-    assert ours[9] == pytest.approx(1e-3) and ours[0] == pytest.approx(1e-4)  # warmup reaches lr
-    # torch_ref's LambdaLR follows lr_at
-    model = torch.nn.Linear(2, 2)
-    opt, sched = make_optimizer(model, tc)
+def _torch_lrs(opt, sched, steps: int) -> list[float]:
     lrs = []
-    for _ in range(tc.steps):
+    for _ in range(steps):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    np.testing.assert_allclose(lrs, ref, rtol=1e-12)
-    # No warmup: seed 000's CosineAnnealingLR(T_max=steps, eta_min=0.1 lr)
+    return lrs
+
+
+def test_schedule_is_the_seeds_cosine_in_both_frameworks():
+    """TrainConfig.lr_at is the one formula: evaluated in jnp it is the optax schedule, on Python
+    floats torch_ref's LambdaLR. Both are checked against torch's own CosineAnnealingLR (seed 000's
+    schedule, an independent reference) and the warmup against its definition."""
+    tc = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    f = jax.jit(schedule(tc))
+    ours = np.array([float(f(s)) for s in range(tc.steps)])
+    np.testing.assert_allclose(ours, [tc.lr_at(s) for s in range(tc.steps)], rtol=1e-6)  # float32 vs float64
+    np.testing.assert_allclose(ours[:10], 1e-3 * np.arange(1, 11) / 10, rtol=1e-6)  # warmup reaches lr at step 9
+    model = torch.nn.Linear(2, 2)
+    np.testing.assert_allclose(_torch_lrs(*make_optimizer(model, tc), tc.steps), ours, rtol=1e-6)
+    # No warmup: seed 000's CosineAnnealingLR(T_max=steps, eta_min=0.1 lr), in both frameworks
     tc0 = tc.replace(warmup_steps=0)
     opt = torch.optim.AdamW(model.parameters(), lr=tc0.lr)
-    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=tc0.steps, eta_min=tc0.lr * 0.1)
-    seed_lrs = []
-    for _ in range(tc0.steps):
-        seed_lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        cos.step()
+    seed_lrs = _torch_lrs(opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=tc0.steps, eta_min=tc0.lr * 0.1),
+                          tc0.steps)
     np.testing.assert_allclose([tc0.lr_at(s) for s in range(tc0.steps)], seed_lrs, rtol=1e-9)
+    np.testing.assert_allclose(_torch_lrs(*make_optimizer(model, tc0), tc0.steps), seed_lrs, rtol=1e-9)
+    f0 = jax.jit(schedule(tc0))
+    np.testing.assert_allclose([float(f0(s)) for s in range(tc0.steps)], seed_lrs, rtol=1e-6)
 
 
 def test_cross_entropy_matches_torch_with_ignore_index(rng):
@@ -307,6 +310,70 @@ def test_fit_skips_nonfinite_updates_and_counts_them(monkeypatch, tmp_path):
     ckpts = Checkpoints(tmp_path, create=False)
     assert ckpts.steps() == [4, 8, 12]
     assert all(np.isfinite(a).all() for a in _host(ckpts.restore_params()[1]))
+
+
+# --- fit without checkpoints: the loop every experiment trains through -------------------------------------------
+
+def _no_orbax(monkeypatch):
+    import jaxgpt.train.loop as loop
+
+    def refuse(*a, **k):
+        raise AssertionError("checkpoints=False must not create Checkpoints")
+
+    monkeypatch.setattr(loop, "Checkpoints", refuse)
+
+
+def test_fit_without_checkpoints_returns_its_history(monkeypatch, tmp_path):
+    """checkpoints=False, no run directory: nothing written, no orbax; the history holds every update's
+    metrics (the same losses as calling the jitted step by hand on the same batches) and every
+    evaluation row with on_eval's scores merged in; compile time is reported apart from training time."""
+    from jaxgpt.train.loop import fit
+
+    _no_orbax(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    config = get_preset("seed-minigpt").replace(n_layer=1, d_model=32, d_ff=64)
+    tc = TrainConfig(steps=12, batch_size=4, seq_len=16, log_every=5, eval_every=4, eval_batches=1)
+    task = load_task(config, tc, corpus="seed-synthetic")
+    config = fit_config(config, task)
+    logged, evals = [], []
+    r = fit(config, tc, task, progress=False, checkpoints=False, on_log=logged.extend,
+            on_eval=lambda step, params: evals.append(step) or {"extra": float(step)})
+    assert list(tmp_path.iterdir()) == []
+    train = [h for h in r["history"] if "loss" in h]
+    assert [h["step"] for h in train] == list(range(1, 13)) and logged == train
+    assert [(h["step"], h["extra"]) for h in r["history"] if "val_loss" in h] == [(4, 4.0), (8, 8.0), (12, 12.0)]
+    assert evals == [4, 8, 12]
+    state, step = init_state(config, tc), make_train_step(config, tc)
+    by_hand = []
+    for s in range(tc.steps):
+        state, m = step(state, task.batch(tc, s))
+        by_hand.append(float(m["loss"]))
+    assert [h["loss"] for h in train] == by_hand  # bit for bit: same batches, same steps
+    assert int(r["state"].step) == r["steps"] == 12 and r["plot"] is None
+    assert r["compile_s"] > 0 and r["train_s"] > 0 and r["ms_per_step"] > 0
+    assert r["compile_s"] > 5e-3 * r["ms_per_step"]  # the first update (tracing, compiling) is timed apart
+    # until: the first updates of a longer run (its schedule unchanged); on_log returning True stops it
+    head = fit(config, tc, task, progress=False, checkpoints=False, until=5)
+    assert [h["loss"] for h in head["history"] if "loss" in h] == by_hand[:5] and head["steps"] == 5
+    stopped = fit(config, tc.replace(log_every=1), task, progress=False, checkpoints=False,
+                  on_log=lambda rows: rows[-1]["step"] >= 3)
+    assert stopped["steps"] == 3 and [h["step"] for h in stopped["history"]] == [1, 2, 3]
+    with pytest.raises(ValueError, match="checkpoints=False"):
+        fit(config, tc, task, progress=False)
+
+
+def test_fit_without_checkpoints_stops_at_a_nonfinite_loss(monkeypatch):
+    from jaxgpt.train.loop import NonFiniteLoss, fit
+
+    _no_orbax(monkeypatch)
+    _poisoning(monkeypatch)
+    config = get_preset("seed-minigpt").replace(n_layer=1, d_model=32, d_ff=64)
+    tc = TrainConfig(steps=12, batch_size=4, seq_len=16, log_every=5, eval_every=0, eval_batches=1)
+    task = _poisoned_task(load_task(config, tc, corpus="seed-synthetic"), bad_step=6)  # update 7
+    logged = []
+    with pytest.raises(NonFiniteLoss, match=r"^non-finite loss at step 7 .*\(no checkpoints kept \(checkpoints=False\)\)"):
+        fit(fit_config(config, task), tc, task, progress=False, checkpoints=False, on_log=logged.extend)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]  # the rows after the NaN never reach the callback
 
 
 # --- progress display (tqdm) ------------------------------------------------------------------------------------

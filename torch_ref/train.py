@@ -3,6 +3,8 @@ clipping, gradient accumulation and batches (jaxgpt.train.tasks is NumPy, shared
 From the same initial weights on the same batches both give the same loss curve."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,6 +65,12 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
 
 
 def train(model: nn.Module, tc: TrainConfig, task, steps: int | None = None) -> list[dict]:
-    """``steps`` (default tc.steps) updates on ``task.batch(tc, step)``; per-step metrics."""
+    """``steps`` (default tc.steps) updates on ``task.batch(tc, step)``: the torch side's training loop.
+    Per-step metrics, each with ``seconds``: that update's wall time (its batch included)."""
     opt, sched = make_optimizer(model, tc)
-    return [train_step(model, opt, sched, tc, task.batch(tc, s)) for s in range(tc.steps if steps is None else steps)]
+    out = []
+    for s in range(tc.steps if steps is None else steps):
+        t = time.perf_counter()
+        m = train_step(model, opt, sched, tc, task.batch(tc, s))
+        out.append(m | {"seconds": time.perf_counter() - t})
+    return out

@@ -113,18 +113,25 @@ class TrainConfig(_Config):
             return self.steps_per_epoch, self.epochs
         return 1, self.steps
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step, xp=None):
         """Learning rate of update ``step`` (0-based): linear warmup over ``warmup_steps`` (reaching
         lr at step warmup_steps - 1), then cosine from lr to lr * min_lr_ratio at ``steps``. With
         lr_per_epoch the unit is the epoch: update ``step`` uses epoch step // steps_per_epoch, and
-        warmup_steps counts epochs. jaxgpt.train.optim.schedule is the same formula in jnp."""
+        warmup_steps counts epochs.
+
+        The one copy of the formula. ``xp``: the array module to evaluate it in: ``jax.numpy`` for a
+        traced update count (jaxgpt.train.optim.schedule, the optax schedule) or ``numpy``; None:
+        Python floats (torch_ref.train's LambdaLR)."""
         if self.schedule == "constant":
             return self.lr
         per, total = self.schedule_units
-        step //= per
+        step = step // per
         w, floor = self.warmup_steps, self.lr * self.min_lr_ratio
-        if step < w:
-            return self.lr * (step + 1) / w
-        progress = min(max((step - w) / max(total - w, 1), 0.0), 1.0)
-        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
+        clip = (lambda x, lo, hi: min(max(x, lo), hi)) if xp is None else xp.clip
+        cos = math.cos if xp is None else xp.cos
+        progress = clip((step - w) / max(total - w, 1), 0.0, 1.0)
+        cosine = floor + (self.lr - floor) * 0.5 * (1.0 + cos(math.pi * progress))
+        warmup = self.lr * (step + 1) / max(w, 1)
+        if xp is None:
+            return warmup if step < w else cosine
+        return xp.where(step < w, warmup, cosine)

@@ -1,4 +1,5 @@
-"""The training loop behind ``jaxgpt train``: resume, step, log, evaluate, checkpoint, plot.
+"""The training loop behind ``jaxgpt train`` and every experiment in scripts/experiments: resume,
+step, log, evaluate, checkpoint, plot (``fit(checkpoints=False)``: no orbax, no run directory needed).
 
 Host work per step is one NumPy batch; metrics stay on the device and are fetched every
 ``log_every`` steps, so the jitted steps queue up back to back. They are also fetched before
@@ -13,6 +14,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxgpt.config import TrainConfig
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
+from jaxgpt.parallel.hosts import is_primary
 from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step
 from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
@@ -158,14 +161,36 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
     return [r for r in rows if r["step"] <= upto]
 
 
-def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainState | None = None,
-        progress: bool = True, log=print) -> dict:
-    """Train from ``state`` (default: ``init_state``) to ``tc.steps``, writing
-    ``out/metrics.jsonl``, ``out/checkpoints/`` and ``out/loss.png``. Returns a summary dict."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, state: TrainState | None = None,
+        progress: bool = True, log=print, checkpoints: bool = True, until: int | None = None,
+        on_log: Callable[[list[dict]], bool | None] | None = None,
+        on_eval: Callable[[int, Any], dict] | None = None, train_step=None, eval_step=None) -> dict:
+    """Train from ``state`` (default: ``init_state``) to ``tc.steps``, writing ``out/metrics.jsonl``,
+    ``out/checkpoints/`` and ``out/loss.png``. Every batch is checked on the host, and a NaN/inf loss
+    stops the run (``tc.on_nonfinite``).
+
+    checkpoints: False: no orbax and no checkpoints/ folder; ``out`` is then optional (None: nothing
+    is written). until: stop after that many updates (the schedule still spans ``tc.steps``).
+    on_log(rows): called with the training rows each time they are fetched (every ``tc.log_every``
+    steps, and the first step), after the NaN check; a true result stops the run after that step
+    (saved when checkpointing; no extra evaluation). on_eval(step, params) -> dict: scores merged into
+    each evaluation row (every ``tc.eval_every`` steps and at the end; also without a validation
+    split). train_step, eval_step: compiled steps to reuse (``make_train_step(config, tc)``,
+    ``make_eval_step(config)``), e.g. across the seeds of one model.
+
+    Returns the summary: steps (updates done), final_loss (mean of the last 20), val_loss, tok_s,
+    skipped, plot; the timing, defined once: compile_s = the first update of this call (tracing,
+    compiling and running it), train_s = the wall time of the other updates (steady state:
+    evaluation, callbacks and checkpoint saves excluded), ms_per_step = median over the log windows,
+    tok_s = tokens per second at that median; history = every metrics row (what metrics.jsonl
+    holds); state = the final TrainState."""
+    if out is None and checkpoints:
+        raise ValueError("fit with checkpoints saves into a run directory: give out, or pass checkpoints=False")
+    out = None if out is None else Path(out)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     mesh = _mesh(tc)
-    ckpts = Checkpoints(out, keep=tc.keep, mesh=mesh)
+    ckpts = Checkpoints(out, keep=tc.keep, mesh=mesh) if checkpoints else None
     if state is None:
         state = init_state(config, tc, mesh=mesh)  # with a mesh: created in its sharding
     elif mesh is not None:  # restored or --init weights: split over the mesh (a no-op when already placed)
@@ -174,36 +199,49 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
         state = jax.device_put(state, state_shardings(config, state, mesh))
     place = (lambda b: b) if mesh is None else _placer(mesh)
     start = int(state.step)
-    for s in ckpts.steps():
+    end = tc.steps if until is None else min(until, tc.steps)
+    for s in ckpts.steps() if ckpts is not None else ():
         if s > start:  # damaged steps the resume skipped: out of the way, but not deleted
             warn(f"checkpoint step {s} is newer than the starting step {start}: moved to {ckpts.set_aside(s)}")
-    metrics_path = out / "metrics.jsonl"
-    history = _read_metrics(metrics_path, start)  # drop lines written after the checkpoint
-    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in history))
-    meta = {"config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(),
-            "source": task.source, "kind": task.kind}
-    train_step, eval_step = make_train_step(config, tc, mesh=mesh), make_eval_step(config)
+    metrics_path = None if out is None else out / "metrics.jsonl"
+    history = _read_metrics(metrics_path, start) if metrics_path else []  # drop lines written after the checkpoint
+    if metrics_path and is_primary():  # multi-host: process 0 writes the run's files; the others read them
+        tmp = metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
+        tmp.replace(metrics_path)  # atomic: a process reading it meanwhile sees the old lines or the new ones
+    meta = None if ckpts is None else {  # saved with each step
+        "config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(), "source": task.source,
+        "kind": task.kind}
+    train_step = train_step or make_train_step(config, tc, mesh=mesh)
+    eval_step = eval_step or make_eval_step(config)
     eval_batches = task.eval_batches(tc)
-    bar = Progress(tc.steps, enabled=progress)
+    bar = Progress(end, enabled=progress)
     tokens = task.tokens_per_step(tc)
     pending: list[tuple[int, dict]] = []  # (step, metrics still on the device)
     t_flush = time.perf_counter()
+    compile_s, train_s, windows, stop_requested = None, 0.0, [], False  # windows: seconds per step, steady state
     skipped = sum(1 for r in history if r.get("nonfinite"))
 
     def record(rows: list[dict]) -> None:
-        with metrics_path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        if metrics_path and is_primary():
+            with metrics_path.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
         history.extend(rows)
 
     def stop(what: str) -> NonFiniteLoss:
-        last = ckpts.latest_step()
-        kept = f"the last checkpoint, step {last}, holds finite weights" if last is not None else "no checkpoint saved"
+        last = None if ckpts is None else ckpts.latest_step()
+        kept = f"the last checkpoint, step {last}, holds finite weights" if last is not None else \
+            "no checkpoint saved" if ckpts is not None else "no checkpoints kept (checkpoints=False)"
         return NonFiniteLoss(f"{what}; training stopped without saving it ({kept}). Lower lr (now {tc.lr:g}) or "
                              "add warmup, or set on_nonfinite=skip to skip such updates")
 
-    def flush(step: int) -> None:
-        nonlocal t_flush, skipped
+    def flush(step: int, timed: bool = True) -> None:
+        """Fetch the pending metrics (a NaN stops here); timed: the window since the last fetch is steady state."""
+        nonlocal t_flush, skipped, train_s, stop_requested
         now = time.perf_counter()
+        if timed:
+            train_s += now - t_flush
+            windows.append((now - t_flush) / len(pending))
         tok_s = tokens * len(pending) / max(now - t_flush, 1e-9)
         steps, metrics = zip(*pending)
         rows = [{"step": s, **{k: float(v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
@@ -221,11 +259,15 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
         record(rows)
         skipped += len(bad)
         bar.update(step, history[-1]["loss"], tok_s, f", {skipped} skipped" if skipped else "")
-        t_flush = now
+        if on_log is not None and on_log(rows):
+            stop_requested = True
+        t_flush = time.perf_counter()  # the fetch and the callback are not training time
 
     def save() -> None:
         if pending:  # a NaN in the unflushed steps must stop the save
             flush(int(state.step))
+        if ckpts is None:  # nothing saved; the weights are still checked at the end
+            return
         if ckpts.latest_step() == int(state.step):
             return
         if not bool(_all_finite(state.params)):
@@ -234,38 +276,55 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path, *, state: TrainSta
 
     try:
         try:
-            for step in range(start, tc.steps):
+            for step in range(start, end):
                 # dispatch is asynchronous: the next batch is built on the host while this step runs
                 state, m = train_step(state, place(check_batch(task.batch(tc, step), config)))  # jit would not raise
                 done = step + 1
                 pending.append((done, m))
-                evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps
-                save_now = (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps
-                if done % tc.log_every == 0 or evaluate_now:
+                evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == end
+                save_now = ckpts is not None and ((tc.ckpt_every and done % tc.ckpt_every == 0) or done == end)
+                if step == start:  # this call's first update traces and compiles: timed apart, fetched at once
+                    jax.block_until_ready(m)
+                    compile_s = time.perf_counter() - t_flush
+                    flush(done, timed=False)
+                elif done % tc.log_every == 0 or evaluate_now:
                     flush(done)  # before evaluating (and save() flushes first): a NaN is seen before either
-                if evaluate_now and eval_batches:  # val_fraction=0: nothing to evaluate on
-                    scores = evaluate(config, state.params, eval_batches, eval_step, None if mesh is None else place)
-                    record([{"step": done, **scores}])
+                if evaluate_now and (eval_batches or on_eval):  # val_fraction=0: nothing to evaluate on
+                    row = {"step": done}
+                    if eval_batches:
+                        row |= evaluate(config, state.params, eval_batches, eval_step, None if mesh is None else place)
+                    record([row | (on_eval(done, state.params) if on_eval else {})])
                 if save_now:
                     save()
+                if evaluate_now or save_now:
+                    t_flush = time.perf_counter()  # steady-state timing leaves evaluation and saving out
+                if stop_requested:
+                    break
         except KeyboardInterrupt:
             save()
             raise
         save()
+        if ckpts is None and not bool(_all_finite(state.params)):  # what a save would have refused
+            raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
     finally:
         bar.close()
-        ckpts.wait()  # the last save: finished, read back, older steps pruned
-        ckpts.close()
+        if ckpts is not None:
+            ckpts.wait()  # the last save: finished, read back, older steps pruned
+            ckpts.close()
     train_rows = [r for r in history if "loss" in r and not r.get("nonfinite")]  # skipped updates: not in the means
     val_rows = [r for r in history if "val_loss" in r]
-    summary = {"steps": tc.steps, "final_loss": float(np.mean([r["loss"] for r in train_rows[-20:]])) if train_rows else None,
+    ms = 1e3 * float(np.median(windows)) if windows else None
+    summary = {"steps": int(state.step),
+               "final_loss": float(np.mean([r["loss"] for r in train_rows[-20:]])) if train_rows else None,
                "val_loss": val_rows[-1]["val_loss"] if val_rows else None,
-               "tok_s": float(np.median([r["tok_s"] for r in train_rows[1:]])) if len(train_rows) > 1 else None,
-               "skipped": skipped}
-    plot = plot_losses(history, out / "loss.png", title=f"{task.source}")
-    if plot is None:
-        log("matplotlib is not installed: skipped loss.png (pip install 'jaxgpt[plots]')")
-    return summary | {"plot": str(plot) if plot else None}
+               "tok_s": tokens * 1e3 / ms if ms else None, "skipped": skipped,
+               "compile_s": compile_s, "train_s": train_s, "ms_per_step": ms}
+    plot = None
+    if out is not None and is_primary():
+        plot = plot_losses(history, out / "loss.png", title=f"{task.source}")
+        if plot is None:
+            log("matplotlib is not installed: skipped loss.png (pip install 'jaxgpt[plots]')")
+    return summary | {"plot": str(plot) if plot else None, "history": history, "state": state}
 
 
 def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None:

@@ -2,7 +2,7 @@
 Linear kernels only, warmup + cosine or constant learning rate, global-norm clipping."""
 from __future__ import annotations
 
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,19 +12,11 @@ from jaxgpt.config import TrainConfig
 
 
 def schedule(tc: TrainConfig):
-    """optax schedule: ``TrainConfig.lr_at`` in jnp (update count -> learning rate)."""
+    """optax schedule (update count -> learning rate): ``TrainConfig.lr_at`` evaluated in jnp, the
+    one copy of the formula (torch_ref.train's LambdaLR evaluates it on Python floats)."""
     if tc.schedule == "constant":
         return optax.constant_schedule(tc.lr)
-    w, floor = tc.warmup_steps, tc.lr * tc.min_lr_ratio
-    per, total = tc.schedule_units
-
-    def lr(count):
-        count = count // per  # lr_per_epoch: the epoch index; otherwise per = 1
-        progress = jnp.clip((count - w) / max(total - w, 1), 0.0, 1.0)
-        cosine = floor + (tc.lr - floor) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
-        return jnp.where(count < w, tc.lr * (count + 1) / max(w, 1), cosine)
-
-    return lr
+    return functools.partial(tc.lr_at, xp=jnp)
 
 
 def decay_mask(params, leaves: tuple[str, ...] = ("kernel",)):

@@ -1,9 +1,9 @@
 """Memory (and CPU speed) of the attention backends: 'xla' (einsum, (T, T) scores) vs 'jax'
 (jax.nn.dot_product_attention) vs 'blocked' (flash-style, linear in T).
 
-    .venv/bin/python scripts/attention_memory.py           # T = 1k, 4k, 16k; JSON in results/engine/
-    .venv/bin/python scripts/attention_memory.py --speed   # also time fwd+bwd at T = 256, 1024 (CPU)
-    .venv/bin/python scripts/attention_memory.py --quick   # CI smoke: T = 256, 1024 and a short timing
+    .venv/bin/python -m scripts.benchmarks.attention_memory           # T = 1k, 4k, 16k; JSON in results/engine/
+    .venv/bin/python -m scripts.benchmarks.attention_memory --speed   # also time fwd+bwd at T = 256, 1024 (CPU)
+    .venv/bin/python -m scripts.benchmarks.attention_memory --quick   # CI smoke: T = 256, 1024 and a short timing
 
 Memory: the forward + backward of a 1-layer DecoderLM's loss (d_model 256, 4 heads, RoPE, batch 1; the
 train step without the optimizer, whose state does not depend on T) is lowered on abstract shapes

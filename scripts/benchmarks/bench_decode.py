@@ -1,8 +1,8 @@
 """Greedy decoding speed: jaxgpt vs torch_ref vs Hugging Face generate() on the same weights.
 
-    .venv/bin/python scripts/bench_decode.py            # full table -> results/engine/decode.{json,md}
-    .venv/bin/python scripts/bench_decode.py --quick    # CI smoke: tiny shapes, one repeat, < 60 s
-    .venv/bin/python scripts/bench_decode.py --slots    # decode-step ms/token vs cache slots only
+    .venv/bin/python -m scripts.benchmarks.bench_decode            # full table -> results/engine/decode.{json,md}
+    .venv/bin/python -m scripts.benchmarks.bench_decode --quick    # CI smoke: tiny shapes, one repeat, < 60 s
+    .venv/bin/python -m scripts.benchmarks.bench_decode --slots    # decode-step ms/token vs cache slots only
 
 Model: a GPT-2-style GPT2LMHeadModel (6 layers, 384 wide, 6 heads, context 1024, vocab 65 like
 the shakespeare-char preset) with random weights, built from transformers.GPT2Config and saved
@@ -29,24 +29,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts.harness import RESULTS, median_of, report, spawn, timed as _timed
+
 FRAMEWORKS = ("jax-cached", "jax-uncached", "torch-cached", "torch-uncached", "hf-default", "hf-static")
 BUCKET = 64
 
 
 # Workers (one framework per process) ----------------------------------------------------------------
-def _timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
-
-
 def _buckets(prompt_len: int, n: int) -> dict[int, int]:
     """{padded prefix width: number of steps} of an n-token uncached generation (step j reads
     the prompt_len + j tokens so far, padded up to a multiple of BUCKET)."""
@@ -105,8 +98,7 @@ def worker_jax(model_dir: str, cases, cached: bool, prompt_len: int) -> list[dic
             probe = np.zeros((b, min(width, config.max_len)), np.int32)
             _, c = _timed(lambda: jax.block_until_ready(step_logits(probe)))  # noqa: B023
             compile_s += c
-            ts = [_timed(lambda: jax.block_until_ready(step_logits(probe)))[1] for _ in range(3)]  # noqa: B023
-            total += statistics.median(ts) * steps
+            total += median_of(lambda: jax.block_until_ready(step_logits(probe))) * steps  # noqa: B023
         out.append({"batch": b, "new": n, "seconds": total, "ttft": ttft, "compile_s": compile_s, "estimated": n > check,
                         "tokens": tokens[:, prompt_len:].tolist()})
     return out
@@ -147,8 +139,7 @@ def worker_torch(model_dir: str, cases, cached: bool, prompt_len: int) -> list[d
             total = 0.0
             for width, steps in _buckets(prompt_len, n).items():  # timed at the bucket's middle length
                 probe = torch.zeros((b, min(width - BUCKET // 2, config.max_len)), dtype=torch.long)
-                ts = [_timed(lambda: model(probe))[1] for _ in range(3)]  # noqa: B023
-                total += statistics.median(ts) * steps
+                total += median_of(lambda: model(probe)) * steps  # noqa: B023
             out.append({"batch": b, "new": n, "seconds": total, "ttft": ttft, "estimated": n > check,
                             "tokens": toks[:, prompt_len:].tolist()})
     return out
@@ -182,7 +173,7 @@ def worker(args) -> None:
         res = worker_torch(args.model_dir, cases, fw == "torch-cached", args.prompt_len)
     else:
         res = worker_hf(args.model_dir, cases, fw == "hf-static", args.prompt_len)
-    print("RESULT " + json.dumps(res))
+    report(res)
 
 
 # Per-token cost vs cache slots (one compiled loop of decode steps) ---------------------------------
@@ -223,9 +214,9 @@ def slots_worker(slots: list[int], steps: int, vocab: int) -> list[dict]:
             tok = jnp.zeros((1,), jnp.int32)
             compiled = jax.jit(run).lower(p, tok).compile()
             jax.block_until_ready(compiled(p, tok))
-            ts = sorted(_timed(lambda: jax.block_until_ready(compiled(p, tok)))[1] for _ in range(5))  # noqa: B023
+            ms = 1e3 * median_of(lambda: jax.block_until_ready(compiled(p, tok)), 5)  # noqa: B023
             cache_mb = 2 * 6 * s * 384 * 4 / 1e6
-            out.append({"slots": s, "mode": mode, "ms_per_token": 1e3 * ts[2] / steps, "cache_mb": cache_mb,
+            out.append({"slots": s, "mode": mode, "ms_per_token": ms / steps, "cache_mb": cache_mb,
                             "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 1e6})
     return out
 
@@ -241,12 +232,7 @@ def build_model_dir(path: Path, vocab: int, d: int, layers: int, heads: int, ctx
 
 
 def run_worker(argv: list[str]) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, cwd=ROOT, check=False)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode or not lines:
-        raise RuntimeError(f"worker {argv[:2]} failed:\n{p.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return spawn("scripts.benchmarks.bench_decode", *argv, check=True)
 
 
 def markdown(rows: list[dict], slots: list[dict]) -> str:
@@ -271,7 +257,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", default="256,1008", help="1008 + the 16-token prompt fills the 1024 context")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
-    ap.add_argument("--out", default=str(ROOT / "results" / "engine" / "decode.json"))
+    ap.add_argument("--out", default=str(RESULTS / "engine" / "decode.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--cases", help=argparse.SUPPRESS)
@@ -322,7 +308,7 @@ def main() -> None:
     if args.quick or args.slots:  # keep the full table's files
         out = out.with_name("decode_quick.json" if args.quick else "decode_slots.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(["scripts/bench_decode.py", *sys.argv[1:]]), "dims": dims,
+    out.write_text(json.dumps({"command": " ".join(["python -m scripts.benchmarks.bench_decode", *sys.argv[1:]]), "dims": dims,
                                    "prompt_len": args.prompt_len, "rows": rows, "slots": slots, "cpu_count": os.cpu_count(),
                                    "note": "machine shared with other jobs unless stated; medians of repeats"}, indent=1))
     out.with_suffix(".md").write_text(table + "\n")

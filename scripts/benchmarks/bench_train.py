@@ -1,8 +1,8 @@
 """Race jaxgpt's jitted train step against torch_ref's training step on the CPU.
 
-    .venv/bin/python scripts/bench_train.py                 # cpu-small + shakespeare-char, 3 A/B rounds
-    .venv/bin/python scripts/bench_train.py --quick         # CI smoke: tiny shapes, seconds
-    .venv/bin/python scripts/bench_train.py --compile-time  # gpt2-small train-step lower + compile only
+    .venv/bin/python -m scripts.benchmarks.bench_train                 # cpu-small + shakespeare-char, 3 A/B rounds
+    .venv/bin/python -m scripts.benchmarks.bench_train --quick         # CI smoke: tiny shapes, seconds
+    .venv/bin/python -m scripts.benchmarks.bench_train --compile-time  # gpt2-small train-step lower + compile only
 
 Same model config, same batches (random tokens from one seed), same optimizer (TrainConfig
 defaults: AdamW, cosine schedule, clipping at 1.0), float32, for:
@@ -18,7 +18,7 @@ then times `steps` steps one by one; the table reports the median over all round
 MFU = model FLOPs per step / measured float32 matmul peak. Model FLOPs are nanoGPT's estimate:
 6 * N * tokens (N = parameters without the position table) + 12 * n_layer * T * d_model * tokens
 (attention scores and mixing, forward + backward). The peak is the best of 5 2048^3 float32
-matmuls measured by this script in each framework at the start of every round (the best over rounds
+matmuls (``scripts.harness.matmul_peak``) measured in each framework at the start of every round (the best over rounds
 is kept for each; both are reported, MFU uses the larger one).
 Writes results/engine/bench_train.json and results/engine/bench_train.md.
 """
@@ -30,7 +30,6 @@ import os
 import platform
 import statistics
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,10 +38,8 @@ from pathlib import Path
 # the parity suite with jax_default_matmul_precision='highest') need a GPU machine.
 GPU_NOTE = ("not measured: no GPU on this machine (none was lent to this work), so the gpt2-small bf16/cudnn MFU "
             "row and the GPU parity run are missing; every figure here is the CPU's")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from jaxgpt.config import ModelConfig, TrainConfig, get_preset  # noqa: E402  (imports no framework)
+from jaxgpt.config import ModelConfig, TrainConfig, get_preset  # imports no framework
+from scripts.harness import RESULTS, load_average, matmul_peak, report, spawn
 
 # nanoGPT style: learned positions, LayerNorm, exact GELU 4x MLP, no biases, tied embeddings, no dropout.
 _NANO = dict(vocab_size=65, pos="learned", norm="layernorm", norm_eps=1e-5, norm_bias=False, mlp="gelu",
@@ -76,7 +73,7 @@ def model_flops_per_step(config: ModelConfig, n_params: int, batch: int, seq_len
     return (6 * n + 12 * config.n_layer * seq_len * config.d_model) * batch * seq_len
 
 
-def _batches(config: ModelConfig, batch: int, seq_len: int, n: int, seed: int = 0) -> list[dict]:
+def random_batches(config: ModelConfig, batch: int, seq_len: int, n: int, seed: int = 0) -> list[dict]:
     import numpy as np
     w = np.random.default_rng(seed).integers(0, config.vocab_size, size=(n, 1, batch, seq_len + 1), dtype=np.int32)
     return [{"x": b[:, :, :-1], "y": b[:, :, 1:]} for b in w]  # (1, B, T): one micro-batch
@@ -105,7 +102,7 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
     tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=steps + 2)
     state = init_state(config, tc)
     n_params = count_params(state.params)
-    batches = _batches(config, batch, seq_len, steps + 1)
+    batches = random_batches(config, batch, seq_len, steps + 1)
     if devices > 1:  # data parallel: params replicated, the batch axis (axis 1) split; jit propagates it
         mesh = Mesh(jax.devices()[:devices], ("data",))
         state = jax.device_put(state, NamedSharding(mesh, P()))
@@ -140,7 +137,7 @@ def _worker_torch(shape: str, setting: str, steps: int) -> dict:
     opt, sched = make_optimizer(model, tc)
     if setting == "compile":
         model = torch.compile(model)
-    batches = _batches(config, batch, seq_len, steps + 1)
+    batches = random_batches(config, batch, seq_len, steps + 1)
     t = time.perf_counter()
     metrics = train_step(model, opt, sched, tc, batches[0])  # warm-up (and inductor compile)
     compile_s = time.perf_counter() - t
@@ -151,32 +148,6 @@ def _worker_torch(shape: str, setting: str, steps: int) -> dict:
         times.append(time.perf_counter() - t)
     return {"times_s": times, "compile_s": compile_s, "params": n_params, "loss": metrics["loss"],
             "torch_version": torch.__version__, "threads": torch.get_num_threads(), "setting": {"mode": setting}}
-
-
-def _best_of(fn, n: int = 5) -> float:
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def _worker_peak(framework: str, n: int) -> dict:
-    """Best-of float32 n^3 matmul rate, GFLOP/s."""
-    if framework == "jax":
-        import jax
-        import jax.numpy as jnp
-        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-        mm = jax.jit(lambda x, y: x @ y)
-        mm(a, a).block_until_ready()
-        s = _best_of(lambda: mm(a, a).block_until_ready())
-    else:
-        import torch
-        a = torch.randn(n, n)
-        a @ a
-        s = _best_of(lambda: a @ a)
-    return {"gflops": 2 * n ** 3 / s / 1e9, "n": n}
 
 
 def _worker_compile_time(preset: str) -> dict:
@@ -204,10 +175,10 @@ def _worker(args) -> None:
     elif kind == "torch":
         out = _worker_torch(args.shape, setting, args.steps)
     elif kind == "peak":
-        out = _worker_peak(setting, args.peak_n)
+        out = {"gflops": matmul_peak(setting, args.peak_n), "n": args.peak_n}
     else:
         out = _worker_compile_time(setting)
-    print("RESULT " + json.dumps(out))
+    report(out)
 
 
 # ---------------------------------------------------------------- driver
@@ -216,14 +187,8 @@ _WORKER_OF = {"torch-eager": "torch:eager", "torch-compile": "torch:compile", **
 
 
 def _spawn(worker: str, shape: str = "quick", steps: int = 1, peak_n: int = 2048, timeout: float = 1800) -> dict:
-    cmd = [sys.executable, __file__, "--worker", worker, "--shape", shape, "--steps", str(steps),
-           "--peak-n", str(peak_n)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    return {"error": f"{worker} exited with {p.returncode}: " + " | ".join(tail)}
+    return spawn("scripts.benchmarks.bench_train", "--worker", worker, "--shape", shape,
+                 "--steps", steps, "--peak-n", peak_n, timeout=timeout)
 
 
 def _measure_peaks(peaks: dict, n: int) -> None:
@@ -322,7 +287,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-time", action="store_true", help="only the gpt2-small train-step compile time")
     ap.add_argument("--no-compile-time", action="store_true", help="skip it in the full run")
     ap.add_argument("--peak-n", type=int, default=2048)
-    ap.add_argument("--out", default=str(ROOT / "results" / "engine" / "bench_train.json"))
+    ap.add_argument("--out", default=str(RESULTS / "engine" / "bench_train.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shape", default="quick", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -344,7 +309,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--rounds must be >= 1, got {rounds}")
     peak_n = 256 if args.quick else args.peak_n
     peaks = {}
-    load_start = os.getloadavg()[0]  # a loaded machine slows both frameworks, torch's OpenMP pool most
+    load_start = load_average()  # a loaded machine slows both frameworks, torch's OpenMP pool most
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "peak_n": peak_n, "peak_gflops": peaks,
               "rounds": rounds, "flops": "nanoGPT estimate: 6 N tokens + 12 L T d tokens (N without position table)",
               "jax_settings": JAX_SETTINGS, "shapes": {}}
@@ -358,7 +323,7 @@ def main(argv=None) -> dict:
                 row["mfu"] = row["gflops"] / result["peak"]
     if not args.quick and not args.no_compile_time:
         result["compile_time"] = _spawn("compile:gpt2-small", timeout=600)
-    result["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+    result["load_average"] = {"start": load_start, "end": load_average()}
     result["gpu"] = GPU_NOTE if shutil.which("nvidia-smi") is None else "a GPU is present; this script measures the CPU only"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Memory of the compiled train step per ``remat`` policy, from XLA's ``memory_analysis()``.
 
-    .venv/bin/python scripts/memory_table.py                       # gpt2-small, B 8, T 1024
-    .venv/bin/python scripts/memory_table.py --n-layer 2 --batch-size 2 --seq-len 128
+    .venv/bin/python -m scripts.benchmarks.memory_table                       # gpt2-small, B 8, T 1024
+    .venv/bin/python -m scripts.benchmarks.memory_table --n-layer 2 --batch-size 2 --seq-len 128
 
 Nothing is allocated or run: the train step (``jaxgpt.train.step.make_train_step``: forward,
 backward, AdamW, clipping) is lowered on abstract shapes and compiled for the default backend,

@@ -1,6 +1,6 @@
 """Train-step time of the layer-stack settings (scan / unrolled / separate layers / remat).
 
-    .venv/bin/python scripts/scan_timing.py                  # seed-minigpt, batch 32 x 64, 30 steps each
+    .venv/bin/python -m scripts.benchmarks.scan_timing                  # seed-minigpt, batch 32 x 64, 30 steps each
 
 Each setting's jitted train step (``make_train_step``: forward, backward, AdamW, clipping) is
 compiled and warmed up, then the settings are timed in interleaved rounds (so load from other
@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxgpt.config import TrainConfig, get_preset
 from jaxgpt.train.step import init_state, make_train_step
+from scripts.harness import timed
 
 
 def main() -> None:
@@ -44,10 +45,8 @@ def main() -> None:
         runs[name] = [step, state, [], time.perf_counter() - t]
     for _ in range(args.steps):
         for name, run in runs.items():
-            t = time.perf_counter()
-            run[1], m = run[0](run[1], batch)
-            jax.block_until_ready(m)
-            run[2].append(time.perf_counter() - t)
+            (run[1], m), seconds = timed(lambda: jax.block_until_ready(run[0](run[1], batch)))  # noqa: B023
+            run[2].append(seconds)
     ref = statistics.median(runs["scan (default)"][2])
     print(f"{args.preset}, batch {tc.batch_size} x {tc.seq_len}, median of {args.steps} steps, "
           f"backend {jax.default_backend()}")

@@ -1,7 +1,7 @@
 """Per-strategy memory and step time of the sharded train step on simulated CPU devices.
 
-    python scripts/sharding_table.py            # llama-tiny, 8 host devices -> results/engine/sharding.json
-    python scripts/sharding_table.py --quick    # a smaller model and fewer steps (CI smoke, < 60 s)
+    python -m scripts.benchmarks.sharding_table            # llama-tiny, 8 host devices -> results/engine/sharding.json
+    python -m scripts.benchmarks.sharding_table --quick    # a smaller model and fewer steps (CI smoke, < 60 s)
 
 For DP, FSDP, TP and FSDP+TP: parameter and optimizer bytes per device (measured on the arrays'
 ``addressable_shards``), the median step time on the simulated mesh (8 CPU "devices" sharing
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts.harness import RESULTS
 STRATEGIES = {"DP": "data=8", "FSDP": "fsdp=8", "TP": "tensor=8", "FSDP+TP": "fsdp=4,tensor=2"}
 HBM_GB, DEVICES, ACT_RESERVE_GB = 80, 8, 16  # the estimate's assumptions (see ``estimate``)
 
@@ -48,10 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="timed steps per strategy (after one warm-up)")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: a smoke run")
-    p.add_argument("--out", default=str(ROOT / "results/engine/sharding.json"))
+    p.add_argument("--out", default=str(RESULTS / "engine" / "sharding.json"))
     args = p.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT))
     from jaxgpt.parallel.sharding import use_host_devices
 
     use_host_devices(DEVICES)

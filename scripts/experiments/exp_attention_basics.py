@@ -26,20 +26,17 @@ weights ~0 above the diagonal, rows sum to 1".
 Default budget: under 2 minutes on the 2-core CPU (51 s measured on a heavily shared machine,
 17 s of CPU time); ``--smoke`` uses fewer random draws.
 
-    .venv/bin/python scripts/exp_attention_basics.py [--smoke] [--out DIR]
+    .venv/bin/python -m scripts.experiments.exp_attention_basics [--smoke] [--out DIR]
 """
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import expkit  # noqa: E402
+from scripts.experiments import expkit
 
 NAME = "attention_basics"
 DKS = (8, 64, 512)
@@ -547,7 +544,7 @@ def main() -> None:
     results["claims"] = [dict(zip(("seed", "claim", "measured", "verdict"), r)) for r in rows]
     md = ["# Experiment 1: attention basics (seeds 000, 003, 004)\n",
           "No training: jaxgpt's attention, position and sampling functions on random inputs and the seeds' "
-          f"logits. Command: `.venv/bin/python scripts/exp_attention_basics.py{' --smoke' if args.smoke else ''}`. "
+          f"logits. Command: `.venv/bin/python -m scripts.experiments.exp_attention_basics{' --smoke' if args.smoke else ''}`. "
           f"Random draws: {trials} per d_k for saturation, {n_draws} per distribution for sampling.\n",
           expkit.table(["seed", "claim", "measured", "verdict"], [[str(c).replace("|", "\\|") for c in r] for r in rows]),
           "\n## Figures\n",

@@ -25,21 +25,17 @@ Default budget (reduced to fit this session's loaded CPU): 3 models (Standard, F
 2-core CPU: a 12-layer AttnRes update costs several times a Standard one there). That is very
 early training (the loss is still falling fast): it shows early convergence speed, not the
 paper's end-of-training gap. The committed results are ``--steps 300 --variants paper,seed``
-(``run_experiments.py --full``). ``--variants paper,seed`` adds the seed variant; ``--steps`` /
+(``run_experiments --full``). ``--variants paper,seed`` adds the seed variant; ``--steps`` /
 ``--layers`` / ``--width`` change the rest. ``--smoke``: 4 layers, 4 updates, 1 seed, Standard
 and Full, < 60 s on a quiet machine.
 
-    .venv/bin/python scripts/exp_attnres_charlm.py [--smoke] [--out DIR] [--seeds N] [--steps N] [--variants paper,seed]
+    .venv/bin/python -m scripts.experiments.exp_attnres_charlm [--smoke] [--out DIR] [--seeds N] [--steps N] [--variants paper,seed]
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import expkit  # noqa: E402
+from scripts.experiments import expkit
 
 NAME = "attnres_charlm"
 MODELS = [("standard", "standard", None), ("full-paper", "full_attnres", "paper"),
@@ -98,44 +94,19 @@ def hidden_rms(config, params, tokens) -> dict:
 
 
 def train_run(config, tc, task, params, cache: dict) -> dict:
-    """tc.steps updates with the jitted train and eval steps shared by the seeds of one model
-    (compiled once per model), validation loss every tc.eval_every updates and at the end."""
-    import statistics
-
-    import jax
-
+    """``expkit.train`` (jaxgpt's fit) with the jitted train and eval steps shared by the seeds of one model
+    (compiled once per model); validation loss every tc.eval_every updates and at the end."""
     from jaxgpt.train import make_eval_step, make_train_step
-    from jaxgpt.train.loop import evaluate
-    from jaxgpt.train.step import init_state
 
     key = (config, tc.replace(seed=0))
     if key not in cache:
         cache[key] = (make_train_step(config, tc), make_eval_step(config))
-    step_fn, eval_step = cache[key]
-    batches = task.eval_batches(tc)
-    state = init_state(config, tc, params=params)
-    t0 = time.perf_counter()
-    state, m = step_fn(state, task.batch(tc, 0))
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    train_loss, val_steps, val, windows = [m], [], [], []
-    t_win, n_win = time.perf_counter(), 1
-    for step in range(1, tc.steps + 1):
-        if step % tc.eval_every == 0 or step == tc.steps:
-            jax.block_until_ready(state.params)
-            if step > 1:
-                windows.append((time.perf_counter() - t_win) / n_win)
-            val_steps.append(step)
-            val.append(evaluate(config, state.params, batches, eval_step)["val_loss"])
-            t_win, n_win = time.perf_counter(), 0
-        if step == tc.steps:
-            break
-        state, m = step_fn(state, task.batch(tc, step))
-        train_loss.append(m)
-        n_win += 1
-    return {"val_steps": val_steps, "val_loss": val, "train_loss": [float(r["loss"]) for r in jax.device_get(train_loss)],
-            "params": state.params, "compile_s": compile_s,
-            "ms_per_step": 1e3 * statistics.median(windows) if windows else None}
+    train_step, eval_step = cache[key]
+    r = expkit.train(config, tc.replace(log_every=tc.eval_every), task, params=params, train_step=train_step,
+                     eval_step=eval_step)
+    val = [(h["step"], h["val_loss"]) for h in r["history"] if "val_loss" in h]
+    return r | {"val_steps": [s for s, _ in val], "val_loss": [v for _, v in val],
+                "train_loss": [h["loss"] for h in r["history"] if "loss" in h]}
 
 
 def main():
@@ -230,7 +201,7 @@ def markdown(res, args) -> str:
     load = expkit.timing_note(res.get("load"))
     fv = {n: M[n]["final_val"]["mean"] for n in M}
     lines = ["# Experiment 3b: Attention Residuals on a deep, narrow character LM (tinyshakespeare)\n",
-             f"`scripts/exp_attnres_charlm.py{' --smoke' if args.smoke else ''}`: {args.layers} layers x {args.width} wide, "
+             f"`python -m scripts.experiments.exp_attnres_charlm{' --smoke' if args.smoke else ''}`: {args.layers} layers x {args.width} wide, "
              f"{args.steps} updates of 16 x 64 characters, {args.seeds} seeds, Block AttnRes with "
              f"{res['config']['attnres_blocks']} blocks. Validation loss on the held-out 10% (4 batches). "
              f"Mean ± sample std over seeds. Timings {load}.\n",

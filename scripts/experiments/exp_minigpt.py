@@ -15,7 +15,7 @@ to 0.1x, clip 1.0, batches of 32 x 64) and presets ``seed-minigpt[-nopos|-postln
 - KV-cache speed-up vs generation length (claim: faster, more so for longer sequences), against an
   uncached loop that recomputes the growing prefix, with token equality of the outputs;
 - samples at T = 0 / 0.5 / 1.0 / 2.0 and attention heatmaps per layer and head;
-- cross-framework: seed 0's baseline run in torch_ref (``scripts/exp_minigpt_torch.py``, a separate
+- cross-framework: seed 0's baseline run in torch_ref (``torch_side.py``, a separate
   process) from the same initial weights on the same batches: overlaid curves, final-loss
   difference, ms/step of each.
 
@@ -23,24 +23,23 @@ Default time budget on a quiet 2-core CPU: about 20 min, estimated from ~100 ms/
 seeds x 500 steps + 303 more steps of seed 0's baseline ~ 16 min, torch_ref 500 steps, decoding
 ~1 min); the brief's ~15 min does not hold these 18 runs. The default runs the first epoch (803
 steps) of the seed's 15-epoch run (~12,000 steps, ~20 min alone): ``--epochs 15`` runs them all
-(the committed results: ``run_experiments.py --full``; 91 ms/step quiet).
+(the committed results: ``run_experiments --full``; 91 ms/step quiet).
 Under load (5 jobs on the 2 cores) it took over an hour (jaxgpt ~400 ms/step, torch_ref ~2 s/step).
 Training runs are cached in ``runs/exp_minigpt/`` (``--fresh`` ignores the cache).
 ``--smoke``: a 1-layer model, a few steps, seconds.
+
+    .venv/bin/python -m scripts.experiments.exp_minigpt [--smoke] [--out DIR] [--seeds N] [--epochs N] [--fresh]
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import expkit  # noqa: E402
-import exp_minigpt_parts as parts  # noqa: E402
-import exp_minigpt_report as report  # noqa: E402
+from scripts.experiments import expkit
+from scripts.experiments import exp_minigpt_parts as parts
+from scripts.experiments import exp_minigpt_report as report
 
 NAME = "minigpt"
 CONFIGS = {  # label -> (preset, overrides)

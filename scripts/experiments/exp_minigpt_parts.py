@@ -1,19 +1,17 @@
-"""The pieces of scripts/exp_minigpt.py: cached training runs, the long (epoch) run, the torch_ref
+"""The pieces of exp_minigpt.py: cached training runs, the long (epoch) run, the torch_ref
 side, KV-cache timing, samples, attention heatmaps, the claims and the README."""
 from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-import expkit
 from jaxgpt.config import ModelConfig  # noqa: F401  (framework-free; used by exp_minigpt.py)
+from scripts.experiments import expkit, torch_side as torch_worker
+from scripts.experiments.torch_side import flatten, unflatten
 
 CORPUS = "seed-synthetic"
 TOL_FINAL = 0.01  # |jaxgpt - torch_ref| on the final loss (mean of the last 20 steps), fixed before measuring
@@ -30,21 +28,9 @@ def val_fraction() -> float:
         return 0.1
 
 
-def flatten(tree, prefix="") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) or hasattr(v, "items"):
-            out |= flatten(v, f"{prefix}{k}/")
-        else:
-            out[f"{prefix}{k}"] = np.asarray(v)
-    return out
-
-
 def load_params(path: Path) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from exp_minigpt_torch import unflatten
-
-    return unflatten(np.load(path))
+    with np.load(path) as z:
+        return unflatten(z)
 
 
 def _setup(preset: str, over: dict, tc):
@@ -72,35 +58,17 @@ def _key(*what) -> str:
 
 def run_steps(config, tc, task, n_steps: int, *, log_every: int = 50) -> dict:
     """The first ``n_steps`` updates of the run ``tc`` describes (its schedule may be longer: the seed's
-    15 epochs), jaxgpt's jitted train step on ``task.batch(tc, step)``. Loss of every step; ms/step is
-    the median over windows of ``log_every`` steps (compilation excluded)."""
-    import statistics
-
+    15 epochs): ``expkit.train`` (jaxgpt's fit) with ``until``. Loss of every step; ms/step is the
+    median over windows of ``log_every`` steps, compile_s apart."""
     import jax
 
-    from jaxgpt.train import make_train_step
     from jaxgpt.train.step import init_state
 
-    state, step_fn = init_state(config, tc), make_train_step(config, tc)
-    init = jax.device_get(state.params)
-    t0 = time.perf_counter()
-    state, m = step_fn(state, task.batch(tc, 0))
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    pending, losses, windows, t_win, n_win = [m], [], [], time.perf_counter(), 0
-    for s in range(1, n_steps):
-        state, m = step_fn(state, task.batch(tc, s))
-        pending.append(m)
-        n_win += 1
-        if (s + 1) % log_every == 0 or s + 1 == n_steps:
-            losses += [float(x["loss"]) for x in jax.device_get(pending)]
-            now = time.perf_counter()
-            windows.append((now - t_win) / n_win)
-            pending, t_win, n_win = [], now, 0
-    losses += [float(x["loss"]) for x in jax.device_get(pending)]
-    return {"losses": losses, "init": init, "params": jax.device_get(state.params), "compile_s": compile_s,
-            "ms_per_step": 1e3 * statistics.median(windows) if windows else None,
-            "seconds": compile_s + time.perf_counter() - t0}
+    init = jax.device_get(init_state(config, tc).params)
+    r = expkit.train(config, tc.replace(log_every=log_every), task, params=init, until=n_steps)
+    return {"losses": [h["loss"] for h in r["history"] if "loss" in h], "init": init,
+            "params": jax.device_get(r["params"]), "compile_s": r["compile_s"], "train_s": r["train_s"],
+            "ms_per_step": r["ms_per_step"]}
 
 
 def train_run(name: str, preset: str, over: dict, seed: int, n_steps: int, cache: Path, *, fresh: bool,
@@ -134,7 +102,7 @@ def train_run(name: str, preset: str, over: dict, seed: int, n_steps: int, cache
     print(f"training {name} seed {seed}: {n_steps} steps ({schedule})", flush=True)
     r = run_steps(config, tc, task, n_steps)
     rec = {"name": name, "seed": seed, "schedule": schedule, "losses": r["losses"], "ms_per_step": r["ms_per_step"],
-           "seconds": r["seconds"], "compile_s": r["compile_s"], "config": config.to_dict(), "tc": tc.to_dict(),
+           "train_s": r["train_s"], "compile_s": r["compile_s"], "config": config.to_dict(), "tc": tc.to_dict(),
            "steps_per_epoch": task.steps_per_epoch(tc), "val_fraction": vf}
     if keep:
         rec["init"], rec["params"] = str(stem) + "_init.npz", str(stem) + "_params.npz"
@@ -167,12 +135,12 @@ def torch_side(base0: dict, steps: int, cache: Path, out: Path, *, fresh: bool) 
     """The first ``steps`` of seed 0's baseline again in torch_ref (own process), same initial weights."""
     path = cache / (Path(base0["init"]).name.replace("_init.npz", f"_torch{steps}.json"))
     if fresh or not path.exists():
-        spec = {"config": base0["config"], "tc": base0["tc"], "corpus": CORPUS, "init": base0["init"], "steps": steps}
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(spec, f)
+        from jaxgpt.config import TrainConfig
+
         print("torch_ref run (separate process)", flush=True)
-        script = Path(__file__).resolve().parent / "exp_minigpt_torch.py"
-        subprocess.run([sys.executable, str(script), f.name, str(path)], check=True, cwd=expkit.ROOT)
+        t = torch_worker.run(ModelConfig.from_dict(base0["config"]), TrainConfig.from_dict(base0["tc"]), CORPUS,
+                             load_params(Path(base0["init"])), steps=steps)
+        path.write_text(json.dumps(t))
     t = json.loads(path.read_text())
     j, r = np.asarray(base0["losses"][:steps]), np.asarray(t["losses"])
     fj, fr = float(j[-20:].mean()), float(r[-20:].mean())

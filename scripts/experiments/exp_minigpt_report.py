@@ -1,7 +1,7 @@
-"""Claims (claimed vs measured) and the README of scripts/exp_minigpt.py."""
+"""Claims (claimed vs measured) and the README of exp_minigpt.py."""
 from __future__ import annotations
 
-import expkit
+from scripts.experiments import expkit
 
 NOPOS, POSTLN, RELU = "no position encoding", "Post-LN", "ReLU FFN"
 SCALED, SCALED_NOPOS = "embed x sqrt(d), sinusoidal", "embed x sqrt(d), no position"
@@ -94,7 +94,7 @@ def claims(res: dict, base: str) -> list[dict]:
 def markdown(res: dict, rows: list[dict], base: str, args) -> str:
     runs, steps, e, c, kv = res["runs"], res["steps"], res["epochs"], res["cross_framework"], res["kv_cache"]
     md = [f"# Experiment 2: seed 000 MiniGPT{' (SMOKE: not results)' if res['smoke'] else ''}\n",
-          f"`.venv/bin/python scripts/exp_minigpt.py` (seeds {res['seeds']}, {steps} steps per run, "
+          f"`.venv/bin/python -m scripts.experiments.exp_minigpt` (seeds {res['seeds']}, {steps} steps per run, "
           f"{e['epochs']:.2g} epochs for the long run). Corpus `seed-synthetic` (seed 000's text, "
           f"val_fraction {e['val_fraction']}: the seed trains on all of it), presets "
           "`seed-minigpt[-nopos|-postln|-relu]`, the seed's optimizer and schedule: every run is the beginning of "

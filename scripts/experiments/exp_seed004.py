@@ -29,19 +29,15 @@ Default budget: about 5 minutes on a quiet 2-core CPU (3 seeds of each part; 695
 the machine shared by ~10 other busy processes); ``--smoke``: one seed, 20 steps per part, copy only
 (about a minute of CPU time).
 
-    .venv/bin/python scripts/exp_seed004.py [--smoke] [--seeds N] [--out DIR]
+    .venv/bin/python -m scripts.experiments.exp_seed004 [--smoke] [--seeds N] [--out DIR]
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import expkit  # noqa: E402
+from scripts.experiments import expkit
 
 NAME = "seed004"
 TASKS = ("copy", "reverse", "sort")
@@ -108,7 +104,7 @@ def minibert(args, budget: dict) -> tuple[dict, list]:
         task = classify_task(all_rows, tc, tokenizer=tokenizer, source="generated:sentiment_rows")
         base = PRESETS["seed-minibert"]
         config = fit_config(base.replace(encoder=base.encoder.replace(scan_unroll=base.encoder.n_layer)), task)
-        r = expkit.train(config, tc, task, eval_every=budget["bert_eval_every"])
+        r = expkit.train(config, tc.replace(eval_every=budget["bert_eval_every"]), task)
         hist = r["history"]
         steps_acc = [(h["step"], h["val_accuracy"]) for h in hist if "val_accuracy" in h]
         runs.append(([s for s, _ in steps_acc], [a for _, a in steps_acc]))
@@ -133,7 +129,8 @@ def minibert(args, budget: dict) -> tuple[dict, list]:
             "test_accuracy_without_mask_pad64": float((logits[(64, False)].argmax(-1) == labels).mean()),
             "test_accuracy_without_mask_pad128": float((logits[(128, False)].argmax(-1) == labels).mean()),
         })
-        print(f"minibert seed {seed}: test accuracy {finals[-1]:.3f} ({r['seconds']:.1f} s, "
+        print(f"minibert seed {seed}: test accuracy {finals[-1]:.3f} ({r['compile_s']:.1f} s compile, "
+              f"{r['train_s']:.1f} s training, "
               f"{r['ms_per_step']:.1f} ms/step)")
     expkit.plot_runs({"MiniBERT (seed-minibert), held-out test accuracy": runs}, args.out / "minibert_accuracy.png",
                      ylabel="test accuracy", title=f"MiniBERT on generated sentiment rows ({len(train_rows)} train / "
@@ -191,7 +188,7 @@ def encdec(args, budget: dict) -> tuple[dict, list]:
             config = fit_config(base, task)
             tok = task.tokenizer
             on_eval = lambda step, params: {"exact": translate_all(config, params, tok, test_pairs)["accuracy"]}  # noqa: E731,B023
-            r = expkit.train(config, tc, task, eval_every=budget["encdec_eval_every"], on_eval=on_eval)
+            r = expkit.train(config, tc.replace(eval_every=budget["encdec_eval_every"]), task, on_eval=on_eval)
             pts = [(h["step"], h["exact"]) for h in r["history"] if "exact" in h]
             runs.append(([s for s, _ in pts], [a for _, a in pts]))
             test = translate_all(config, r["params"], tok, test_pairs)
@@ -200,7 +197,7 @@ def encdec(args, budget: dict) -> tuple[dict, list]:
             if samples is None:
                 samples = [{"src": s, "tgt": t, "out": o} for (s, t), o in zip(test_pairs[:8], test["outputs"])]
             print(f"encdec {name} seed {seed}: held-out exact {test['exact']}/{test['n']} "
-                  f"({r['seconds']:.1f} s, {r['ms_per_step']:.1f} ms/step)")
+                  f"({r['compile_s']:.1f} s compile, {r['train_s']:.1f} s training, {r['ms_per_step']:.1f} ms/step)")
             curves[name] = runs
         acc = expkit.stats(finals)
         res[name] = {"train_pairs": len(train_pairs), "test_pairs": len(test_pairs), "steps": steps,
@@ -358,14 +355,15 @@ def tiny_gpt(args, budget: dict) -> tuple[dict, list]:
         config = ModelConfig(vocab_size=tok.vocab_size, d_model=128, n_head=4, n_layer=2, d_ff=256, max_len=64,
                              pos="learned", norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True, qkv_bias=True,
                              o_bias=True, lm_head_bias=True, scan_unroll=2)
-        r = expkit.train(config, tc, task, log_every=1)
+        r = expkit.train(config, tc, task)
         losses = [h["loss"] for h in r["history"] if "loss" in h]
         ids = np.asarray(tok.encode(text))
         sample_ids = np.asarray(generate(config, r["params"], np.asarray([tok.encode("h")]), 50,
                                          temperature=1.0, rng=jax.random.PRNGKey(seed)))[0]
         sample = tok.decode(sample_ids.tolist())
         out["jaxgpt"].append({"seed": seed, "losses": losses, "windows_loss": _all_windows_loss_jax(config, r["params"], ids),
-                              "sample": sample, "seconds": r["seconds"], "ms_per_step": r["ms_per_step"]})
+                              "sample": sample, "compile_s": r["compile_s"], "train_s": r["train_s"],
+                              "ms_per_step": r["ms_per_step"]})
         print(f"tiny gpt (jaxgpt) seed {seed}: last-20 loss {np.mean(losses[-20:]):.3f}; sample {sample!r}")
         t = seed_torch_tiny_gpt(text, steps, seed)
         if t is not None:
@@ -444,7 +442,7 @@ def main() -> None:
     results["claims"] = [dict(zip(("seed", "claim", "measured", "verdict"), r)) for r in rows]
     tg = results["tiny_gpt"]["summary"]
     md = ["# Experiment 5: seed 004 (MiniBERT, encoder-decoder, tiny character GPT)\n",
-          f"Command: `.venv/bin/python scripts/exp_seed004.py{' --smoke' if args.smoke else ''}` "
+          f"Command: `.venv/bin/python -m scripts.experiments.exp_seed004{' --smoke' if args.smoke else ''}` "
           f"({args.seeds} seed(s) per part; wall time {time.perf_counter() - started:.0f} s on the 2-core CPU, "
           "measured under load: other jobs shared the machine). Data: `jaxgpt.data.generated` (deterministic, seed 0).\n",
           expkit.table(["source", "claim", "measured", "verdict"], [[str(c).replace("|", "\\|") for c in r] for r in rows]),

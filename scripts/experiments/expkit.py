@@ -1,30 +1,35 @@
-"""Shared pieces of the experiment scripts (scripts/exp_*.py): arguments, a checkpoint-free
-training loop with a loss history, mean-and-spread statistics, curve plots and result files.
+"""What the experiments (scripts/experiments/exp_*.py) share: arguments, the training call (jaxgpt's
+own loop, ``jaxgpt.train.loop.fit`` without checkpoints), mean-and-spread statistics, curve plots and
+result files.
 
-Every experiment script writes ``results/<name>/`` (PNG figures, ``<name>.json`` and a short
-``README.md`` table) and takes ``--smoke`` (seconds, for CI: tiny budgets, written to ``--out``).
+Every experiment writes ``results/<name>/`` (PNG figures, ``<name>.json`` and a short ``README.md``
+table) and takes ``--smoke`` (seconds, for CI: tiny budgets, written to ``--out``). Run them from the
+repository root: ``.venv/bin/python -m scripts.experiments.exp_attnres --smoke``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 import statistics
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results"
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+from scripts.harness import RESULTS, ROOT, SHARED, LoadSampler, timing_note as _note
+
+SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
+_LOAD = LoadSampler()
+
+__all__ = ["ROOT", "RESULTS", "SHAKESPEARE", "parse", "load_record", "timing_note", "shakespeare", "train", "curve",
+           "smooth", "stats", "pm", "first_step_below", "plt", "plot_runs", "table", "write_results", "json_default"]
 
 
-def parse(doc: str, name: str, *, seeds: int = 3, extra: Callable[[argparse.ArgumentParser], None] | None = None):
-    """Arguments every experiment takes: --out (default results/<name>), --smoke, --seeds N."""
+def parse(doc: str, name: str, *, seeds: int = 3, extra=None):
+    """Arguments every experiment takes: --out (default results/<name>), --smoke, --seeds N; starts
+    the load-average sampler."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=RESULTS / name, help=f"results folder (default results/{name})")
     p.add_argument("--smoke", action="store_true", help="tiny budgets, for CI (seconds): checks the script runs")
@@ -39,43 +44,15 @@ def parse(doc: str, name: str, *, seeds: int = 3, extra: Callable[[argparse.Argu
     return args
 
 
-class _LoadSampler(threading.Thread):
-    """The 1-minute load average every 15 s while an experiment runs, so its timings say whether
-    other jobs shared the 2 cores (the experiment itself accounts for up to ~2)."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.samples: list[float] = []
-
-    def start(self):
-        if not self.is_alive() and not self.samples:
-            self.samples.append(os.getloadavg()[0])
-            super().start()
-
-    def run(self):
-        while True:
-            time.sleep(15)
-            self.samples.append(os.getloadavg()[0])
-
-
-_LOAD = _LoadSampler()
-BUSY_LOAD = 3.0  # above this 1-minute load average, other jobs competed for the 2 cores
-
-
 def load_record() -> dict:
-    s = _LOAD.samples or [os.getloadavg()[0]]
-    return {"median": round(statistics.median(s), 2), "max": round(max(s), 2), "samples": len(s),
-            "quiet": max(s) <= BUSY_LOAD}
+    """The load average sampled while this experiment ran (median, max, quiet)."""
+    return _LOAD.record()
 
 
 def timing_note(record: dict | None = None) -> str:
     """How to read a run's timings, from the load sampled while it ran (``record``: a saved
     ``load_record()``, e.g. from a results JSON; default: this process's)."""
-    r = record or load_record()
-    if r["quiet"]:
-        return f"measured on a quiet machine (1-min load average median {r['median']}, max {r['max']})"
-    return (f"measured under load (1-min load average median {r['median']}, max {r['max']}: "
-            "other jobs shared the 2 CPU cores)")
+    return _note(record or load_record())
 
 
 def shakespeare() -> Path:
@@ -85,69 +62,18 @@ def shakespeare() -> Path:
     return SHAKESPEARE
 
 
-def train(config, tc, task, *, params=None, eval_every: int = 0, log_every: int = 10,
-          on_eval: Callable[[int, Any], dict] | None = None) -> dict:
-    """``tc.steps`` updates of jaxgpt's jitted train step on ``task.batch(tc, step)``; no checkpoints.
-
-    Metrics stay on the device and are fetched every ``log_every`` steps (no per-step host sync).
-    ``eval_every``: validation loss on ``task.eval_batches`` (when the task has a validation split)
-    and ``on_eval(step, params) -> dict`` every that many steps and at the end.
-    Returns {history: [{step, loss, lr, ...}], params, seconds (training only, compile excluded),
-    ms_per_step (median over log windows), compile_s}.
-    """
-    import jax
-
-    from jaxgpt.train import make_eval_step, make_train_step
-    from jaxgpt.train.loop import evaluate
+def train(config, tc, task, *, params=None, **fit_kw) -> dict:
+    """``jaxgpt.train.loop.fit`` with no checkpoints, run directory or progress bar, from ``params``
+    (default: ``init_state``'s): the one training loop, with its host batch checks and NaN stop.
+    ``fit_kw``: until, on_log, on_eval, train_step / eval_step (reuse one compiled step across seeds).
+    Returns fit's summary (history: every update's metrics and every evaluation row; compile_s apart
+    from train_s; ms_per_step) with the final ``params``."""
+    from jaxgpt.train.loop import fit
     from jaxgpt.train.step import init_state
 
-    state = init_state(config, tc, params=params)
-    step_fn = make_train_step(config, tc)
-    eval_batches = task.eval_batches(tc)
-    eval_step = make_eval_step(config) if eval_batches else None
-    history: list[dict] = []
-    pending: list[tuple[int, Any]] = []
-    windows: list[float] = []
-    t0 = time.perf_counter()
-    state, m = step_fn(state, task.batch(tc, 0))  # compile + step 1
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    pending.append((1, m))
-    train_s, t_win, n_win = 0.0, time.perf_counter(), 0
-
-    def flush():
-        for s, row in zip((s for s, _ in pending), jax.device_get([m for _, m in pending])):
-            history.append({"step": s, "loss": float(row["loss"]), "lr": float(row["lr"]),
-                            "accuracy": float(row["accuracy"])})
-        pending.clear()
-
-    def scores(step):
-        row = {"step": step}
-        if eval_batches:
-            row |= evaluate(config, state.params, eval_batches, eval_step)
-        if on_eval:
-            row |= on_eval(step, state.params)
-        return row
-
-    for step in range(1, tc.steps):
-        state, m = step_fn(state, task.batch(tc, step))
-        pending.append((step + 1, m))
-        n_win += 1
-        done = step + 1
-        at_eval = bool(eval_every) and (done % eval_every == 0 or done == tc.steps)
-        if done % log_every == 0 or at_eval or done == tc.steps:
-            flush()
-            now = time.perf_counter()
-            train_s += now - t_win
-            windows.append((now - t_win) / n_win)
-            if at_eval:
-                history.append(scores(done))
-            t_win, n_win = time.perf_counter(), 0
-    flush()
-    if eval_every and tc.steps == 1:
-        history.append(scores(1))
-    return {"history": history, "params": state.params, "seconds": train_s + compile_s, "compile_s": compile_s,
-            "ms_per_step": 1e3 * statistics.median(windows) if windows else None}
+    state = None if params is None else init_state(config, tc, params=params)
+    r = fit(config, tc, task, state=state, checkpoints=False, progress=False, **fit_kw)
+    return r | {"params": r["state"].params}
 
 
 def curve(history: list[dict], key: str = "loss") -> tuple[list[int], list[float]]:
@@ -232,13 +158,13 @@ def write_results(out: Path, name: str, results: dict, markdown: str, *, smoke: 
     results = {"experiment": name, "smoke": smoke, "wall_s": round(time.perf_counter() - started, 1),
                "load": load_record(), **results}
     path = out / f"{name}.json"
-    path.write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+    path.write_text(json.dumps(results, indent=1, default=json_default) + "\n")
     (out / "README.md").write_text(markdown)
     print(f"wrote {path} ({results['wall_s']} s)")
     return path
 
 
-def _json_default(o):
+def json_default(o):
     if isinstance(o, (np.integer,)):
         return int(o)
     if isinstance(o, (np.floating,)):

@@ -1,35 +1,32 @@
 """Run every seed experiment (issue 12), one after another, each in its own process.
 
-    .venv/bin/python scripts/run_experiments.py            # all of them, default budgets (~1 h on 2 CPU cores)
-    .venv/bin/python scripts/run_experiments.py --smoke    # seconds each: checks that all of them run
-    .venv/bin/python scripts/run_experiments.py minigpt attnres   # a subset, by name
-    .venv/bin/python scripts/run_experiments.py --full     # the seeds' full budgets (~2 h): the committed results
-    .venv/bin/python scripts/run_experiments.py --collect  # run nothing: rebuild SUMMARY.md and CLAIMS.md
+    .venv/bin/python -m scripts.experiments.run_experiments            # all, default budgets (~1 h on 2 CPU cores)
+    .venv/bin/python -m scripts.experiments.run_experiments --smoke    # seconds each: checks that all of them run
+    .venv/bin/python -m scripts.experiments.run_experiments minigpt attnres   # a subset, by name
+    .venv/bin/python -m scripts.experiments.run_experiments --full     # the seeds' full budgets (~2 h): the committed results
+    .venv/bin/python -m scripts.experiments.run_experiments --collect  # run nothing: rebuild SUMMARY.md and CLAIMS.md
 
 Each experiment writes results/<name>/ (figures, <name>.json, README.md with its claimed-vs-measured
 table). This runner then writes results/SUMMARY.md: every experiment's table, in order, with its
-wall time, and results/CLAIMS.md: every claim of every experiment in one table. (make experiments
+wall time (its relative links rebased onto results/), and results/CLAIMS.md: every claim of every experiment in one table. (make experiments
 runs this.)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# name -> script; the order runs the quick figure-only experiment first
-EXPERIMENTS = {
-    "attention_basics": "exp_attention_basics.py",
-    "minigpt": "exp_minigpt.py",
-    "attnres": "exp_attnres.py",
-    "attnres_charlm": "exp_attnres_charlm.py",
-    "shakespeare": "exp_shakespeare.py",
-    "seed004": "exp_seed004.py",
-}
+from scripts.harness import ROOT
+
+# name -> module (scripts.experiments.<module>); the order runs the quick figure-only experiment first
+EXPERIMENTS = {name: f"exp_{name}" for name in
+               ("attention_basics", "minigpt", "attnres", "attnres_charlm", "shakespeare", "seed004")}
+WRITER = "`python -m scripts.experiments.run_experiments`"
 
 
 def claim_rows(results: dict) -> list[dict]:
@@ -49,15 +46,29 @@ def claim_rows(results: dict) -> list[dict]:
     return out
 
 
+_LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+
+
+def rebase_links(markdown: str, folder: str) -> str:
+    """``markdown`` written for results/<folder>/README.md, for a file one level up: relative link and
+    image targets get the ``folder/`` prefix (absolute paths, URLs and #anchors are left alone)."""
+    def fix(m):
+        if re.match(r"([a-z][a-z0-9+.-]*:|/|#)", m.group(2), re.I):
+            return m.group(0)
+        return f"{m.group(1)}{folder}/{m.group(2)}{m.group(3)}"
+
+    return _LINK.sub(fix, markdown)
+
+
 def write_summary(root: Path, names, walls: dict, *, smoke: bool = False) -> Path:
     """results/SUMMARY.md: every experiment's README in order, with its wall time (from the runner,
-    or the experiment's own JSON when collected afterwards)."""
-    summary = ["# Experiment results\n", "Written by `scripts/run_experiments.py`"
+    or the experiment's own JSON when collected afterwards) and its links rebased onto results/."""
+    summary = ["# Experiment results\n", f"Written by {WRITER}"
                + (" --smoke (tiny budgets: the numbers mean nothing)" if smoke else "") + ".\n"]
     for name in names:
         readme, path = root / name / "README.md", root / name / f"{name}.json"
         wall = walls.get(name) or (json.loads(path.read_text()).get("wall_s") if path.exists() else None)
-        body = readme.read_text() if readme.exists() else "(no results)\n"
+        body = rebase_links(readme.read_text(), name) if readme.exists() else "(no results)\n"
         summary.append(f"\n## {name} ({f'{wall} s' if wall is not None else 'not run'})\n\n{body}")
     (root / "SUMMARY.md").write_text("".join(summary))
     return root / "SUMMARY.md"
@@ -80,7 +91,7 @@ def write_claims(root: Path) -> Path:
         parts.append(f"\n## {name} ([details]({name}/README.md))\n\n| source | claim | measured | verdict |\n|---|---|---|---|\n"
                      + "".join(f"| {cell(r['source'])} | {cell(r['claim'])} | {cell(r['measured'])} | {cell(r['verdict'])} |\n"
                                for r in rows))
-    head = ["# Every claim, claimed vs measured\n\n", "Written by `scripts/run_experiments.py` (`--collect` rebuilds it from "
+    head = ["# Every claim, claimed vs measured\n\n", f"Written by {WRITER} (`--collect` rebuilds it from "
             "the results JSON files without running anything). Verdicts: "
             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".\n"]
     path = root / "CLAIMS.md"
@@ -120,7 +131,7 @@ def main() -> int:
     root = args.out or (Path(__import__("tempfile").mkdtemp(prefix="jaxgpt-smoke-")) if args.smoke else ROOT / "results")
     walls, failed = {}, []
     for name in names:
-        cmd = [sys.executable, str(ROOT / "scripts" / EXPERIMENTS[name]), "--out", str(root / name)]
+        cmd = [sys.executable, "-m", f"scripts.experiments.{EXPERIMENTS[name]}", "--out", str(root / name)]
         cmd += ["--smoke"] if args.smoke else FULL.get(name, []) if args.full else []
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         t = time.perf_counter()

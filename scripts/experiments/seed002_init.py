@@ -4,21 +4,22 @@ default init (kaiming-uniform, U(+-1/sqrt(fan_in))), the embedding N(0, 1), norm
 pseudo-queries 0, exactly as the seed's script draws them. Converted with
 ``jaxgpt.convert.from_seed_attnres``.
 
-torch runs in a subprocess (``python scripts/seed002_init.py SPEC``): jaxgpt's process never
+torch runs in a subprocess (``python -m scripts.experiments.seed002_init SPEC``): jaxgpt's process never
 imports torch, so its timings share no thread pool with torch's.
 """
 from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-SEED_FILE = Path(__file__).resolve().parents[2] / "shared" / "seeds" / "002_cf3e92bca7241f9e.txt"
+from scripts.harness import SHARED, report, spawn
+
+SEED_FILE = SHARED / "seeds" / "002_cf3e92bca7241f9e.txt"
 CLASSES = {"standard": "StandardTransformer", "full": "FullAttnResTransformer", "block": "BlockAttnResTransformer"}
 
 
@@ -55,6 +56,7 @@ def _worker(spec_path: Path) -> None:
     torch.manual_seed(spec["seed"])
     model = build(ns, spec["kind"], spec["d"], spec["n_layers"], spec["n_heads"], spec["vocab"], spec["n_blocks"])
     np.savez(spec["out"], **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+    report({"out": spec["out"]})
 
 
 def seed_init(config, kind: str, seed: int) -> dict:
@@ -77,7 +79,7 @@ def seed_init(config, kind: str, seed: int) -> dict:
         spec.write_text(json.dumps({"kind": kind, "seed": seed, "d": config.d_model, "n_layers": config.n_layer,
                                     "n_heads": config.n_head, "vocab": config.vocab_size,
                                     "n_blocks": config.attnres_blocks, "out": str(out)}))
-        subprocess.run([sys.executable, __file__, str(spec)], check=True)
+        spawn(__name__, spec, check=True)
         with np.load(out) as z:
             sd = {k: z[k] for k in z.files}
     _, src = from_seed_attnres(sd, kind, n_head=config.n_head, attnres_blocks=config.attnres_blocks)

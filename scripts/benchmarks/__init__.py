@@ -1,0 +1,1 @@
+"""Timing and memory measurements of jaxgpt (and torch_ref): results/engine/."""
