@@ -68,11 +68,20 @@ def test_sdpa_query_offset_equals_rows_of_full_causal(rng):
     assert causal_mask(2, 5, 3).tolist() == [[True] * 4 + [False], [True] * 5]
 
 
-def test_sdpa_kv_heads_first_layout(rng):
+def test_sdpa_kv_layouts(rng):
+    """Keys/values as projected (B, Tk, H_kv, D), as a cache layer (B, H_kv, Tk, D), and as the decode
+    cache's rows (B * H_kv, Tk, D): the same attention."""
     q, k, v = _qkv(rng, 2, 3, 9, 6, 2, 8)
-    a = sdpa(q, k, v, is_causal=True, q_offset=6)
-    b = sdpa(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), is_causal=True, q_offset=6, kv_heads_first=True)
-    assert_self_consistent(a, b, "sdpa: kv_heads_first vs (B, S, H, D) layout")
+    mask = rng.random((2, 1, 1, 9)) > 0.3
+    a = sdpa(q, k, v, mask=mask, is_causal=True, q_offset=6)
+    heads = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    b = sdpa(q, heads(k), heads(v), mask=mask, is_causal=True, q_offset=6, kv_layout="heads")
+    assert_self_consistent(a, b, "sdpa: 'heads' vs 'tokens' layout")
+    rows = lambda x: heads(x).reshape(2 * 2, 9, 8)  # noqa: E731
+    c = sdpa(q, rows(k), rows(v), mask=mask, is_causal=True, q_offset=6, kv_layout="rows")
+    assert_self_consistent(a, c, "sdpa: 'rows' vs 'tokens' layout")
+    with pytest.raises(ValueError, match=r"kv_layout='bhtd' is not one of \('tokens', 'heads', 'rows'\)"):
+        sdpa(q, k, v, kv_layout="bhtd")
 
 
 def test_sdpa_rejects_bad_head_split(rng):
@@ -180,6 +189,47 @@ def test_kv_cache_decoding_equals_full_causal(h, h_kv, rope, rng):
     assert_self_consistent(np.concatenate(outs, 1), full, "Attention: KV cache vs full causal")
     assert_self_consistent(torch.cat(touts, 1), tfull, "torch_ref Attention: KV cache vs full causal")
     assert_close(cache.k, tcache.k, "Attention KV cache contents")
+
+
+@pytest.mark.parametrize("impl", ["xla", "jax", "blocked"])
+def test_kv_cache_layouts_and_kernels_equal_full_causal(impl, rng):
+    """A one-layer cache in layout 'heads' and in 'rows' (the decode layout), prefill then two
+    single tokens, through every kernel: equal to one full causal pass (rows are read by the
+    non-einsum kernels as (B, H_kv, S, D))."""
+    h, h_kv, d, t = 4, 2, 16, 7
+    x = rng.standard_normal((2, t, d)).astype(np.float32)
+    ja = Attention(d_model=d, n_head=h, n_kv_head=h_kv, rope=True, attention_impl=impl, attention_block=3)
+    p = randomize(ja.init(jax.random.PRNGKey(0), x)["params"])
+    full = Attention(d_model=d, n_head=h, n_kv_head=h_kv, rope=True).apply({"params": p}, x, is_causal=True)[0]
+    caches = {}
+    for layout in ("heads", "rows"):
+        cache, outs = KVCache.init(2, h_kv, 12, d // h, layout=layout), []
+        for lo, hi in [(0, 5), (5, 6), (6, 7)]:
+            y, cache, _ = ja.apply({"params": p}, x[:, lo:hi], is_causal=True, cache=cache)
+            outs.append(y)
+        assert cache.layout == layout and int(cache.index) == t
+        assert_self_consistent(np.concatenate(outs, 1), full, f"Attention[{impl}]: {layout!r} KV cache vs full causal")
+        caches[layout] = cache
+    np.testing.assert_array_equal(caches["rows"].k.reshape(caches["heads"].k.shape), caches["heads"].k)
+
+
+def test_kv_cache_layout_is_declared_not_inferred():
+    """The layout is the cache's field: a 'heads' cache holding 'rows'-shaped buffers is an error
+    naming both shapes (no silent switch on ndim), a 'stacked' cache is not one layer's, and an
+    unknown layout is refused when the cache is built."""
+    ja = Attention(d_model=8, n_head=2)
+    p = ja.init(jax.random.PRNGKey(0), jnp.zeros((1, 3, 8)))["params"]
+    rows = KVCache.init(1, 2, 4, 4, layout="rows")
+    with pytest.raises(ValueError, match=r"a 'heads' KV cache of shape \(2, 4, 4\) does not fit batch 1 x 2 key/value "
+                                         r"heads of size 4: it needs \(1, 2, 4, 4\)"):
+        ja.apply({"params": p}, jnp.zeros((1, 3, 8)), is_causal=True, cache=KVCache(rows.k, rows.v, rows.index))
+    stacked = KVCache(jnp.zeros((3, 1, 2, 4, 4)), jnp.zeros((3, 1, 2, 4, 4)), jnp.zeros(3, jnp.int32), "stacked")
+    with pytest.raises(ValueError, match="a 'stacked' KV cache holds every layer: pass it to DecoderLM"):
+        ja.apply({"params": p}, jnp.zeros((1, 3, 8)), is_causal=True, cache=stacked.replace(index=jnp.int32(0)))
+    with pytest.raises(ValueError, match=r"KVCache layout='bhsd' is not one of \('heads', 'rows', 'stacked'\)"):
+        KVCache(rows.k, rows.v, rows.index, "bhsd")
+    with pytest.raises(ValueError, match="KVCache.init makes one layer's cache"):
+        KVCache.init(1, 2, 4, 4, layout="stacked")
 
 
 def test_torch_kv_cache_overflow_is_an_error(rng):

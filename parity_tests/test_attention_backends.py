@@ -1,8 +1,10 @@
-"""Attention backends (``attention_impl``): 'jax' / 'cudnn' (jax.nn.dot_product_attention) and 'blocked'
-(flash-style, attention_backends.py) against the einsum path 'xla' and torch's SDPA, forward and
-gradients in float32 at 1e-5: causal, padding masks, GQA / MQA, cross-attention, a cache decode
-step at a traced offset, fully masked rows (zeros on every backend), a whole DecoderLM, and the
-blocked backend's memory growing linearly in T (compiled memory_analysis)."""
+"""Attention backends (``attention_impl``) behind the one entry ``kernels.attend``: 'jax' / 'cudnn'
+(jax.nn.dot_product_attention) and 'blocked' (flash-style, kernels/blocked.py) against the einsum
+path 'xla' and torch's SDPA, forward and gradients in float32 at 1e-5: causal, padding masks,
+GQA / MQA, cross-attention, a cache decode step at a traced offset in both cache layouts, fully
+masked rows (zeros on every backend), a whole DecoderLM; a spy proving which kernel runs in
+training, prefill and decode; the cuDNN fallback's reasons; the dropout rule; and the blocked
+backend's memory growing linearly in T (compiled memory_analysis)."""
 import functools
 import warnings
 
@@ -15,8 +17,10 @@ import torch.nn.functional as F
 
 from conftest import assert_close, assert_grads_close, assert_self_consistent, randomize
 from jaxgpt import PRESETS, build
-from jaxgpt.nn.attention import attention_core, scaled_dot_product_attention as sdpa
-from jaxgpt.nn.kernels import blocked_attention, warn_once
+from jaxgpt.config import ATTENTION_IMPLS
+from jaxgpt.inference.generate import generate
+from jaxgpt.nn import kernels
+from jaxgpt.nn.kernels import attend, blocked_attention, scaled_dot_product_attention as sdpa, warn_once
 from jaxgpt.models import abstract_params, init_cache
 
 IMPLS = ("jax", "blocked")  # 'cudnn' on a CPU is 'jax' plus a warning: test_cudnn_on_cpu_warns_once
@@ -78,7 +82,7 @@ def _out_and_grads(fn, qkv, kw):
 def test_backend_matches_xla(impl, case):
     qkv, kw = _case(case)
     ref, ref_g = _out_and_grads(sdpa, qkv, kw)
-    out, g = _out_and_grads(lambda *a, **k: attention_core(*a, impl=impl, block=BLOCK, **k), qkv, kw)
+    out, g = _out_and_grads(lambda *a, **k: attend(*a, impl=impl, block=BLOCK, **k), qkv, kw)
     assert_self_consistent(out, ref, f"attention[{impl}] vs xla")
     for name, a, r in zip("qkv", g, ref_g):
         assert_self_consistent(a, r, f"attention[{impl}] vs xla d{name}", unit_scale=True)
@@ -99,7 +103,7 @@ def test_backend_matches_torch_sdpa(impl):
     ref = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=torch.from_numpy(allowed),
                                          enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
     (ref * torch.from_numpy(w)).sum().backward()
-    out, g = _out_and_grads(lambda *a, **k: attention_core(*a, impl=impl, block=BLOCK, **k), (q, k, v), kw)
+    out, g = _out_and_grads(lambda *a, **k: attend(*a, impl=impl, block=BLOCK, **k), (q, k, v), kw)
     assert_close(out, ref, f"attention[{impl}] vs torch SDPA")
     for name, a, r in zip("qkv", g, (qt, kt, vt)):
         assert_close(a, r.grad.transpose(1, 2), f"attention[{impl}] vs torch SDPA d{name}", unit_scale=True)
@@ -107,21 +111,24 @@ def test_backend_matches_torch_sdpa(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cache_decode_step_traced_offset(impl):
-    """The KV-cache layout (B, H_kv, S, D) with a traced write index and the 'filled' mask, as
-    Attention passes them; one token and a 3-token chunk."""
+    """The KV-cache layouts 'heads' (B, H_kv, S, D) and 'rows' (B * H_kv, S, D) with a traced write
+    index and the 'written' mask, as Attention passes them; one token and a 3-token chunk."""
     b, h, hk, s, d = 2, 4, 2, 24, 8
     q, k, v = _qkv(b, 3, s, h, hk, d)
-    kc, vc = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    cache = {"heads": [x.transpose(0, 2, 1, 3) for x in (k, v)],
+             "rows": [x.transpose(0, 2, 1, 3).reshape(b * hk, s, d) for x in (k, v)]}
 
-    def step(impl, q, index):
-        filled = jnp.arange(s) < index + q.shape[1]
-        return attention_core(q, kc, vc, impl=impl, block=5, mask=filled, is_causal=True, q_offset=index,
-                              kv_heads_first=True)
+    def step(impl, layout, q, index):
+        written = jnp.arange(s) < index + q.shape[1]
+        return attend(q, *cache[layout], impl=impl, block=5, mask=written, is_causal=True, q_offset=index,
+                      kv_layout=layout)
 
+    run = jax.jit(step, static_argnums=(0, 1))
     for t, index in ((1, 9), (3, 17)):
-        got = jax.jit(step, static_argnums=0)(impl, q[:, :t], jnp.int32(index))
-        ref = jax.jit(step, static_argnums=0)("xla", q[:, :t], jnp.int32(index))
-        assert_self_consistent(got, ref, f"attention[{impl}] cache step")
+        ref = run("xla", "heads", q[:, :t], jnp.int32(index))
+        for layout in cache:
+            got = run(impl, layout, q[:, :t], jnp.int32(index))
+            assert_self_consistent(got, ref, f"attention[{impl}] cache step, {layout!r}")
 
 
 def test_cudnn_on_cpu_warns_once():
@@ -131,7 +138,7 @@ def test_cudnn_on_cpu_warns_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            out, g = _out_and_grads(lambda *a, **k: attention_core(*a, impl="cudnn", **k), qkv, kw)
+            out, g = _out_and_grads(lambda *a, **k: attend(*a, impl="cudnn", **k), qkv, kw)
     msgs = [str(w.message) for w in caught if "cudnn" in str(w.message)]
     assert msgs == ["attention_impl='cudnn' falls back to the XLA implementation: no GPU (JAX backend is 'cpu')"]
     assert_self_consistent(out, ref, "attention[cudnn] vs xla")
@@ -139,32 +146,57 @@ def test_cudnn_on_cpu_warns_once():
         assert_self_consistent(a, r, f"attention[cudnn] vs xla d{name}", unit_scale=True)
 
 
+def test_cudnn_fallback_names_what_cudnn_raised(monkeypatch):
+    """Past our own checks (pretend they pass), jax.nn's cuDNN path raises while tracing: here a
+    RuntimeError (no cuDNN on a CPU); on a GPU NotImplementedError or ValueError for shapes it
+    rejects. The fallback names the exception and runs 'xla'."""
+    warn_once.cache_clear()
+    monkeypatch.setattr(kernels.jax_sdpa, "cudnn_unsupported", lambda q: None)
+    qkv, kw = _case("causal")
+    qkv16 = [x.astype(jnp.float16) for x in qkv]
+    with pytest.warns(UserWarning, match=r"attention_impl='cudnn' falls back to the XLA implementation: cuDNN "
+                                         r"rejected the call \(RuntimeError: cuDNN is not detected.\)"):
+        out = attend(*qkv16, impl="cudnn", **kw)
+    assert_self_consistent(out.astype(jnp.float32), attend(*qkv16, impl="jax", **kw).astype(jnp.float32),
+                           "attention[cudnn] fallback vs jax (float16)")
+
+
 def test_weights_dropout_and_bad_impl():
     qkv, kw = _case("causal+padding,gqa")
-    out, w = attention_core(*qkv, impl="blocked", return_weights=True, **kw)  # weights: the 'xla' path
+    out, w = attend(*qkv, impl="blocked", return_weights=True, **kw)  # weights: the 'xla' path
     ref, ref_w = sdpa(*qkv, return_weights=True, **kw)
     assert_self_consistent(w, ref_w, "attention[blocked] weights")
-    with pytest.raises(ValueError, match=r"attention_impl='blocked' has no attention dropout \(attn_dropout=0.1"):
-        attention_core(*qkv, impl="blocked", dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0), **kw)
-    warn_once.cache_clear()
     drop = dict(dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0), **kw)
-    with pytest.warns(UserWarning, match=r"attention_impl='jax' has no attention dropout: training with attn_dropout="
-                                         r"0.1 runs the 'xla' attention instead"):
-        dropped = attention_core(*qkv, impl="jax", **drop)
-    assert_self_consistent(dropped, sdpa(*qkv, **drop), "attention[jax] dropout fallback")
+    for impl in ("jax", "cudnn", "blocked"):  # refused, never a silent switch to 'xla'
+        with pytest.raises(ValueError, match=rf"attention_impl='{impl}' has no attention dropout \(dropout_rate=0.1\); "
+                                             r"set attn_dropout=0.0 or attention_impl='xla'"):
+            attend(*qkv, impl=impl, **drop)
+    assert float(jnp.abs(attend(*qkv, impl="xla", **drop) - sdpa(*qkv, **kw)).max()) > 1e-3  # 'xla' drops
     with pytest.raises(ValueError, match=r"attention_impl='flash' is not one of"):
-        attention_core(*qkv, impl="flash", **kw)
+        attend(*qkv, impl="flash", **kw)
     with pytest.raises(ValueError, match=r"mask has shape \(2, 1, 21\)"):
-        attention_core(*qkv, impl="blocked", mask=jnp.ones((2, 1, 21), bool))
+        attend(*qkv, impl="blocked", mask=jnp.ones((2, 1, 21), bool))
+
+
+def test_config_refuses_attention_dropout_off_xla():
+    """Only 'xla' has attention dropout: any other kernel with a nonzero rate is refused when the
+    config is built, naming the values (GPT-2's attn_dropout=None inherits dropout=0.1)."""
+    with pytest.raises(ValueError, match=r"attention_impl='blocked' has no attention dropout, but attention dropout "
+                                         r"is 0.1; set attn_dropout=0.0 or attention_impl='xla'"):
+        TINY.replace(attention_impl="blocked", attn_dropout=0.1)
+    with pytest.raises(ValueError, match=r"attention_impl='cudnn' has no attention dropout, but attention dropout "
+                                         r"is 0.1 \(attn_dropout=None takes dropout=0.1\)"):
+        PRESETS["gpt2-small"].replace(attention_impl="cudnn")
+    assert PRESETS["gpt2-small"].replace(attention_impl="cudnn", attn_dropout=0.0).attention_dropout == 0.0
+    assert TINY.replace(attn_dropout=0.1).attention_impl == "xla"
 
 
 def test_causal_only_skips_the_empty_row_fix():
     """Plain causal attention has no empty rows, so no any()-reduction is traced; a mask brings it back."""
     qkv, kw = _case("causal")
     for impl in ("xla", "jax"):
-        causal = str(jax.make_jaxpr(lambda *a: attention_core(*a, impl=impl, is_causal=True))(*qkv))
-        masked = str(jax.make_jaxpr(lambda *a: attention_core(*a, impl=impl, is_causal=True,
-                                                              mask=_key_mask(1, 17)))(*qkv))
+        causal = str(jax.make_jaxpr(lambda *a: attend(*a, impl=impl, is_causal=True))(*qkv))
+        masked = str(jax.make_jaxpr(lambda *a: attend(*a, impl=impl, is_causal=True, mask=_key_mask(1, 17)))(*qkv))
         assert "reduce_or" not in causal and "reduce_or" in masked, impl
 
 
@@ -202,6 +234,41 @@ def test_decoder_matches_default(impl):
     assert_self_consistent(logits, ref_logits, f"DecoderLM[{impl}] logits")
     assert_grads_close(grads, ref_grads, f"DecoderLM[{impl}] grads", kind="self")
     assert_self_consistent(decoded, ref_decoded, f"DecoderLM[{impl}] cached decode")
+
+
+SPY = TINY.replace(vocab_size=37, max_len=24)  # compiled by no other test, so generate() traces it afresh
+
+
+@pytest.mark.parametrize("impl", ATTENTION_IMPLS)
+def test_configured_kernel_runs_in_training_prefill_and_decode(impl, monkeypatch):
+    """A spy on every kernel: a training forward + backward, generate()'s prefill (Tq = the prompt)
+    and its decode steps (Tq = 1) all run ``attention_impl`` and no other kernel; the tokens equal
+    the default kernel's. (generate() used to prefill and decode with the einsum whatever the
+    config said.)"""
+    ran = set()
+
+    def spy(module, name, label):
+        real = getattr(module, name)
+
+        def counted(q, *a, **kw):
+            ran.add((label(kw), q.shape[1]))
+            return real(q, *a, **kw)
+
+        monkeypatch.setattr(module, name, counted)
+
+    cfg = SPY.replace(attention_impl=impl, attention_block=4)
+    p = randomize(abstract_params(cfg), 0)
+    spy(kernels.xla, "scaled_dot_product_attention", lambda kw: "xla")
+    spy(kernels.jax_sdpa, "jax_attention", lambda kw: kw["implementation"] or "jax")
+    spy(kernels.blocked, "blocked_attention", lambda kw: "blocked")
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 37, (2, 12)), jnp.int32)
+    jax.grad(lambda p: build(cfg).apply({"params": p}, x, deterministic=False).sum())(p)
+    assert ran == {(impl, 12)}, "training"
+    ran.clear()
+    tokens = generate(cfg, p, x[:, :5], 4)
+    assert ran == {(impl, 5), (impl, 1)}, "generate: prefill, decode"
+    if impl != "xla":
+        np.testing.assert_array_equal(tokens, generate(SPY.replace(attention_block=4), p, x[:, :5], 4))
 
 
 def _temp_bytes(fn, t, h=2, d=16):

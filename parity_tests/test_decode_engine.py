@@ -138,15 +138,16 @@ def test_cached_tokens_equal_uncached(cfg, scan_layers):
 
 @PAIRS
 def test_cache_forms_match_full_forward(cfg, scan_layers):
-    """Prefill 5 tokens, then 3 single-token steps, with the stacked (L, B, H_kv, S, D) cache and
-    with the per-layer (B * H_kv, S, D) caches: logits equal the uncached forward's (1e-5), and
-    both caches hold the same keys and values."""
+    """Prefill 5 tokens, then 3 single-token steps, with the 'stacked' (L, B, H_kv, S, D) cache, the
+    per-layer 'rows' (B * H_kv, S, D) caches and per-layer 'heads' (B, H_kv, S, D) caches: logits
+    equal the uncached forward's (1e-5), and every cache holds the same keys and values."""
     cfg = cfg.replace(scan_layers=scan_layers)
     p = _params(cfg)
     model = build(cfg)
     toks = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
     full = np.asarray(model.apply({"params": p}, toks))
-    caches = {"stacked": init_cache(cfg, 2, 16), "per_layer": init_cache(cfg, 2, 16, per_layer=True)}
+    caches = {"stacked": init_cache(cfg, 2, 16), "per_layer": init_cache(cfg, 2, 16, per_layer=True),
+              "heads": tuple(KVCache.init(2, cfg.kv_heads, 16, cfg.head_dim) for _ in range(cfg.n_layer))}
     for form, cache in caches.items():
         logits = []
         for lo, hi in [(0, 5), (5, 6), (6, 7), (7, 8)]:
@@ -155,12 +156,13 @@ def test_cache_forms_match_full_forward(cfg, scan_layers):
             logits.append(np.asarray(out.logits))
         np.testing.assert_allclose(np.concatenate(logits, 1), full, atol=1e-5, rtol=0, err_msg=form)
         caches[form] = cache
-    stacked, per_layer = caches["stacked"], caches["per_layer"]
-    assert np.asarray(stacked.index).tolist() == [8] * cfg.n_layer
-    for i, c in enumerate(per_layer):
-        assert int(c.index) == 8
-        np.testing.assert_allclose(np.asarray(c.k).reshape(stacked.k.shape[1:]), stacked.k[i], atol=1e-6)
-        np.testing.assert_allclose(np.asarray(c.v).reshape(stacked.v.shape[1:]), stacked.v[i], atol=1e-6)
+    stacked = caches["stacked"]
+    assert stacked.layout == "stacked" and np.asarray(stacked.index).tolist() == [8] * cfg.n_layer
+    for form in ("per_layer", "heads"):
+        for i, c in enumerate(caches[form]):
+            assert int(c.index) == 8 and c.layout == {"per_layer": "rows", "heads": "heads"}[form]
+            np.testing.assert_allclose(np.asarray(c.k).reshape(stacked.k.shape[1:]), stacked.k[i], atol=1e-6)
+            np.testing.assert_allclose(np.asarray(c.v).reshape(stacked.v.shape[1:]), stacked.v[i], atol=1e-6)
 
 
 def test_per_layer_cache_padding_mask_and_weights():
@@ -203,12 +205,14 @@ def test_per_layer_cache_errors():
     toks = jnp.ones((2, 3), jnp.int32)
     with pytest.raises(ValueError, match="per-layer cache needs n_layer=2 KVCaches, got 1"):
         model.apply({"params": p}, toks, cache=init_cache(cfg, 2, 8, per_layer=True)[:1])
-    with pytest.raises(ValueError, match="per-layer KV cache of 2 rows does not fit batch 2 x 2"):
+    with pytest.raises(ValueError, match=r"a 'rows' KV cache of shape \(2, 8, 8\) does not fit batch 2 x 2 key/value "
+                                         r"heads of size 8: it needs \(4, 8, 8\)"):
         model.apply({"params": p}, toks, cache=init_cache(cfg, 1, 8, per_layer=True))
-    drop = cfg.replace(attn_dropout=0.1)
-    with pytest.raises(ValueError, match="per-layer KV cache is for inference"):
-        build(drop).apply({"params": p}, toks, cache=init_cache(drop, 2, 8, per_layer=True), deterministic=False,
-                          rngs={"dropout": jax.random.PRNGKey(0)})
+    with pytest.raises(ValueError, match="one 'stacked' KVCache or a tuple of n_layer one-layer KVCaches; got a "
+                                         "single 'rows' KVCache"):
+        model.apply({"params": p}, toks, cache=init_cache(cfg, 2, 8, per_layer=True)[0])
+    with pytest.raises(ValueError, match="a per-layer cache holds one-layer KVCaches"):
+        model.apply({"params": p}, toks, cache=(init_cache(cfg, 2, 8),) * cfg.n_layer)
     with pytest.raises(ValueError, match="KV cache overflow: 0 cached"):  # capacity checked for per-layer caches too
         model.apply({"params": p}, jnp.ones((2, 9), jnp.int32), cache=init_cache(cfg, 2, 8, per_layer=True))
     assert isinstance(init_cache(cfg, 2, 8, per_layer=True)[0], KVCache)

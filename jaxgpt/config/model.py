@@ -136,6 +136,12 @@ class ModelConfig(_Config):
             _probability("attn_dropout", self.attn_dropout)
         if self.lm_head_bias and self.tie_embeddings:
             raise ValueError("lm_head_bias=True needs an untied lm_head (tie_embeddings=False)")
+        if self.attention_impl != "xla" and self.attention_dropout > 0:
+            # Only the einsum kernel can drop attention weights; no other kernel reproduces its draws,
+            # so the pair is refused here rather than silently training with another kernel.
+            via = "" if self.attn_dropout is not None else f" (attn_dropout=None takes dropout={self.dropout})"
+            raise ValueError(f"attention_impl={self.attention_impl!r} has no attention dropout, but attention "
+                             f"dropout is {self.attention_dropout}{via}; set attn_dropout=0.0 or attention_impl='xla'")
 
     # Derived sizes -------------------------------------------------------------------------
     @property

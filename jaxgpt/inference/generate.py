@@ -1,10 +1,12 @@
 """Sampling (pure) and compiled autoregressive decoding for DecoderLM.
 
-Cached decoding: one prefill call writes the prompt's keys/values into a preallocated cache,
-then a ``lax.while_loop`` feeds one token per step at fixed shapes, so the whole generation is
-one compiled program whatever the number of tokens. Uncached decoding recomputes a fixed
-(B, max_len) window every step (the reference the cache is tested against, and the fallback
-that crops to the context window when prompt + new tokens exceed ``max_len``).
+Cached decoding: one prefill call writes the prompt's keys/values into a preallocated cache
+(one 'rows' KVCache per layer), then a ``lax.while_loop`` feeds one token per step at fixed
+shapes, so the whole generation is one compiled program whatever the number of tokens. Uncached
+decoding recomputes a fixed (B, max_len) window every step (the reference the cache is tested
+against, and the fallback that crops to the context window when prompt + new tokens exceed
+``max_len``). Prefill, decode steps and the uncached window all attend through
+``kernels.attend`` with ``config.attention_impl``, the kernel training uses.
 """
 from __future__ import annotations
 

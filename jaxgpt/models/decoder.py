@@ -27,8 +27,8 @@ from jaxgpt.nn.positions import sinusoidal_table
 
 class DecoderOutput(NamedTuple):
     logits: jax.Array  # (B, T, vocab)
-    # leaves stacked over layers: k, v (L, B, H_kv, S, D), index (L,); or, when the call was given
-    # a per-layer cache (init_cache(..., per_layer=True)), a tuple of L KVCaches (B * H_kv, S, D)
+    # the cache form the call was given, written: one 'stacked' KVCache (k, v (L, B, H_kv, S, D), index (L,)),
+    # or a tuple of L one-layer KVCaches ('rows' from init_cache(..., per_layer=True), or 'heads')
     cache: KVCache | tuple[KVCache, ...] | None
     attn_weights: jax.Array | None  # (L, B, H, T, S)
     # AttnRes models with return_depth_weights: (Q, B, T, N_max), Q pseudo-queries (2 per layer, then
@@ -38,23 +38,24 @@ class DecoderOutput(NamedTuple):
 
 def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtype=None, *,
                per_layer: bool = False) -> KVCache | tuple[KVCache, ...]:
-    """An empty KV cache for every layer: k, v (L, B, H_kv, max_len, D), index (L,), in ``dtype``
-    (default: the compute dtype ``config.dtype``, the dtype the keys and values are computed in).
+    """An empty KV cache for every layer: one KVCache of layout 'stacked', k, v (L, B, H_kv, max_len, D),
+    index (L,), in ``dtype`` (default: the compute dtype ``config.dtype``, the dtype the keys and
+    values are computed in).
 
-    per_layer: a tuple of L separate KVCaches with k, v (B * H_kv, max_len, D) (row b * H_kv + h)
-    instead, what generate() decodes with. With unstacked layers (``unstack_layers``) every
-    attention gets its own cache buffer in the layout XLA's dots read in place, so a decode step
-    writes only the new slots and copies nothing cache-sized; a slice k[l] of a stacked cache is
-    copied out per layer and step (docs/decoding.md).
+    per_layer: a tuple of L separate KVCaches of layout 'rows', k, v (B * H_kv, max_len, D) (row
+    b * H_kv + h) instead, what generate() decodes with. With unstacked layers (``unstack_layers``)
+    every attention gets its own cache buffer in the layout XLA's dots read in place, so a decode
+    step writes only the new slots and copies nothing cache-sized; a slice k[l] of a stacked cache
+    is copied out per layer and step (docs/decoding.md).
     """
     s = config.max_len if max_len is None else max_len
     dtype = config.dtype if dtype is None else dtype
     if per_layer:
-        shape = (batch * config.kv_heads, s, config.head_dim)
-        return tuple(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+        return tuple(KVCache.init(batch, config.kv_heads, s, config.head_dim, dtype, layout="rows")
                      for _ in range(config.n_layer))
-    c = KVCache.init(batch, config.kv_heads, s, config.head_dim, dtype)
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (config.n_layer,) + a.shape), c)
+    shape = (config.n_layer, batch, config.kv_heads, s, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((config.n_layer,), jnp.int32),
+                   "stacked")
 
 
 def unstack_layers(config: ModelConfig, params, name: str = "layers"):
@@ -157,21 +158,23 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
 
     Scanning it as xs/ys (slice out k[l], stack the new k[l] back) made XLA allocate, fill and copy
     cache-sized buffers on every call, so per-token decode cost grew with the cache's size. Here a
-    per-layer cache (a tuple of KVCaches) goes to its layer as is; a stacked cache rides through the
-    layer loop whole and each layer writes only its new slots of k[l], v[l] (KVCache.layer = l).
+    per-layer cache (a tuple of one-layer KVCaches) goes to its layer as is; a 'stacked' cache rides
+    through the layer loop whole and each layer writes only its new slots of k[l], v[l] (KVCache.layer = l).
     No remat: decoding has no backward pass.
     """
-    if not isinstance(cache, KVCache):  # per-layer: a tuple of L KVCaches (B * H_kv, S, D)
+    if not isinstance(cache, KVCache):  # per-layer: L one-layer KVCaches ('rows' or 'heads')
         if len(cache) != config.n_layer:
             raise ValueError(f"a per-layer cache needs n_layer={config.n_layer} KVCaches, got {len(cache)}")
+        if any(c.layout == "stacked" for c in cache):
+            raise ValueError("a per-layer cache holds one-layer KVCaches ('rows' or 'heads'), not 'stacked' ones")
         if config.scan_layers:  # the scanned layers need it stacked: stack, run, split (copies)
-            n, s_len, d = cache[0].k.shape
-            stack = lambda *a: jnp.stack(a).reshape(config.n_layer, x.shape[0], n // x.shape[0], s_len, d)
+            b = x.shape[0]
+            stack = lambda *a: jnp.stack([c.reshape(b, -1, *c.shape[-2:]) for c in a])  # rows split into heads
             stacked = KVCache(stack(*[c.k for c in cache]), stack(*[c.v for c in cache]),
-                              jnp.stack([c.index for c in cache]))
+                              jnp.stack([c.index for c in cache]), "stacked")
             x, st, weights = _run_blocks_cached(config, body, x, stacked, causal=causal, cross=cross, name=name)
-            split = [KVCache(st.k[i].reshape(n, s_len, d), st.v[i].reshape(n, s_len, d), st.index[i])
-                     for i in range(config.n_layer)]
+            split = [KVCache(st.k[i].reshape(c.k.shape), st.v[i].reshape(c.v.shape), st.index[i], c.layout)
+                     for i, c in enumerate(cache)]
             return x, tuple(split), weights
         new, ws = [], []
         for i, layer_cache in enumerate(cache):
@@ -180,10 +183,13 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
             ws.append(w)
         weights = None if ws[0] is None else jnp.stack(ws)
         return x, tuple(new), weights
+    if cache.layout != "stacked":
+        raise ValueError(f"DecoderLM takes init_cache's caches: one 'stacked' KVCache or a tuple of n_layer "
+                         f"one-layer KVCaches; got a single {cache.layout!r} KVCache")
 
     def layer_body(block, carry, xs):  # carry: (h, k, v), xs: (layer, index) -> ys: (index, weights)
         h, k, v = carry
-        h, (new, w) = body(block, h, KVCache(k, v, xs[1], xs[0]))
+        h, (new, w) = body(block, h, KVCache(k, v, xs[1], "stacked", xs[0]))
         return (h, new.k, new.v), (new.index, w)
 
     if not config.scan_layers:
@@ -201,7 +207,7 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
         carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, name=name), (x, cache.k, cache.v),
                                        (layers, cache.index))
     x, k, v = carry
-    return x, KVCache(k, v, index), weights
+    return x, KVCache(k, v, index, "stacked"), weights
 
 
 class DecoderLM(nn.Module):
@@ -225,7 +231,7 @@ class DecoderLM(nn.Module):
         offset = 0 if cache is None else first.index.reshape(-1)[0]
         check_tokens(tokens, cfg.vocab_size, cfg.max_len, 0 if cache is None else offset)
         if cache is not None:  # here, outside nn.scan, so the check also holds for traced indices
-            capacity, t = first.k.shape[-2], tokens.shape[-1]
+            capacity, t = first.capacity, tokens.shape[-1]
             if checks.is_traced(offset):
                 checks.check_cache_room(offset, t, capacity)
             else:

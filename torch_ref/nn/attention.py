@@ -1,4 +1,5 @@
-"""Attention mirroring jaxgpt/attention.py: same function, class, argument and parameter names.
+"""Attention mirroring jaxgpt/nn/attention.py and the 'xla' kernel (jaxgpt/nn/kernels/xla.py): same
+function, class, argument and parameter names.
 
 Activations are (B, T, H, D) as in jaxgpt; the fast path hands transposed views to torch's fused
 F.scaled_dot_product_attention, the explicit path (attention weights requested) writes the math out.
@@ -18,7 +19,8 @@ from torch_ref.nn.positions import apply_rope
 
 @dataclass
 class KVCache:
-    """Preallocated keys/values (B, H_kv, S, D) and the next write position."""
+    """Preallocated keys/values (B, H_kv, S, D) and the next write position: jaxgpt's KVCache in its
+    'heads' layout, the one layout torch_ref needs (jaxgpt's 'rows' and 'stacked' are about XLA)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -37,14 +39,16 @@ def causal_mask(q_len: int, k_len: int, q_offset: int = 0, device=None) -> torch
 
 
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
-                                 return_weights=False, kv_heads_first=False, dropout_rate=0.0):
+                                 return_weights=False, kv_layout="tokens", dropout_rate=0.0):
     """Same contract as jaxgpt.nn.attention.scaled_dot_product_attention (q: (B, Tq, H, D);
-    k, v: (B, Tk, H_kv, D) or (B, H_kv, Tk, D) with kv_heads_first; mask bool, True = attend,
-    other dtypes / shapes are a ValueError; rows with no visible key give zeros).
+    k, v: (B, Tk, H_kv, D) with kv_layout 'tokens', (B, H_kv, Tk, D) with 'heads'; mask bool,
+    True = attend, other dtypes / shapes are a ValueError; rows with no visible key give zeros).
     Returns out (B, Tq, H, D) [, weights (B, H, Tq, Tk)]."""
+    if kv_layout not in ("tokens", "heads"):
+        raise ValueError(f"kv_layout={kv_layout!r} is not one of ('tokens', 'heads')")
     b, tq, h, d = q.shape
     qh = q.transpose(1, 2)  # (B, H, Tq, D) views, no copies
-    kh, vh = (k, v) if kv_heads_first else (k.transpose(1, 2), v.transpose(1, 2))
+    kh, vh = (k, v) if kv_layout == "heads" else (k.transpose(1, 2), v.transpose(1, 2))
     h_kv, tk = kh.shape[1], kh.shape[2]
     if h % h_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
@@ -114,7 +118,7 @@ class Attention(nn.Module):
             q = apply_rope(q, positions, base=self.rope_base, layout=self.rope_layout)
             k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
 
-        kv_heads_first = False
+        kv_layout = "tokens"
         if cache is not None:
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
@@ -123,7 +127,7 @@ class Attention(nn.Module):
             cache.v[:, :, offset:offset + t] = v.transpose(1, 2)
             cache = KVCache(cache.k, cache.v, offset + t)
             # Read only the filled prefix: same result as masking the empty slots, less work.
-            k, v, kv_heads_first = cache.k[:, :, :offset + t], cache.v[:, :, :offset + t], True
+            k, v, kv_layout = cache.k[:, :, :offset + t], cache.v[:, :, :offset + t], "heads"
             if mask is not None:  # a mask spans the cache's S slots, as in jaxgpt
                 mask = torch.as_tensor(mask, device=x.device)
                 validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.k.shape[2]))
@@ -131,7 +135,7 @@ class Attention(nn.Module):
 
         rate = self.attn_dropout if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, q_offset=offset,
-                                           return_weights=return_weights, kv_heads_first=kv_heads_first,
+                                           return_weights=return_weights, kv_layout=kv_layout,
                                            dropout_rate=rate)
         out, weights = out if return_weights else (out, None)
         return self.o_proj(out.reshape(b, t, self.n_head * d)), cache, weights

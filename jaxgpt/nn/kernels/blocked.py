@@ -1,93 +1,16 @@
-"""Attention cores behind ``ModelConfig.attention_impl`` other than the einsum path ('xla', in
-attention.py): ``jax.nn.dot_product_attention`` ('jax', 'cudnn') and a flash-style blocked
-attention ('blocked') whose forward and backward passes use memory linear in sequence length.
-
-Every core keeps jaxgpt's contract (see attention.scaled_dot_product_attention): q (B, Tq, H, D),
-k/v (B, Tk, H_kv, D) or (B, H_kv, Tk, D) when ``kv_heads_first``, bool masks (True = attend)
-broadcastable to (B, H, Tq, Tk), causal with a (possibly traced) ``q_offset``, and a query row
-with no visible key returns ZEROS (torch SDPA's rule), not jax.nn's mean of v.
-"""
+"""attention_impl='blocked': flash-style attention in JAX. An online softmax over key/value blocks
+and a custom VJP that recomputes block scores from the saved logsumexp, so forward and backward
+hold O(T * block) scores instead of O(Tq * Tk)."""
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-_HALF = (jnp.bfloat16, jnp.float16)
-
-
-@functools.lru_cache(maxsize=None)
-def warn_once(message: str) -> None:
-    """One warning per distinct message per process (a jitted model traces many times)."""
-    warnings.warn(message, stacklevel=3)
-
-
-def _static_zero(x) -> bool:
-    return isinstance(x, int) and x == 0
-
-
-def _mask4(mask):
-    """A validated bool mask as 4-D (B|1, H|1, Tq|1, Tk|1)."""
-    m = jnp.asarray(mask)
-    return m.reshape((1,) * (4 - m.ndim) + m.shape)
-
-
-def grouped_mask(mask, h_kv: int, g: int):
-    """A validated bool mask as 5-D (B|1, H_kv|1, G|1, Tq|1, Tk|1): query head = kv_head * g + group."""
-    m = _mask4(mask)
-    return m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
-
-
-# ---------------------------------------------------------------- 'jax' / 'cudnn'
-
-def cudnn_unsupported(q) -> str | None:
-    """Why cuDNN flash attention cannot run this call, or None when it can (as far as we know)."""
-    if jax.default_backend() != "gpu":
-        return f"no GPU (JAX backend is {jax.default_backend()!r})"
-    if q.dtype not in _HALF:
-        return f"dtype {q.dtype} (cuDNN flash attention needs bfloat16 or float16; set dtype='bfloat16')"
-    d = q.shape[-1]
-    if d % 8 or d > 256:
-        return f"head_dim {d} (cuDNN needs a multiple of 8, at most 256)"
-    return None
-
-
-def jax_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_heads_first=False,
-                  implementation=None):
-    """``jax.nn.dot_product_attention`` with jaxgpt's contract. ``implementation``: None/'xla' or
-    'cudnn'; an unsupported 'cudnn' call falls back to 'xla' with one warning naming the reason."""
-    if kv_heads_first:  # jax.nn wants (B, S, K, D); the cache is (B, K, S, D)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    tq, tk = q.shape[1], k.shape[1]
-    m = None if mask is None else _mask4(mask)  # (B|1, H|1, Tq|1, Tk|1)
-    # jax.nn's is_causal is tril(Tq, Tk) == our rule at offset 0; any other offset needs a mask.
-    flag = is_causal and _static_zero(q_offset) and (tq == tk or implementation != "cudnn")
-    if is_causal and not flag:
-        c = (jnp.arange(tk)[None, :] <= jnp.arange(tq)[:, None] + q_offset)[None, None]
-        m = c if m is None else m & c
-    if implementation == "cudnn":
-        why = cudnn_unsupported(q)
-        if why is not None:
-            warn_once(f"attention_impl='cudnn' falls back to the XLA implementation: {why}")
-            implementation = "xla"
-    call = functools.partial(jax.nn.dot_product_attention, q, k, v, mask=m, scale=scale, is_causal=flag)
-    try:
-        out = call(implementation=implementation)
-    except NotImplementedError as e:  # cuDNN's own shape checks (sequence lengths, head dims)
-        warn_once(f"attention_impl='cudnn' falls back to the XLA implementation: {e}")
-        out = call(implementation="xla")
-    if mask is not None:  # a row with no visible key: zeros, not jax.nn's mean of v
-        seen = m & jnp.tril(jnp.ones((tq, tk), bool)) if flag else m  # the causal part jax.nn applied
-        any_key = seen.any(-1).transpose(0, 2, 1)[..., None]  # (B|1, Tq|1, H|1, 1)
-        out = jnp.where(any_key, out, jnp.zeros((), out.dtype))
-    return out
-
-
-# ---------------------------------------------------------------- 'blocked' (flash-style)
+from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask, keys_before
 
 class _Static(NamedTuple):
     causal: bool
@@ -101,18 +24,14 @@ def _block_scores(cfg: _Static, qi, kj, i, j, mask, q_offset):
     """Scaled scores of query block i against key block j, -inf where not allowed.
     qi: (B, K, G, bq, D); kj: (B, K, bk, D); mask: (B|1, K|1, G|1, Tq|1, Tk|1) or None."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * cfg.scale
-    kpos = j * cfg.bk + jnp.arange(cfg.bk)
     allowed = None
     if mask is not None:
         mb = mask if mask.shape[3] == 1 else lax.dynamic_slice_in_dim(mask, i * cfg.bq, cfg.bq, 3)
         allowed = mb if mb.shape[4] == 1 else lax.dynamic_slice_in_dim(mb, j * cfg.bk, cfg.bk, 4)
     if cfg.causal:
-        qpos = i * cfg.bq + jnp.arange(cfg.bq)
-        c = kpos[None, :] <= qpos[:, None] + q_offset  # (bq, bk)
-        allowed = c if allowed is None else allowed & c
-    if cfg.tk % cfg.bk:  # padded keys
-        pad = kpos < cfg.tk
-        allowed = pad if allowed is None else allowed & pad
+        allowed = both(allowed, causal_mask(cfg.bq, cfg.bk, q_offset, q_start=i * cfg.bq, k_start=j * cfg.bk))
+    if cfg.tk % cfg.bk:  # the last block's padded keys
+        allowed = both(allowed, keys_before(cfg.bk, cfg.tk, k_start=j * cfg.bk))
     return s if allowed is None else jnp.where(allowed, s, -jnp.inf)
 
 
@@ -221,17 +140,18 @@ def _pad_to(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_heads_first=False,
+def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_layout="tokens",
                       block=512):
     """Flash-style attention: loops over query blocks and key/value blocks of ``block`` positions with
     an online softmax, and a custom VJP that recomputes block scores from the saved logsumexp, so
     forward and backward hold O(T * block) scores instead of O(Tq * Tk). Lengths that are not a
     multiple of ``block`` are padded internally (padded keys masked). GQA groups query heads over
-    each key/value head; K/V are never repeated. Same contract as scaled_dot_product_attention."""
+    each key/value head; K/V are never repeated. Same contract as scaled_dot_product_attention,
+    with k, v in kv_layout 'tokens' or 'heads'."""
     if block < 1:
         raise ValueError(f"attention_block must be >= 1, got {block}")
     b, tq, h, d = q.shape
-    if not kv_heads_first:  # (B, Tk, K, D) -> (B, K, Tk, D): O(T) copy, contiguous key blocks
+    if kv_layout == "tokens":  # (B, Tk, K, D) -> (B, K, Tk, D): O(T) copy, contiguous key blocks
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     hk, tk = k.shape[1], k.shape[2]
     if h % hk:

@@ -1,0 +1,61 @@
+"""Attention kernels behind ``ModelConfig.attention_impl`` and the one entry every caller uses.
+
+``attend`` is the only way into a kernel: the Attention module calls it for training forwards,
+for prefill and for every decode step, whatever the KV cache's layout. The kernels compute the
+same numbers (1e-5 in float32, forward and gradients); they differ in memory and speed:
+
+    'xla'      xla.py       einsum softmax; (Tq, Tk) scores; attention weights and dropout
+    'jax'      jax_sdpa.py  jax.nn.dot_product_attention (XLA implementation)
+    'cudnn'    jax_sdpa.py  the same with cuDNN flash attention (GPU, bf16/fp16; else XLA + one warning)
+    'blocked'  blocked.py   flash-style online softmax, memory linear in T
+
+Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at
+call time (``xla.scaled_dot_product_attention``, ...), so a test can count which one ran.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxgpt.config import ATTENTION_IMPLS
+from jaxgpt.core import validate
+from jaxgpt.nn.kernels import blocked, jax_sdpa, xla
+from jaxgpt.nn.kernels.blocked import blocked_attention
+from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
+from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before
+from jaxgpt.nn.kernels.xla import KV_LAYOUTS, kv_shape, scaled_dot_product_attention
+
+__all__ = ["ATTENTION_IMPLS", "KV_LAYOUTS", "attend", "blocked_attention", "causal_mask", "cudnn_unsupported",
+           "grouped_mask", "jax_attention", "keys_before", "scaled_dot_product_attention", "warn_once"]
+
+
+def attend(q, k, v, *, impl="xla", block=512, mask=None, is_causal=False, q_offset=0, scale=None,
+           return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None):
+    """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
+
+    The contract of xla.scaled_dot_product_attention on every kernel: bool masks (True = attend)
+    broadcastable to (B, H, Tq, Tk), validated here; causal with a possibly traced ``q_offset``;
+    zeros for a query row with no visible key. ``block``: the 'blocked' kernel's block length.
+    ``return_weights`` runs 'xla', the only kernel that builds the weights. Attention dropout
+    exists on 'xla' only; any other kernel refuses it (ModelConfig refuses the pair up front).
+    Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r} is not one of {ATTENTION_IMPLS}")
+    b, tq, h, _ = q.shape
+    h_kv, tk = kv_shape(k, kv_layout, b)
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        validate.check_mask(mask.shape, mask.dtype, (b, h, tq, tk))
+    if dropout_rate > 0.0 and impl != "xla":
+        raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
+                         f"set attn_dropout=0.0 or attention_impl='xla'")
+    kw = dict(mask=mask, is_causal=is_causal, q_offset=q_offset, scale=scale)
+    if impl == "xla" or return_weights:
+        return xla.scaled_dot_product_attention(q, k, v, return_weights=return_weights, kv_layout=kv_layout,
+                                                dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
+    if kv_layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
+        k, v, kv_layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
+    if impl == "blocked":
+        return blocked.blocked_attention(q, k, v, block=block, kv_layout=kv_layout, **kw)
+    return jax_sdpa.jax_attention(q, k, v, kv_layout=kv_layout, implementation="cudnn" if impl == "cudnn" else None,
+                                  **kw)

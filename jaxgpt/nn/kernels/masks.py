@@ -1,0 +1,43 @@
+"""The masks every attention kernel applies, built here and nowhere else.
+
+A mask is bool, True = attend, broadcastable to (B, H, Tq, Tk). Causal: the query at absolute
+position p sees the keys at positions <= p. Positions and offsets may be traced (a cache index,
+a block's start), so one compiled program serves every decode step and every block.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def _positions(n: int, start):
+    # A literal 0 start adds no op: plain causal attention traces the same program as before.
+    return jnp.arange(n) if isinstance(start, int) and start == 0 else start + jnp.arange(n)
+
+
+def causal_mask(q_len: int, k_len: int, q_offset=0, *, q_start=0, k_start=0):
+    """(q_len, k_len) bool, True where query q_start + i (absolute position q_offset + q_start + i)
+    may see key k_start + j. The blocked kernel passes its block's starts."""
+    return _positions(k_len, k_start)[None, :] <= _positions(q_len, q_start)[:, None] + q_offset
+
+
+def keys_before(k_len: int, limit, *, k_start=0):
+    """(k_len,) bool, True for keys k_start + j < limit: a cache's written slots, or a block's
+    keys that are not padding."""
+    return _positions(k_len, k_start) < limit
+
+
+def both(a, b):
+    """a & b where either may be None (no constraint)."""
+    return b if a is None else a if b is None else a & b
+
+
+def as_4d(mask):
+    """A validated bool mask as (B|1, H|1, Tq|1, Tk|1)."""
+    m = jnp.asarray(mask)
+    return m.reshape((1,) * (4 - m.ndim) + m.shape)
+
+
+def grouped_mask(mask, h_kv: int, g: int):
+    """A validated bool mask as (B|1, H_kv|1, G|1, Tq|1, Tk|1): query head = kv_head * g + group."""
+    m = as_4d(mask)
+    return m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], h_kv, g, *m.shape[2:])
