@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxgpt.config import TrainConfig
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
-from jaxgpt.parallel.hosts import is_primary
+from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step
 from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
@@ -55,6 +55,9 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     checkpoint the run resumes with the saved tokenizer, and any difference between the given and
     the saved configs (or data) is an error: resuming is exact or it does not happen.
     """
+    # Multi-host: every process looks for checkpoints before any of them starts fit (which creates the
+    # directory), so they all agree on fresh run vs resume and open orbax the same number of times.
+    barrier("jaxgpt prepare")
     quiet = lambda _: None  # noqa: E731 - the fallback is reported below, in one line with what was moved
     has_ckpts = (Path(out) / "checkpoints").is_dir()
     ckpts = Checkpoints(out, create=False, log=quiet, mesh=_mesh(tc)) if has_ckpts else None
