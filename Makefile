@@ -1,6 +1,10 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
-#   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the test suite
+#   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
+#               every parity and unit test, in parallel (pytest-xdist), under 10 min on 2 CPU cores
+#   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
+#                      SIGKILL tests (-m multiprocess), -m slow; CI (.ci/run) runs make test, then this
+#   make parity-margins   regenerate docs/parity-margins.md (float32 errors against a float64 reference)
 #   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
 #                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2 h), the committed results
 PYTHON ?= python3
@@ -8,10 +12,19 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
-PYTEST_ARGS ?= -m "not slow"
+# Extra pytest arguments for every test target (e.g. PYTEST_ARGS='-k bert' or '-x').
+PYTEST_ARGS ?=
+# pytest-xdist workers: one per CPU core ('auto'); 0 runs in this process.
+TEST_WORKERS ?= auto
+SLOW_TIERS := slow or smoke or multiprocess
+XDIST := -n $(TEST_WORKERS) --dist loadscope
+# The tests with a float64 reference (parity_tests/conftest.py: check_module, assert_as_accurate_as_torch).
+MARGIN_TESTS := $(addprefix parity_tests/,test_norms.py test_mlp.py test_attention.py test_block.py \
+	test_decoder.py test_bert.py test_encdec.py test_attnres.py)
+MARGIN_SEEDS ?= 0
 EXPERIMENTS_ARGS ?=
 
-.PHONY: demo test experiments clean
+.PHONY: demo test test-slow test-all parity-margins experiments clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +43,22 @@ demo: $(VENV)/.core
 	$(BIN)/python scripts/demo.py
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS))" --durations 15 $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.test
+	$(BIN)/python -m pytest $(XDIST) -m "$(SLOW_TIERS)" --durations 15 $(PYTEST_ARGS)
+
+test-all: test test-slow
+
+# MARGIN_SEEDS="$$(seq 0 19)": the worst over 20 draws of the random weights (as committed); 0: the suite's own.
+parity-margins: $(VENV)/.test
+	mkdir -p .pytest_cache && rm -f .pytest_cache/parity-margins.json
+	status=0; for s in $(MARGIN_SEEDS); do JAXGPT_PARITY_SEED_OFFSET=$$s JAXGPT_PARITY_MARGINS=docs/parity-margins.md \
+		JAXGPT_PARITY_MARGINS_MERGE=.pytest_cache/parity-margins.json $(BIN)/python -m pytest $(XDIST) -q \
+		-k torch_ref $(MARGIN_TESTS) $(PYTEST_ARGS) || status=1; done; exit $$status
 
 experiments: $(VENV)/.test
-	$(BIN)/python scripts/run_experiments.py $(EXPERIMENTS_ARGS)
+	$(BIN)/python -m scripts.experiments.run_experiments $(EXPERIMENTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -12,12 +12,31 @@ gradients in ``check_module``) 1e-5 max abs after dividing by max(1, max|g_ref|)
 
 References that live outside the repository (../shared: seed texts, Tiny Shakespeare) are
 reached through ``require_shared``: a missing one skips the test locally, and fails it when the
-environment variable CI is true (so CI cannot pass by skipping every seed comparison).
+environment variable CI is true (so CI cannot pass by skipping every seed comparison). Optional
+packages the tests need (transformers, tokenizers, ...) go through ``require_module``, the same
+rule. The only skip CI accepts is a missing accelerator.
+
+The float64 reference (``check_module``, ``assert_as_accurate_as_torch``): two float32 results
+of a multi-layer gradient can differ by ~1e-5 through rounding alone, and by how much depends on
+the CPU's kernels. So the models' gradients are judged against torch_ref run in float64 on the
+same weights and inputs: jaxgpt's float32 error must be <= max(1e-5, K64 x torch_ref float32's
+own error against that float64 result). The measured margins are in docs/parity-margins.md
+(``make parity-margins`` regenerates it: JAXGPT_PARITY_MARGINS=<file>).
+
+Speed: JAX's persistent compilation cache is on in the pytest processes (.pytest_cache/jax-cache,
+every program cached); the suite runs under pytest-xdist (``make test``), and the tables above
+are merged from the workers.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import importlib
 import json
 import os
+import platform
+import subprocess
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,6 +46,20 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPU runs
+
+# Persistent compilation cache (a second run loads the compiled programs instead of compiling them).
+# The defaults cache only programs that took >= 1 s to compile; the tests' small CPU programs take
+# less, so every program is cached. The size cap turns on JAX's file lock (xdist workers share the
+# folder). JAXGPT_TEST_JAX_CACHE=off turns it off. Only this process uses it: the subprocesses the
+# tests start do not (JAX writes an entry in place, so a test that SIGKILLs a run could leave a
+# truncated one behind).
+_CACHE = os.environ.get("JAXGPT_TEST_JAX_CACHE", str(Path(__file__).resolve().parents[1] / ".pytest_cache"
+                                                     / "jax-cache"))
+if _CACHE != "off":
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 
 import torch  # noqa: E402
 
@@ -54,6 +87,19 @@ def require_shared(path: Path, what: str = "reference") -> Path:
             pytest.fail(msg + "; CI=true, so a missing reference is an error, not a skip", pytrace=False)
         pytest.skip(msg)
     return path
+
+
+def require_module(name: str, allow_module_level: bool = False):
+    """``import name`` (an optional dependency of the tests, in the ``test`` extra); if it is not
+    installed, skip the test (or, with ``allow_module_level``, the whole file) locally, and fail it
+    under CI=true, where every test dependency is installed and a skip would hide a failure."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        msg = f"{name} is not installed ({e}); pip install -e '.[test]'"
+        if on_ci():
+            pytest.fail(msg + "; CI=true, so a missing test dependency is an error, not a skip", pytrace=False)
+        pytest.skip(msg, allow_module_level=allow_module_level)
 
 
 def record(component: str, err: float, kind: str = "parity", tol: float = TOL) -> float:
@@ -97,11 +143,16 @@ def to_np(x):
     return np.asarray(x)
 
 
+# JAXGPT_PARITY_SEED_OFFSET=s: every randomize()d weight drawn from seed + s (0: the suite as committed);
+# for measuring the float64 margins at other weights (docs/parity-margins.md), not for CI.
+SEED_OFFSET = int(os.environ.get("JAXGPT_PARITY_SEED_OFFSET", "0"))
+
+
 def randomize(params, seed: int = 0):
     """Unit-scale weights: kernels N(0, 1/fan_in), embeddings N(0, 1/d), the rest N(0, 1/4) around its init
     (so norm scales are not all ones and biases not all zeros: bugs in either show up)."""
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed + SEED_OFFSET)
     out = []
     for path, leaf in leaves:
         name = getattr(path[-1], "key", "")
@@ -124,9 +175,11 @@ def load_into(torch_module, params, stacked=()):
     return torch_module
 
 
-def torch_grads(torch_module, template, stacked=()):
-    """Gradients of the torch module's parameters, arranged like the Flax params."""
+def torch_grads(torch_module, template, stacked=(), dtype=np.float32):
+    """Gradients of the torch module's parameters, arranged like the Flax params, as ``dtype``
+    (np.float64 for a float64 reference: the template's float32 would round them)."""
     sd = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in torch_module.named_parameters()}
+    template = jax.tree.map(lambda a: np.zeros(np.shape(a), dtype), template)
     return state_dict_to_params(sd, template, stacked=stacked)
 
 
@@ -154,6 +207,115 @@ def assert_grads_close(tree, ref_tree, component: str, tol: float = TOL, kind: s
 assert_trees_close = assert_grads_close  # the older name: every tree compared here is a gradient
 
 
+# The float64 reference -----------------------------------------------------------------------------
+# K64: how much larger than torch_ref's own float32 error (against float64) jaxgpt's may be, where it
+# is above 1e-5. Measured over 20 weight draws of the model tests (docs/parity-margins.md): the
+# median jaxgpt/torch_ref ratio is 0.6-1.2 per component (jaxgpt is as accurate as torch), but each
+# error is a worst element, so single ratios scatter: up to 5.7 on the ill-conditioned AttnRes models
+# (random pseudo-queries, sharp depth softmaxes), under 2 elsewhere. 8 leaves room for that scatter
+# and another CPU's kernels; at the suite's own weights every bound is <= 5.2e-5, so a wiring error
+# (>= 1e-3) still fails by 20x.
+K64 = 8.0
+MARGINS: dict[str, dict[str, float]] = {}  # component -> worst direct / jaxgpt / torch error, ratio, bound
+
+
+@contextlib.contextmanager
+def float64_torch():
+    """torch in float64: new tensors default to float64, and torch_ref's ``x.float()`` (its upcast
+    for bfloat16 inputs, which would round a float64 tensor down to float32) leaves float64 alone."""
+    upcast, default = torch.Tensor.float, torch.get_default_dtype()
+
+    def keep_float64(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else upcast(self, *args, **kwargs)
+
+    torch.Tensor.float = keep_float64
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.Tensor.float = upcast
+        torch.set_default_dtype(default)
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            yield from _tensors(getattr(out, f.name))
+
+
+def float64_module(torch_module):
+    """A float64 copy of ``torch_module``: the same (float32) weights, exactly, in float64, without
+    gradients. Every submodule's floating outputs are checked to be float64, so no float32 step
+    inside makes the reference no better than float32. Run it inside ``float64_torch()``."""
+    module = copy.deepcopy(torch_module).double()
+    module.zero_grad(set_to_none=True)
+
+    def check(sub, args, out):
+        bad = {str(t.dtype) for t in _tensors(out) if t.is_floating_point() and t.dtype != torch.float64}
+        assert not bad, f"float64 reference: {type(sub).__name__} returned {bad}"
+
+    for sub in module.modules():
+        sub.register_forward_hook(check)
+    return module
+
+
+def to_float64(x):
+    """A float input as a float64 tensor (others unchanged), for the float64 reference."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().double()
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+        return torch.from_numpy(x.astype(np.float64))
+    return x
+
+
+def _scaled_err(a, ref, unit_scale: bool) -> float:
+    err = max_err(a, ref)
+    if unit_scale and np.size(to_np(ref)):
+        err /= max(1.0, float(np.max(np.abs(to_np(ref)))))
+    return err
+
+
+def assert_as_accurate_as_torch(got, torch_got, exact, component: str, *, grads: bool = False,
+                                unit_scale: bool = False, direct: bool = True, k: float = K64,
+                                tol: float = TOL) -> float:
+    """jaxgpt's float32 ``got`` against ``exact``, torch_ref's result in float64 on the same weights and
+    inputs: error <= max(tol, k x torch_ref float32's own error, ``torch_got`` vs ``exact``).
+    ``direct``: also jaxgpt vs torch_ref float32 within ``tol`` (assert_close / assert_grads_close);
+    False where that float32-vs-float32 error sits near ``tol`` through rounding alone (recorded in
+    the margins table either way). ``grads``: trees of gradients under the gradient rule (per leaf
+    / max(1, max|ref leaf|), worst leaf); otherwise arrays, ``unit_scale`` as in assert_close.
+    Parity table rows: '<component>' (direct) and '<component> vs float64'; margins table
+    (docs/parity-margins.md): the errors, the ratio and how far below its bound each stayed.
+    Returns jaxgpt's error against float64."""
+    err = grads_err if grads else (lambda a, b: _scaled_err(a, b, unit_scale))
+    jerr, terr, derr = err(got, exact), err(torch_got, exact), err(got, torch_got)
+    bound = max(tol, k * terr)
+    m = MARGINS.setdefault(component, dict(direct=0.0, jaxgpt=0.0, torch=0.0, ratio=0.0, ratios=[],
+                                           headroom=np.inf, direct_headroom=np.inf if direct else 0.0, k=k))
+    m.update(direct=max(m["direct"], derr), jaxgpt=max(m["jaxgpt"], jerr), torch=max(m["torch"], terr),
+             ratio=max(m["ratio"], jerr / max(terr, 1e-30) if jerr > tol else 0.0),
+             ratios=m["ratios"] + [jerr / max(terr, 1e-30)],
+             headroom=min(m["headroom"], bound / max(jerr, 1e-30)))
+    if direct:
+        m["direct_headroom"] = min(m["direct_headroom"], tol / max(derr, 1e-30))
+        if grads:
+            assert_grads_close(got, torch_got, component, tol)
+        else:
+            assert_close(got, torch_got, component, tol, unit_scale=unit_scale)
+    record(f"{component} vs float64", jerr, tol=bound)
+    assert jerr <= bound, (f"{component}: jaxgpt float32 vs float64 reference {jerr:.3e} > max({tol:.0e}, {k:g} x "
+                           f"torch_ref float32's {terr:.3e})")
+    return jerr
+
+
 def random_params(module, *inputs, seed: int = 0, **kwargs):
     """``randomize``d params for ``module.init(key, *inputs, **kwargs)``, without running the init:
     only its shapes are traced (jax.eval_shape), so no op is compiled or executed."""
@@ -163,18 +325,25 @@ def random_params(module, *inputs, seed: int = 0, **kwargs):
 
 def check_module(component, jax_module, torch_module, inputs, *, params=None, jax_kwargs=None,
                  torch_kwargs=None, select=lambda out: out, grad_inputs=True, seed=0, tol=TOL, stacked=(),
-                 jit=False):
+                 jit=False, direct_grads=True):
     """Forward and gradients (w.r.t. float inputs and every parameter) of a Flax module and its
     torch mirror, on the same randomized weights. ``select`` picks the output array from what
     the module returns; ``None`` inputs are passed through as None. The torch module runs in eval
     mode (dropout is tested on its own). ``jit``: compile the forward and the gradient once each
     (cheaper than eager op-by-op dispatch when every call has new shapes, as in
-    test_properties.py). Returns the Flax params used."""
+    test_properties.py). Returns the Flax params used.
+
+    Two references: torch_ref in float32 (forward within ``tol``; gradients too unless
+    ``direct_grads=False``) and torch_ref in float64 on the same weights and inputs (forward and
+    every gradient within max(``tol``, K64 x torch_ref float32's own error):
+    ``assert_as_accurate_as_torch``). ``direct_grads=False`` is for the multi-layer models, whose
+    float32-vs-float32 gradient error sits near 1e-5 and depends on the CPU's kernels."""
     jax_kwargs, torch_kwargs = jax_kwargs or {}, torch_kwargs or {}
     xs = [None if x is None else np.asarray(x) for x in inputs]
     if params is None:
         params = random_params(jax_module, *xs, seed=seed, **jax_kwargs)
     load_into(torch_module, params, stacked).eval()
+    torch64 = float64_module(torch_module)
 
     def f(p, *a):
         return select(jax_module.apply({"params": p}, *a, **jax_kwargs))
@@ -184,20 +353,112 @@ def check_module(component, jax_module, torch_module, inputs, *, params=None, ja
     differentiable = [x is not None and grad_inputs and x.dtype.kind == "f" for x in xs]
     txs = [None if x is None else torch.tensor(x, requires_grad=d) for x, d in zip(xs, differentiable)]
     ty = select(torch_module(*txs, **torch_kwargs))
-    assert_close(y, ty, f"{component} forward", tol)
-
     cot = np.random.default_rng(seed + 1).standard_normal(np.shape(y)).astype(np.float32)
+    with float64_torch():
+        txs64 = [None if x is None else to_float64(x).requires_grad_(d) if d else to_float64(torch.tensor(x))
+                 for x, d in zip(xs, differentiable)]
+        ty64 = select(torch64(*txs64, **{k: to_float64(v) for k, v in torch_kwargs.items()}))
+        (ty64 * torch.from_numpy(cot).double()).sum().backward()
+    assert ty64.dtype == torch.float64
+    assert_as_accurate_as_torch(y, ty, ty64, f"{component} forward", tol=tol)
+
     argnums = tuple(i + 1 for i, d in enumerate(differentiable) if d)
     grads = maybe_jit(jax.grad(lambda p, *a: jnp.sum(f(p, *a) * cot), argnums=(0,) + argnums))(params, *xs)
     (ty * torch.from_numpy(cot)).sum().backward()
-    assert_grads_close(grads[0], torch_grads(torch_module, params, stacked), f"{component} grad params", tol)
+    assert_as_accurate_as_torch(grads[0], torch_grads(torch_module, params, stacked),
+                                torch_grads(torch64, params, stacked, np.float64), f"{component} grad params",
+                                grads=True, direct=direct_grads, tol=tol)
     for gi, i in zip(grads[1:], argnums):
-        assert_close(gi, txs[i - 1].grad, f"{component} grad inputs", tol, unit_scale=True)
+        assert_as_accurate_as_torch(gi, txs[i - 1].grad, txs64[i - 1].grad, f"{component} grad inputs",
+                                    unit_scale=True, direct=direct_grads, tol=tol)
     return params
+
+
+def _tables() -> dict:
+    return {"worst": {k: dict(v) for k, v in WORST.items()}, "tols": TOLS, "margins": MARGINS}
+
+
+def _merge(tables: dict) -> None:
+    """Fold another process's tables (an xdist worker's; an earlier seed's margins) into this one's."""
+    for kind, rows in tables.get("worst", {}).items():
+        for k, v in rows.items():
+            WORST[kind][k] = max(WORST[kind][k], v)
+    for kind, rows in tables.get("tols", {}).items():
+        for k, v in rows.items():
+            TOLS[kind][k] = max(TOLS[kind].get(k, v), v)
+    for k, m in tables.get("margins", {}).items():
+        if k not in MARGINS:
+            MARGINS[k] = dict(m)
+            continue
+        old = MARGINS[k]
+        old.update({c: max(old[c], m[c]) for c in ("direct", "jaxgpt", "torch", "ratio")},
+                   ratios=old["ratios"] + m["ratios"], **{c: min(old[c], m[c]) for c in ("headroom", "direct_headroom")})
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the tables to the controller
+        session.config.workeroutput["jaxgpt_tables"] = json.dumps(_tables())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    out = getattr(node, "workeroutput", None) or {}
+    if "jaxgpt_tables" in out:
+        _merge(json.loads(out["jaxgpt_tables"]))
+
+
+def machine() -> str:
+    """The CPU (lscpu's model name, cores) and the library versions, for the margins file."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
+                                                                 check=True).stdout.splitlines() if ":" in line)
+        cpu = f"{info['Model name'].strip()} ({info['CPU(s)'].strip()} CPUs, {info['Architecture'].strip()})"
+    except (OSError, subprocess.CalledProcessError, KeyError):
+        pass
+    return (f"{cpu}; jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, "
+            f"numpy {np.__version__}, Python {platform.python_version()}")
+
+
+def margins_markdown() -> str:
+    rows = ["| component | n | jaxgpt f32 vs f64 | torch_ref f32 vs f64 | ratio: median | ratio: worst over 1e-5 | "
+            "bound / jaxgpt err | jaxgpt vs torch_ref f32 | 1e-5 / that |", "|---|---|---|---|---|---|---|---|---|"]
+    for k in sorted(MARGINS):
+        m = MARGINS[k]
+        ratio = f"{m['ratio']:.2f}" if m["ratio"] else "-"
+        direct = ("not asserted" if not m["direct_headroom"] else "equal" if not m["direct"]
+                  else f"{m['direct_headroom']:.1f}")
+        rows.append(f"| {k} | {len(m['ratios'])} | {m['jaxgpt']:.2e} | {m['torch']:.2e} | "
+                    f"{float(np.median(m['ratios'])):.2f} | {ratio} | {m['headroom']:.1f} | {m['direct']:.2e} | {direct} |")
+    return "\n".join(rows)
+
+
+def write_margins(path: Path) -> None:
+    """docs/parity-margins.md. With JAXGPT_PARITY_MARGINS_MERGE=<json>, the rows of earlier runs
+    (other JAXGPT_PARITY_SEED_OFFSET values) kept there are merged in first, and the result kept there."""
+    seeds = [SEED_OFFSET]
+    keep = os.environ.get("JAXGPT_PARITY_MARGINS_MERGE")
+    if keep:
+        if Path(keep).exists():
+            earlier = json.loads(Path(keep).read_text())
+            _merge({"margins": earlier["margins"]})
+            seeds = sorted(set(earlier["seeds"]) | set(seeds))
+        Path(keep).write_text(json.dumps({"margins": MARGINS, "seeds": seeds}))
+    over = [(m["ratio"], k) for k, m in MARGINS.items() if m["ratio"]]
+    medians = [float(np.median(m["ratios"])) for m in MARGINS.values()]
+    worst = (f"the median jaxgpt/torch_ref ratio per component is {min(medians):.2f} to {max(medians):.2f} "
+             "(jaxgpt is as accurate as torch_ref), and " + ("none of jaxgpt's errors exceeded 1e-5" if not over else
+             "the worst single ratio where jaxgpt's error exceeded 1e-5 is {:.2f} ({})".format(*max(over))))
+    listed = f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)) \
+        else ", ".join(map(str, seeds))
+    path.write_text(MARGINS_HEADER.format(machine=machine(), k=K64, tol=TOL, worst=worst, n=len(seeds), seeds=listed)
+                    + margins_markdown() + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
+    if hasattr(tr.config, "workerinput"):
+        return  # an xdist worker: its tables go to the controller (pytest_sessionfinish), which prints them
     for kind, title in KINDS.items():
         rows = WORST[kind]
         if rows:
@@ -209,6 +470,41 @@ def pytest_terminal_summary(terminalreporter):
     report = os.environ.get("JAXGPT_PARITY_REPORT")
     if report and any(WORST.values()):
         Path(report).write_text(json.dumps({k: dict(sorted(v.items())) for k, v in WORST.items()}, indent=2) + "\n")
+    margins = os.environ.get("JAXGPT_PARITY_MARGINS")
+    if margins and MARGINS:
+        write_margins(Path(margins))
+        tr.write_line(f"float64 margins written to {margins}")
+
+
+MARGINS_HEADER = """# Parity margins against a float64 reference
+
+Generated by `make parity-margins MARGIN_SEEDS="$(seq 0 19)"`: the float64-referenced parity tests
+(`-k torch_ref` in the files listed in the Makefile) with JAXGPT_PARITY_MARGINS set, once per draw
+of the random weights (JAXGPT_PARITY_SEED_OFFSET; the suite itself runs offset 0), here {n} draw(s):
+offsets {seeds}. parity_tests/conftest.py writes this file. Measured on: {machine}.
+
+Why: two float32 computations of a multi-layer gradient differ by ~1e-5 through rounding alone,
+by an amount that depends on the CPU's kernels (issue #18: on a 2-core AMD EPYC, jaxgpt vs
+torch_ref on the EncDec seed-like gradients measured 1.003e-05 > 1e-05). So each float32 side is
+also compared with torch_ref run in float64 on the same weights and inputs (torch.float64; torch_ref's
+`.float()` upcasts are kept from rounding it back to float32, and every submodule is checked to
+return float64), and jaxgpt must satisfy
+
+    error(jaxgpt float32 vs float64) <= max({tol:.0e}, K64 x error(torch_ref float32 vs float64)),  K64 = {k:g}
+
+Errors are max abs; outputs as their test states (unit scale, or / max(1, max|ref|)); gradients per
+leaf / max(1, max|g_ref|), worst leaf. A row gathers the comparisons under one name (parametrisations
+and weight draws). Columns: n, the number of comparisons; jaxgpt's and torch_ref's float32 errors
+against float64 (worst); the jaxgpt/torch_ref error ratio, its median and its worst among the
+comparisons where jaxgpt's error exceeded 1e-5 (the only ones where K64 matters; "-": none did); the
+smallest bound / jaxgpt error (the margin: >= 1 passes); the direct float32-vs-float32 error (worst)
+and, where that comparison is asserted at 1e-5 too, its smallest margin 1e-5 / error ("not
+asserted": at some draw it came within 2x of 1e-5 through rounding alone, so only the float64 bound
+is asserted; "equal": bit-identical).
+
+Over these draws {worst}.
+
+"""
 
 
 def seed_classes(filename: str, names: list[str]) -> dict:

@@ -190,6 +190,7 @@ BIG = ["--set", "d_model=256", "--set", "n_layer=4", "--set", "d_ff=1024", "--se
        "--set", "log_every=1", "--set", "eval_batches=1", "--set", "dropout=0.1"]
 
 
+@pytest.mark.multiprocess  # three SIGKILLed training subprocesses: make test-slow
 def test_sigkill_during_a_save_keeps_the_previous_step_and_resumes_exactly(tmp_path, capsys):
     """~4.2M parameters (a 50 MB state): a save takes a few hundred ms. Three runs at once, each
     killed with SIGKILL while step 4 is being written (orbax's ``4.orbax-checkpoint-tmp`` exists)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import require_module
 from jaxgpt.cli import main
 from jaxgpt.config import apply_sets, parse_value
 from jaxgpt.config import TrainConfig, get_preset
@@ -80,7 +81,7 @@ def test_sample_eval_and_convert(trained, tmp_path, capsys):
 
 
 def test_convert_to_hugging_face(tmp_path):
-    pytest.importorskip("transformers")
+    require_module("transformers")
     run = tmp_path / "llama"
     assert main(["train", "--preset", "llama-tiny", "--corpus", "seed-synthetic", *SMALL, "--set", "steps=2",
                  "--set", "d_model=32", "--set", "n_head=4", "--set", "n_kv_head=2", "--set", "d_ff=64",

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, require_module
 from jaxgpt import PRESETS, build
 from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig)
 from jaxgpt.convert import bert, from_hf, gpt2, llama, to_hf
 from jaxgpt.convert.common import check_options
 from jaxgpt.models import abstract_params
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers", allow_module_level=True)  # CI=true: missing is a failure
 TINY = dict(vocab_size=48, d_model=32, n_head=4, n_layer=2, max_len=32)
 GPT2 = PRESETS["gpt2-small"].replace(**TINY, dropout=0.0, attn_dropout=0.0)
 LLAMA = PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48)

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import require_shared
+from conftest import require_module, require_shared
 from jaxgpt import data as D
+from jaxgpt.data import corpora
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
@@ -61,9 +62,9 @@ def test_data_module_does_not_import_torch():
 
 def test_pyproject_ships_the_corpus_files():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = cfg["tool"]["setuptools"]["package-data"]["jaxgpt"]
-    shipped = [p for pat in patterns for p in (ROOT / "jaxgpt").glob(pat)]
-    assert ROOT / "jaxgpt" / "corpora" / "zh_en_pairs.tsv" in shipped
+    patterns = cfg["tool"]["setuptools"]["package-data"]["jaxgpt.data"]
+    shipped = [p for pat in patterns for p in (ROOT / "jaxgpt" / "data").glob(pat)]
+    assert ROOT / "jaxgpt" / "data" / "corpora" / "zh_en_pairs.tsv" in shipped
 
 
 # ------------------------------------------------------------------------------------------ CharTokenizer
@@ -110,7 +111,7 @@ def synthetic_by_recipe() -> str:
     try:
         np.random.seed(42)
         text = ("abcdefg" * 5 + " ") * 200 + ("0123456789" * 3 + " ") * 200
-        sentences = D._SYNTHETIC_SENTENCES
+        sentences = corpora._SYNTHETIC_SENTENCES
         return text + "".join(sentences[np.random.randint(len(sentences))] for _ in range(500))
     finally:
         np.random.set_state(saved)
@@ -180,7 +181,7 @@ def test_encode_pair_matches_seed002(seed002, max_len):
 
 
 def test_encode_pairs_matches_seed002_translation_dataset(seed002):
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     ns = dict(seed002, torch=torch)
     exec(re.search(r"^class TranslationDataset\(.*?(?=^# ═)", seed002["src"], re.S | re.M).group(0), ns)
     ref = ns["TranslationDataset"](seed002["PAIRS"], seed002["CharTokenizer"](seed002["PAIRS"]), 40)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (assert_close, assert_self_consistent, assert_trees_close, load_into, randomize, seed_classes,
-                      torch_grads)
+from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module,
+                      float64_torch, load_into, randomize, seed_classes, torch_grads)
 from jaxgpt import PRESETS, build
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import (abstract_params, from_hf, from_nanogpt, from_seed_gpt, from_seed_minigpt,
@@ -38,12 +38,29 @@ def _params(cfg, seed=0):
     return randomize(build(cfg).init(jax.random.PRNGKey(0), _tokens(cfg, 1, 1))["params"], seed)
 
 
+def _torch_loss(t, x, y):
+    """torch_ref's logits and next-token cross-entropy, backpropagated (in t's dtype)."""
+    logits = t(torch.from_numpy(x))
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).long().flatten())
+    loss.backward()
+    return logits, loss
+
+
+# Variants whose float32 logits (up to ~5, not unit scale) came within 2x of 1e-5 of torch_ref's float32
+# ones at some of 20 weight draws (docs/parity-margins.md): their logits are checked against float64 only.
+LOGITS_NEAR_TOL = {"llama-gqa", "llama-mqa-tied", "seed-nopos"}
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_logits_and_loss_grads_match_torch_ref(name):
-    """Logits, and gradients of the next-token cross-entropy w.r.t. every parameter."""
+    """Logits, loss, and the gradients of the next-token cross-entropy w.r.t. every parameter, each
+    against torch_ref in float32 (1e-5; gradients per leaf / max(1, max|g|); logits of
+    LOGITS_NEAR_TOL excepted) and against torch_ref in float64 on the same weights: jaxgpt's float32
+    error <= max(1e-5, K64 x torch_ref float32's own) (conftest.assert_as_accurate_as_torch)."""
     cfg = VARIANTS[name]
     p = _params(cfg)
     t = load_into(tbuild(cfg), p, ("layers",))
+    t64 = float64_module(t)
     tok = _tokens(cfg, 2, 12)
     x, y = tok[:, :-1], tok[:, 1:]
 
@@ -52,12 +69,15 @@ def test_logits_and_loss_grads_match_torch_ref(name):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1))
 
     value, grads = jax.value_and_grad(loss)(p)
-    tlogits = t(torch.from_numpy(x))
-    assert_close(build(cfg).apply({"params": p}, x), tlogits, f"DecoderLM {name} logits")
-    tloss = torch.nn.functional.cross_entropy(tlogits.flatten(0, 1), torch.from_numpy(y).long().flatten())
-    tloss.backward()
-    assert_close(value, tloss, f"DecoderLM {name} loss")
-    assert_trees_close(grads, torch_grads(t, p, ("layers",)), f"DecoderLM {name} grads")
+    logits = build(cfg).apply({"params": p}, x)
+    tlogits, tloss = _torch_loss(t, x, y)
+    with float64_torch():
+        tlogits64, tloss64 = _torch_loss(t64, x, y)
+    assert_as_accurate_as_torch(logits, tlogits, tlogits64, f"DecoderLM {name} logits",
+                                direct=name not in LOGITS_NEAR_TOL)
+    assert_as_accurate_as_torch(value, tloss, tloss64, f"DecoderLM {name} loss")
+    assert_as_accurate_as_torch(grads, torch_grads(t, p, ("layers",)), torch_grads(t64, p, ("layers",), np.float64),
+                                f"DecoderLM {name} grads", grads=True)
 
 
 @pytest.mark.parametrize("name", ["seed-minigpt", "gpt2", "llama-gqa"])

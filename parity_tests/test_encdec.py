@@ -49,11 +49,16 @@ def load(tmodel, params):
 
 @pytest.mark.parametrize("name,config", [("seed-like", SEEDLIKE), ("pre-LN", PRELN)])
 def test_encdec_matches_torch_ref(name, config):
+    """Forward: 1e-5 vs torch_ref float32. Forward and every gradient: vs torch_ref in float64 on
+    the same weights, jaxgpt's float32 error <= max(1e-5, K64 x torch_ref float32's own)
+    (conftest's check_module, direct_grads=False): the float32-vs-float32 gradient error is 6.1e-6
+    here (up to 8.2e-6 over 20 weight draws) and was 1.003e-5 on an AMD EPYC (issue #18), rounding
+    alone; docs/parity-margins.md."""
     src, tgt, mask = batch()
     params = init_params(config)
     assert EncoderDecoder(config).apply({"params": params}, src, tgt, mask).shape == (3, 7, 30)
     check_module(f"EncDec {name}", EncoderDecoder(config), TEncoderDecoder(config), [src, tgt, mask],
-                 params=params, stacked=STACKED, grad_inputs=False)
+                 params=params, stacked=STACKED, grad_inputs=False, direct_grads=False)
 
 
 def test_encode_decode_masking_and_causality():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, assert_grads_close, assert_self_consistent, load_into, randomize, torch_grads
+from conftest import (assert_close, assert_grads_close, assert_self_consistent, load_into, randomize, require_module,
+                      torch_grads)
 from jaxgpt import PRESETS, build
 from jaxgpt.config import REMATS, EncDecConfig
 from jaxgpt.convert import (from_hf, load_safetensors, params_to_state_dict, save_safetensors, state_dict_to_params,
@@ -104,7 +105,8 @@ def test_cached_generation_in_each_layout(name):
     out = build(cfg).apply({"params": p}, prompt, cache=init_cache(cfg, 2, 16))
     assert out.cache.k.shape == (cfg.n_layer, 2, cfg.kv_heads, 16, cfg.head_dim)
     assert np.array_equal(np.asarray(out.cache.index), [5] * cfg.n_layer)
-    assert_self_consistent(out.cache.k, ref_k, f"engine knobs ({name}) vs default: KV cache", SELF_TOL)
+    # K reaches ~3 here: 1e-6 of its scale, as the logits above (no-scan measured 4.8e-7)
+    assert_self_consistent(out.cache.k, ref_k, f"engine knobs ({name}) vs default: KV cache", SELF_TOL, unit_scale=True)
     assert np.array_equal(np.asarray(generate(cfg, p, prompt, 8)), ref_tokens)
 
 
@@ -156,7 +158,7 @@ def test_both_layouts_convert_to_the_same_state_dict(tmp_path):
 def test_hf_round_trip_without_scan():
     """to_hf accepts a scan_layers=False config (the knobs have no HF counterpart and need none) and
     from_hf gives back the same weights (in the default layout), bit for bit."""
-    pytest.importorskip("transformers")
+    require_module("transformers")
     cfg = PRESETS["gpt2-small"].replace(**TINY, dropout=0.0, attn_dropout=0.0, scan_layers=False, remat="full",
                                         scan_unroll=2)
     p = randomize(abstract_params(cfg))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, assert_self_consistent, load_into, randomize
+from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module, float64_torch,
+                      load_into, randomize)
 from jaxgpt.config import apply_sets
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset
 from jaxgpt.data import builtin_pairs
@@ -105,12 +106,19 @@ def test_decoder_output_depth_weights_match_torch_ref(residual, variant):
     x = tokens(cfg)
     p = randomize(DecoderLM(cfg).init(jax.random.PRNGKey(0), x)["params"], seed=2)
     out = DecoderLM(cfg).apply({"params": p}, x, return_depth_weights=True)
+    t = load_into(TDecoderLM(cfg), p)
     with torch.no_grad():
-        ref = load_into(TDecoderLM(cfg), p)(torch.from_numpy(x).long(), return_depth_weights=True)
+        ref = t(torch.from_numpy(x).long(), return_depth_weights=True)
+        with float64_torch():
+            exact = float64_module(t)(torch.from_numpy(x).long(), return_depth_weights=True)
     assert out.depth_weights.shape == tuple(ref.depth_weights.shape)
     assert out.depth_weights.shape[0] == 2 * cfg.n_layer + (variant == "paper")  # 2 per layer (+ output)
     assert_close(out.depth_weights, ref.depth_weights.numpy(), f"DecoderOutput.depth_weights ({residual}, {variant})")
-    assert_close(out.logits, ref.logits.numpy(), f"DecoderLM logits with depth weights ({residual}, {variant})")
+    # The logits of 4 AttnRes layers on unit-scale random weights reach |10|: float32 vs float32 differs by
+    # ~2e-5 through rounding on some CPUs, so they are judged against torch_ref in float64 (conftest K64 rule).
+    assert_as_accurate_as_torch(out.logits, ref.logits.numpy(), exact.logits.numpy(),
+                                f"DecoderLM logits with depth weights ({residual}, {variant})", unit_scale=True,
+                                direct=False)
     np.testing.assert_allclose(np.asarray(out.depth_weights).sum(-1), 1.0, atol=1e-5)  # softmax over sources
     with pytest.raises(ValueError, match="no depth attention"):
         DecoderLM(cfg.replace(residual="standard")).apply({"params": DecoderLM(cfg.replace(residual="standard")).init(

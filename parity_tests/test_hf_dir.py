@@ -17,13 +17,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import assert_close
+from conftest import assert_close, require_module
 from jaxgpt import build
 from jaxgpt.config import BertConfig
 from jaxgpt.convert import load_hf, save_hf
 from jaxgpt.models.bert import BertClassifier
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers", allow_module_level=True)  # CI=true: missing is a failure
 VOCAB, CTX = 50, 64
 LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=CTX, head_dim=8, bos_token_id=0, eos_token_id=0)

@@ -99,6 +99,16 @@ def single_thread() -> None:
     torch.set_num_interop_threads(1)
 
 
+def write_result(out: str | Path, result: Any, table: str) -> Path:
+    """A benchmark's result as OUT (JSON) and its markdown table beside it (OUT with .md); prints the table."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return out
+
+
 # ---------------------------------------------------------------- load average
 
 BUSY_LOAD = 3.0  # above this 1-minute load average, other jobs competed for the 2 cores

@@ -39,7 +39,7 @@ from pathlib import Path
 GPU_NOTE = ("not measured: no GPU on this machine (none was lent to this work), so the gpt2-small bf16/cudnn MFU "
             "row and the GPU parity run are missing; every figure here is the CPU's")
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset  # imports no framework
-from scripts.harness import RESULTS, load_average, matmul_peak, report, spawn
+from scripts.harness import RESULTS, load_average, matmul_peak, report, spawn, write_result
 
 # nanoGPT style: learned positions, LayerNorm, exact GELU 4x MLP, no biases, tied embeddings, no dropout.
 _NANO = dict(vocab_size=65, pos="learned", norm="layernorm", norm_eps=1e-5, norm_bias=False, mlp="gelu",
@@ -325,12 +325,7 @@ def main(argv=None) -> dict:
         result["compile_time"] = _spawn("compile:gpt2-small", timeout=600)
     result["load_average"] = {"start": load_start, "end": load_average()}
     result["gpu"] = GPU_NOTE if shutil.which("nvidia-smi") is None else "a GPU is present; this script measures the CPU only"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    write_result(args.out, result, markdown(result))
     return result
 
 

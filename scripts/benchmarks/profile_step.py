@@ -49,7 +49,7 @@ from pathlib import Path
 from scripts.benchmarks import bench_train as bt  # SHAPES, JAX_SETTINGS, FLOP estimate (imports no framework)
 from scripts.benchmarks.profile_ops import CATEGORIES
 from scripts.benchmarks.profile_workers import VARIANTS
-from scripts.harness import RESULTS, load_average, spawn
+from scripts.harness import RESULTS, load_average, spawn, write_result
 
 DEFAULT_SETTINGS = ("jaxgpt-default", "jaxgpt-unrolled")
 # profiled steps per process (the categories are averaged over them) and unprofiled timed steps
@@ -248,12 +248,7 @@ def main(argv=None) -> dict:
         result["variants"] = {shape: run_variants(shape, args.variant_setting, 1 if args.quick else args.variant_rounds,
                                                   3 if args.quick else 15, args.variant_names.split(","))}
     result["load_average"] = {"start": load_start, "end": load_average()}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    write_result(args.out, result, markdown(result))
     return result
 
 
