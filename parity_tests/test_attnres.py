@@ -225,6 +225,7 @@ def test_block_attnres_jits(variant):
     assert_self_consistent(jax.jit(DecoderLM(cfg).apply)({"params": p}, toks), eager, f"AttnRes {variant} block jit vs eager")
 
 
+@pytest.mark.smoke  # seed_init starts a Python subprocess (scripts' experiment plumbing): make test-slow
 def test_seed_init_draws_the_seeds_own_weights(seed):
     """scripts.experiments.seed002_init.seed_init (exp_attnres.py --init seed): the weights of the seed's own model
     built after torch.manual_seed(s) (torch's default init), here drawn again in this process. For the
