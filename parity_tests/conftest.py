@@ -413,7 +413,12 @@ def machine() -> str:
     try:
         info = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
                                                                  check=True).stdout.splitlines() if ":" in line)
-        cpu = f"{info['Model name'].strip()} ({info['CPU(s)'].strip()} CPUs, {info['Architecture'].strip()})"
+        flags = set(info.get("Flags", "").split())
+        simd = next((f for f in ("avx512f", "avx2", "avx", "neon", "asimd") if f in flags), "")
+        cpu = (f"{info['Model name'].strip()}, {info.get('Vendor ID', '?').strip()} family "
+               f"{info.get('CPU family', '?').strip()} model {info.get('Model', '?').strip()}"
+               f"{', ' + simd if simd else ''} ({info['CPU(s)'].strip()} CPUs, {info['Architecture'].strip()}"
+               f"{', ' + info['Hypervisor vendor'].strip() + ' VM' if 'Hypervisor vendor' in info else ''})")
     except (OSError, subprocess.CalledProcessError, KeyError):
         pass
     return (f"{cpu}; jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, "

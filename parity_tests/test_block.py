@@ -17,10 +17,14 @@ from torch_ref.convert import module_params
                                           ("layernorm", "relu", "none"), ("rmsnorm", "gelu", "rope")])
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 def test_block_matches_torch_ref(placement, norm, mlp, pos, n_kv_head, rng):
+    """Forward and every gradient vs torch_ref in float32 (1e-5) and in float64 (conftest.check_module).
+    Pre-LN gradients: float64 only; their float32-vs-float32 error reached 7.6e-6 over 20 weight draws
+    (docs/parity-margins.md), too near 1e-5 to hold on every CPU."""
     cfg = ModelConfig(d_model=32, n_head=4, n_kv_head=n_kv_head, norm=norm, mlp=mlp, pos=pos,
                       norm_placement=placement, qkv_bias=norm == "layernorm", mlp_bias=norm == "layernorm")
     x = rng.standard_normal((2, 6, 32)).astype(np.float32)
-    check_module(f"Block {placement}-LN", Block(cfg), TBlock(cfg), [x], select=lambda o: o[0])
+    check_module(f"Block {placement}-LN", Block(cfg), TBlock(cfg), [x], select=lambda o: o[0],
+                 direct_grads=placement != "pre")
 
 
 @pytest.mark.parametrize("placement", ["pre", "post"])
