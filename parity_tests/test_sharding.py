@@ -152,10 +152,10 @@ def test_host_devices_after_jax_started_is_an_error():
 
     from jaxgpt.parallel.sharding import use_host_devices
 
-    jax.devices()  # this pytest process has started JAX with one CPU device
-    use_host_devices(1)  # enough already: nothing to do
-    with pytest.raises(ValueError, match=r"JAX has already started with 1 device\(s\), so 2 host devices cannot be"):
-        use_host_devices(2)
+    n = jax.device_count()  # this pytest process has started JAX (import jaxgpt: one CPU device per core)
+    use_host_devices(n)  # enough already: nothing to do
+    with pytest.raises(ValueError, match=rf"JAX has already started with {n} device\(s\), so {n + 1} host devices"):
+        use_host_devices(n + 1)
 
 
 def test_multi_host_flags_go_together(monkeypatch):
@@ -281,15 +281,18 @@ def test_parse_mesh():
 
 
 
-def test_checked_step_on_a_one_device_mesh():
-    """mesh=... with checked=True (in this process: a 1-device mesh): same loss as the plain step,
-    and a bad target still raises instead of being scored as the last class."""
+def test_checked_step_on_the_host_mesh():
+    """mesh=... with checked=True (a mesh over this process's devices: one per core): same loss as the
+    plain step, and a bad target still raises instead of being scored as the last class."""
+    import jax
+
     from jaxgpt.config import ModelConfig, TrainConfig
     from jaxgpt.parallel.sharding import make_mesh, shard_batch
     from jaxgpt.train.step import init_state, make_train_step
 
     cfg = ModelConfig(vocab_size=16, d_model=16, n_layer=1, n_head=2, max_len=8)
-    tc, mesh = TrainConfig(steps=2, batch_size=2, seq_len=4, mesh="data=1"), make_mesh("data=1")
+    spec = f"data={jax.device_count()}"
+    tc, mesh = TrainConfig(steps=2, batch_size=2, seq_len=4, mesh=spec), make_mesh(spec)
     x = np.arange(8, dtype=np.int32).reshape(1, 2, 4)  # (A, B, T)
     good, bad = {"x": x, "y": x + 1}, {"x": x, "y": x.copy()}
     bad["y"][0, 1, 2] = 16

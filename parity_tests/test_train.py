@@ -18,7 +18,8 @@ from jaxgpt.data import IGNORE_INDEX, builtin_pairs
 from jaxgpt.train import cross_entropy, init_state, make_train_step, schedule
 from jaxgpt.train.optim import DECAY_MASKS, decay_mask
 from jaxgpt.train.tasks import classify_task, fit_config, load_task, pairs_task
-from conftest import TOL, assert_close, assert_self_consistent
+from conftest import (TOL, assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module,
+                      float64_torch)
 from torch_ref.convert import load_params
 from torch_ref.train import make_optimizer, train
 
@@ -141,11 +142,21 @@ def test_training_loss_curve_matches_torch_ref(name):
     for s in range(tc.steps):
         state, m = step(state, task.batch(tc, s))
         ours.append(float(m["loss"]))
+    exact = None
+    if name.startswith("attnres"):  # before train() updates model in place: the same initial weights
+        with float64_torch():
+            exact = [m["loss"] for m in train(float64_module(model).requires_grad_(True), tc, task)]
     ref = [m["loss"] for m in train(model, tc, task)]
     assert ours[-1] < ours[0]  # it learns
-    # AttnRes: 1e-4, the conditioning bound of its gradients (test_attnres.py); all others 1e-5.
-    tol = 1e-4 if name.startswith("attnres") else TOL
-    assert_close(np.array(ours), np.array(ref), f"training: 20-step losses vs torch_ref ({name})", tol=tol)
+    component = f"training: 20-step losses vs torch_ref ({name})"
+    if exact is None:
+        assert_close(np.array(ours), np.array(ref), component)
+    else:
+        # AttnRes: 1e-4, the conditioning bound of its gradients (test_attnres.py). Over 20 updates two float32
+        # runs drift apart by ~1e-4 through rounding alone (8.9e-5 on one device, 1.4e-4 with the batch split
+        # over two), so each is judged against torch_ref trained in float64 on the same weights and batches.
+        assert_as_accurate_as_torch(np.array(ours), np.array(ref), np.array(exact), component, tol=1e-4,
+                                    direct=False)
 
 
 def test_grad_accumulation_equals_one_big_batch():

@@ -55,7 +55,8 @@ class TrainConfig(_Config):
     on_nonfinite: str = "stop"
     # Engine knob (jaxgpt.parallel.sharding): device mesh 'data=N,fsdp=M,tensor=K' ('' = one device). It changes
     # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp.
-    mesh: str = ""
+    # 'auto': on a CPU host, the micro-batch split over its CPU devices (jaxgpt.parallel.host_devices), else one device.
+    mesh: str = "auto"
 
     def _validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
@@ -90,7 +91,7 @@ class TrainConfig(_Config):
         if self.steps_per_epoch and self.epochs and self.steps != self.epochs * self.steps_per_epoch:
             raise ValueError(f"steps={self.steps} is not epochs * steps_per_epoch = {self.epochs} * "
                              f"{self.steps_per_epoch}; derive them with jaxgpt.train.tasks.with_epochs")
-        if self.mesh:
+        if self.mesh and self.mesh != "auto":
             from jaxgpt.config.mesh import parse_mesh
 
             sizes = parse_mesh(self.mesh)

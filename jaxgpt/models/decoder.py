@@ -110,6 +110,16 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
+def scan_unroll(config) -> int:
+    """``config.scan_unroll`` as an int; 'auto': every layer in one iteration on the CPU, where the
+    rolled loop's per-layer weight slices and stacked activations cost about 1.2x in the train step
+    (docs/performance.md); rolled elsewhere, where compile time matters more, and with ``remat``,
+    whose memory saving the rolled loop keeps (unrolled, XLA's schedule gave it back)."""
+    if config.scan_unroll != "auto":
+        return config.scan_unroll
+    return config.n_layer if jax.default_backend() == "cpu" and config.remat == "none" else 1
+
+
 def remat_policy(name: str):
     """``config.remat`` -> the jax.checkpoint policy passed to nn.remat ('full': save nothing)."""
     return None if name == "full" else getattr(jax.checkpoint_policies, name)
@@ -134,9 +144,11 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     if cache is not None:
         return _run_blocks_cached(config, body, x, cache, causal=causal, cross=cross, name=name)
     if config.remat != "none":
-        # Inside a scan the loop already keeps XLA from merging the recomputation back into the forward
-        # pass, so the optimisation barriers of prevent_cse are only needed for separate layers (JAX docs).
-        body = nn.remat(body, policy=remat_policy(config.remat), prevent_cse=not config.scan_layers)
+        # Inside a rolled scan the loop already keeps XLA from merging the recomputation back into the
+        # forward pass, so the optimisation barriers of prevent_cse are only needed for separate or
+        # unrolled layers (JAX docs; unrolled without them, remat='full' saved no memory).
+        rolled = config.scan_layers and scan_unroll(config) == 1
+        body = nn.remat(body, policy=remat_policy(config.remat), prevent_cse=not rolled)
     if not config.scan_layers:
         outs = []
         for i in range(config.n_layer):
@@ -148,7 +160,7 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     # "intermediates": 0 stacks what capture_intermediates / sow record per layer (jaxgpt.tools.parity reads
     # each Block's output from it); without that collection mutable, nothing changes.
     scan = nn.scan(body, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
-                   in_axes=0, length=config.n_layer, unroll=config.scan_unroll)
+                   in_axes=0, length=config.n_layer, unroll=scan_unroll(config))
     x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, name=name), x, cache)
     return x, cache, weights
 
@@ -202,7 +214,7 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
     else:
         scan = nn.scan(layer_body, variable_axes={"params": 0, "intermediates": 0},
                        split_rngs={"params": True, "dropout": True}, in_axes=0, length=config.n_layer,
-                       unroll=config.scan_unroll)
+                       unroll=scan_unroll(config))
         layers = jnp.arange(config.n_layer, dtype=jnp.int32)
         carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, name=name), (x, cache.k, cache.v),
                                        (layers, cache.index))

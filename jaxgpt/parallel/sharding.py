@@ -62,6 +62,29 @@ _NORM_MODULE = re.compile(r"(^|_)norm$")  # norm, attn_norm, mlp_norm, cross_nor
 _LEAF_RULES = {"w_attn": ("norm",), "w_mlp": ("norm",)}  # Attention Residuals queries: (d_model,)
 
 
+def auto_mesh(micro_batch: int | None = None) -> Mesh | None:
+    """``TrainConfig.mesh='auto'``: a 'data' mesh over this host's CPU devices (as many as divide
+    ``micro_batch``), or None (one device) on an accelerator, on several processes, or with one
+    CPU device. Data parallel only: params stay whole, so the math is the single-device step's."""
+    if jax.default_backend() != "cpu" or jax.process_count() > 1:
+        return None
+    devices = jax.local_devices()
+    n = max(d for d in range(1, len(devices) + 1) if not micro_batch or micro_batch % d == 0)
+    return make_mesh({"data": n, "fsdp": 1, "tensor": 1}, devices[:n]) if n > 1 else None
+
+
+def train_mesh(tc, mesh="auto") -> Mesh | None:
+    """The mesh a train step runs on: ``mesh`` when given (a Mesh, or None for one device), else
+    ``tc.mesh`` ('auto': ``auto_mesh``; '': None)."""
+    if not isinstance(mesh, str):
+        return mesh
+    if mesh != "auto":
+        raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one device) or 'auto' (from TrainConfig.mesh)")
+    if tc.mesh == "auto":
+        return auto_mesh(tc.micro_batch)
+    return make_mesh(tc.mesh) if tc.mesh else None
+
+
 def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
     """A Mesh with axes ('data', 'fsdp', 'tensor') over ``devices`` (default: all, every process)."""
     devices = jax.devices() if devices is None else list(devices)
@@ -353,4 +376,4 @@ def describe(config, params, mesh: Mesh) -> dict[str, str]:
 __all__ = ["AXES", "LOGICAL_RULES", "PARAM_RULES", "batch_sharding", "bytes_per_device", "constrain_activations",
            "describe", "gathers_in_scan", "mesh_devices", "ReplicationWarning", "replication_message", "unsplit",
            "logical_axes", "make_mesh", "param_shardings", "param_specs", "parse_mesh", "shard_batch",
-           "state_shardings", "use_host_devices"]
+           "state_shardings", "use_host_devices", "auto_mesh", "train_mesh"]

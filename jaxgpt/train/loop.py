@@ -39,12 +39,12 @@ def _differences(a, b) -> list[str]:
 
 
 def _mesh(tc: TrainConfig):
-    """The jax Mesh of ``tc.mesh`` (None when unset: the single-device path, unchanged)."""
+    """The jax Mesh of ``tc.mesh`` (None: the single-device path, unchanged; 'auto': sharding.auto_mesh)."""
     if not tc.mesh:
         return None
-    from jaxgpt.parallel.sharding import make_mesh
+    from jaxgpt.parallel.sharding import train_mesh
 
-    return make_mesh(tc.mesh)
+    return train_mesh(tc)
 
 
 def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None, corpus: str | None = None

@@ -31,13 +31,18 @@ class TrainState(struct.PyTreeNode):
         return {"step": self.step, "params": self.params, "opt_state": self.opt_state, "rng": self.rng}
 
 
-def init_state(config, tc: TrainConfig, params=None, mesh=None) -> TrainState:
+def init_state(config, tc: TrainConfig, params=None, mesh="auto") -> TrainState:
     """Step 0: params from ``init_params(config, fold_in(PRNGKey(seed), 0))`` unless given.
 
     mesh: a ``jaxgpt.parallel.sharding`` mesh: every array is created directly in its sharding by one
     ``jax.jit(..., out_shardings=...)``, never whole on one device (the values do not depend on the
-    mesh: JAX's partitionable threefry draws the same numbers however the output is split)."""
+    mesh: JAX's partitionable threefry draws the same numbers however the output is split).
+    'auto': the mesh ``make_train_step`` picks from ``tc.mesh`` (sharding.train_mesh); None: one device."""
     key = jax.random.PRNGKey(tc.seed)
+    if isinstance(mesh, str):
+        from jaxgpt.parallel.sharding import train_mesh
+
+        mesh = train_mesh(tc, mesh)
     if mesh is not None:
         from jaxgpt.parallel.sharding import state_shardings
 
@@ -69,13 +74,15 @@ def abstract_state(config, tc: TrainConfig, mesh=None) -> TrainState:
                         state_shardings(config, shapes, mesh))
 
 
-def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None):
+def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="auto"):
     """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
     ``checked``: checked mode (``jaxgpt.nn.checks``): a bad id, target or label raises ValueError
     instead of being clamped or scored silently; off by default (the checks compile away).
     ``mesh``: a ``jaxgpt.parallel.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
     batch rows are split over ('data', 'fsdp') (``sharding.shard_batch``), metrics replicated; jit
-    propagates the rest. None: the single-device step, unchanged.
+    propagates the rest. None: the single-device step, unchanged. 'auto' (default): from ``tc.mesh``
+    (sharding.train_mesh); its default 'auto' splits the batch over this host's CPU devices
+    (jaxgpt.parallel.host_devices), and a batch whose rows do not divide runs whole on each of them.
 
     batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
     (grad_accum, micro_batch, ...). Gradients of the summed loss are accumulated over the
@@ -86,21 +93,31 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None
     including its update count, stay as they were).
     """
     optimizer, lr = make_optimizer(tc), schedule(tc)
+    auto = isinstance(mesh, str)
+    if auto:
+        from jaxgpt.parallel.sharding import train_mesh
+
+        auto, mesh = tc.mesh == "auto", train_mesh(tc, mesh)
 
     def micro_grads(params, micro, rng):
         def f(p):
-            if mesh is None:
+            rows = jax.tree.leaves(micro)[0].shape[0]
+            if mesh is None or rows % (mesh.shape["data"] * mesh.shape["fsdp"]):  # the latter: 'auto' only
                 terms = loss_terms(config, p, micro, rng=rng, train=True)
             else:  # activations split by row: FSDP weights are then gathered layer by layer in the scan
                 from jaxgpt.parallel.sharding import constrain_activations
 
-                with constrain_activations(mesh, jax.tree.leaves(micro)[0].shape[0]):
+                with constrain_activations(mesh, rows):
                     terms = loss_terms(config, p, micro, rng=rng, train=True)
             return terms["loss_sum"], terms
         return jax.grad(f, has_aux=True)(params)
 
     def train_step(state: TrainState, batch: dict):
         checks.check_batch(batch, config)  # up front, outside grad: names the key and the micro-batch
+        if auto and mesh is not None and jax.tree.leaves(batch)[0].shape[1] % mesh.shape["data"] == 0:
+            from jaxgpt.parallel.sharding import batch_sharding
+
+            batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
         rng = jax.random.fold_in(state.rng, state.step)
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         if n_micro == 1:
@@ -137,7 +154,8 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None
         from jaxgpt.parallel.sharding import batch_sharding, state_shardings
 
         state_sh = state_shardings(config, abstract_state(config, tc), mesh)
-        shardings = dict(in_shardings=(state_sh, batch_sharding(mesh)),
+        # 'auto': the batch comes as it is (host arrays, any row count) and is split in here
+        shardings = dict(in_shardings=(state_sh, None if auto else batch_sharding(mesh)),
                          out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())))
         if checked:
             # checkify returns (error, output): the output shardings are left to propagation

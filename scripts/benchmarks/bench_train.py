@@ -90,9 +90,10 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
     config, batch, seq_len, _ = SHAPES[shape]
     # a JAX_SETTINGS name, or a JSON {"config": {...}, "host_devices": n} (to try a setting by hand)
     chosen = json.loads(setting) if setting.startswith("{") else JAX_SETTINGS[setting]
-    devices = chosen.get("host_devices", 1)
-    from jaxgpt.parallel.sharding import use_host_devices
-    use_host_devices(devices)  # before jax initialises its backend
+    devices = chosen.get("host_devices")  # None: jaxgpt's default (TrainConfig.mesh='auto')
+    if devices is not None:
+        from jaxgpt.parallel.sharding import use_host_devices
+        use_host_devices(devices)  # before jax initialises its backend
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -103,7 +104,10 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
     state = init_state(config, tc)
     n_params = count_params(state.params)
     batches = random_batches(config, batch, seq_len, steps + 1)
-    if devices > 1:  # data parallel: params replicated, the batch axis (axis 1) split; jit propagates it
+    if devices is None:  # the defaults: init_state / make_train_step pick the mesh (sharding.train_mesh)
+        batches = [jax.device_put(b) for b in batches]
+        devices = jax.device_count()
+    elif devices > 1:  # data parallel: params replicated, the batch axis (axis 1) split; jit propagates it
         mesh = Mesh(jax.devices()[:devices], ("data",))
         state = jax.device_put(state, NamedSharding(mesh, P()))
         batches = [jax.device_put(b, NamedSharding(mesh, P(None, "data"))) for b in batches]

@@ -1,0 +1,102 @@
+"""The engine's 'auto' defaults (issue #19): what a user gets without flags is the fast path, with
+the same numbers.
+
+- ``scan_unroll='auto'``: every layer in one scan iteration on the CPU, rolled elsewhere.
+- ``import jaxgpt`` asks XLA for one CPU device per core, up to ``host_devices.AUTO_MAX``, unless the user chose
+  (``JAXGPT_HOST_DEVICES``, ``XLA_FLAGS``); checked in fresh interpreters.
+- ``TrainConfig.mesh='auto'``: the train step splits the batch over those devices. Self-consistency
+  against the single-device step (mesh=None) at 1e-6; the step against torch_ref is test_train.py's.
+- exact GELU written with erf: checked against torch's nn.GELU() in test_mlp.py; here against the
+  erfc form JAX uses (self-consistency, 1e-6).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.config import ModelConfig, TrainConfig
+from jaxgpt.models.decoder import scan_unroll
+from jaxgpt.nn.mlp import gelu
+from jaxgpt.parallel import host_devices
+from jaxgpt.train.step import init_state, make_train_step
+
+SELF_TOL = 1e-6
+CFG = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=4, max_len=16)
+
+
+def test_scan_unroll_auto_unrolls_on_cpu():
+    assert CFG.scan_unroll == "auto"
+    assert scan_unroll(CFG) == (CFG.n_layer if jax.default_backend() == "cpu" else 1)
+    assert scan_unroll(CFG.replace(scan_unroll=1)) == 1
+    with pytest.raises(ValueError, match="scan_unroll must be a positive int, got 'fast'"):
+        CFG.replace(scan_unroll="fast")
+
+
+def _devices_in_fresh_interpreter(env: dict) -> int:
+    code = "import jaxgpt, jax; print(jax.device_count())"
+    full = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", host_devices.ENV)} | env
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_import_asks_for_one_cpu_device_per_core():
+    cores = len(os.sched_getaffinity(0))
+    assert _devices_in_fresh_interpreter({}) == min(cores, host_devices.AUTO_MAX)
+    assert _devices_in_fresh_interpreter({host_devices.ENV: "1"}) == 1
+    # the user's own flag wins, whatever JAXGPT_HOST_DEVICES says
+    assert _devices_in_fresh_interpreter({"XLA_FLAGS": "--xla_force_host_platform_device_count=3",
+                                          host_devices.ENV: "2"}) == 3
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1"])
+def test_host_devices_env_is_validated(bad, monkeypatch):
+    monkeypatch.setenv(host_devices.ENV, bad)
+    with pytest.raises(ValueError, match=f"JAXGPT_HOST_DEVICES='{bad}': expected 'auto' or a device count >= 1"):
+        host_devices.requested()
+
+
+def _batch(rows: int, seed: int = 0) -> dict:
+    w = np.random.default_rng(seed).integers(0, CFG.vocab_size, (1, rows, 9)).astype(np.int32)
+    return {"x": w[:, :, :-1], "y": w[:, :, 1:]}
+
+
+@pytest.mark.parametrize("rows", [4, 3])  # 3 rows (a batch unlike tc's) do not split: run whole on each device
+def test_auto_mesh_step_equals_single_device_step(rows):
+    if jax.device_count() < 2:
+        pytest.skip("one CPU device: the auto mesh is the single-device step")
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
+    auto, single = init_state(CFG, tc), init_state(CFG, tc, mesh=None)
+    assert len(auto.params["tok_embed"]["embedding"].sharding.device_set) == 2
+    step_auto, step_single = make_train_step(CFG, tc), make_train_step(CFG, tc, mesh=None)
+    for i in range(2):
+        auto, m_auto = step_auto(auto, _batch(rows, i))
+        single, m_single = step_single(single, _batch(rows, i))
+        assert abs(float(m_auto["loss"]) - float(m_single["loss"])) < SELF_TOL
+    diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), auto.params, single.params)
+    assert max(jax.tree.leaves(diff)) < SELF_TOL
+
+
+def test_auto_mesh_off_where_it_cannot_help():
+    from jaxgpt.parallel.sharding import auto_mesh, train_mesh
+
+    assert train_mesh(TrainConfig(mesh=""), "auto") is None
+    assert train_mesh(TrainConfig(), None) is None
+    if jax.device_count() >= 2:
+        assert auto_mesh(3) is None  # no divisor of 3 rows up to 2 devices but 1
+        assert auto_mesh(4).shape["data"] == 2
+    with pytest.raises(ValueError, match="mesh='data=2': pass a Mesh, None"):
+        train_mesh(TrainConfig(), "data=2")
+
+
+def test_gelu_erf_form_equals_jax_exact_gelu():
+    x = jnp.linspace(-12.0, 12.0, 10001, dtype=jnp.float32)
+    assert float(jnp.max(jnp.abs(gelu(x) - jax.nn.gelu(x, approximate=False)))) < SELF_TOL
+    g = jax.vmap(jax.grad(gelu))(x)
+    g_ref = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=False)))(x)
+    assert float(jnp.max(jnp.abs(g - g_ref))) < SELF_TOL
