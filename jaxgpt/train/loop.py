@@ -1,7 +1,7 @@
 """The training loop behind ``jaxgpt train`` and every experiment in scripts/experiments: resume,
 step, log, evaluate, checkpoint, plot (``fit(checkpoints=False)``: no orbax, no run directory needed).
 
-Host work per step is one NumPy batch; metrics stay on the device and are fetched every
+Host work per step is one NumPy batch, built ahead by a prefetch thread; metrics stay on the device and are fetched every
 ``log_every`` steps, so the jitted steps queue up back to back. They are also fetched before
 every evaluation and checkpoint, so a NaN/inf loss is seen before anything is saved after it:
 ``on_nonfinite='stop'`` raises ``NonFiniteLoss`` naming the first bad step (the checkpoints on
@@ -23,6 +23,7 @@ from tqdm import std as tqdm_std
 from tqdm.auto import tqdm
 
 from jaxgpt.config import TrainConfig
+from jaxgpt.data.prefetch import Prefetch
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step
@@ -30,6 +31,7 @@ from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
 
 
+PREFETCH_DEPTH = 2  # batches built ahead of the device (host memory: depth x one batch)
 ENGINE = ("mesh",)  # TrainConfig fields a run may change when it resumes: placement, not math
 
 
@@ -277,11 +279,13 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
             raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
         ckpts.save(state, meta)
 
+    # host-side prefetch: a thread builds the next batches (pure functions of the step) while the device runs
+    batches = Prefetch(lambda s: task.batch(tc, s), range(start, end), depth=PREFETCH_DEPTH)
     try:
         try:
             for step in range(start, end):
-                # dispatch is asynchronous: the next batch is built on the host while this step runs
-                state, m = train_step(state, place(check_batch(task.batch(tc, step), config)))  # jit would not raise
+                # dispatch is asynchronous: the thread is already building the batches after this one
+                state, m = train_step(state, place(check_batch(batches.get(step), config)))  # jit would not raise
                 done = step + 1
                 pending.append((done, m))
                 evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == end
@@ -310,6 +314,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         if ckpts is None and not bool(_all_finite(state.params)):  # what a save would have refused
             raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
     finally:
+        batches.close()
         bar.close()
         if ckpts is not None:
             ckpts.wait()  # the last save: finished, read back, older steps pruned
