@@ -10,9 +10,9 @@ chunks (memory bounded by one chunk and one document). A rerun skips shards with
 Finally the shards are concatenated, in order, into ``train.bin`` and ``val.bin`` and removed
 (``merge=False`` keeps them and lists them in meta.json instead: no second copy on disk).
 
-Which documents are held out depends only on a document's index j in its shard (it is
-validation when floor((j + 1) f) > floor(j f), f = val_fraction), so the split, like the
-bytes, does not depend on ``num_proc``.
+Which documents are held out depends only on (shard, index in the shard), through a fixed hash
+(``is_val``: a fraction f = val_fraction of them, on average), so the split, like the bytes, does
+not depend on ``num_proc``.
 
 Character tokenizer: a first pass collects the characters; the EOS is ``'\\x00'`` (it must not
 occur in the text), so the vocabulary is ``sorted(chars | {'\\x00'})`` and EOS has id 0. nanoGPT's
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import shutil
 import time
@@ -163,8 +162,13 @@ def load_tokenizer(spec: str, shards: list[dict], opts: dict, eos: str | None = 
 
 # --- One shard --------------------------------------------------------------------------------
 
-def _is_val(j: int, f: float) -> bool:
-    return math.floor((j + 1) * f) > math.floor(j * f)
+def is_val(shard: int, j: int, f: float) -> bool:
+    """Document j of shard ``shard`` is held out: a fixed hash of (shard, j) below f, so the split
+    depends on neither num_proc nor the shard sizes (a shard of 64 text files still holds out its
+    share on average, corpus-wide)."""
+    h = ((shard * 0x9E3779B1 + j) * 0x85EBCA77 + 0x165667B1) % (1 << 32)
+    h = ((h ^ (h >> 15)) * 0xC2B2AE3D) % (1 << 32)
+    return (h ^ (h >> 13)) / (1 << 32) < f
 
 
 def encode_shard(i: int, shard: dict, work: Path, tok_dict: dict, eos_id: int, dtype: str, val_fraction: float,
@@ -195,7 +199,7 @@ def encode_shard(i: int, shard: dict, work: Path, tok_dict: dict, eos_id: int, d
         else:
             ids_list = [tok.encode(d) for d in docs]
         for j, ids in enumerate(ids_list, j0):
-            s = "val" if val_fraction and _is_val(j, val_fraction) else "train"
+            s = "val" if val_fraction and is_val(i, j, val_fraction) else "train"
             arr = np.append(np.asarray(ids, np.int64), eos_id)
             bufs[s].append(arr)
             sizes[s] += len(arr)
