@@ -157,6 +157,7 @@ def load_tokenizer(spec: str, shards: list[dict], opts: dict, eos: str | None = 
         eos_id = tok._tok.token_to_id("<|endoftext|>")  # GPT-2's separator, the usual one
         if eos_id is None:
             raise ValueError(f"{spec} names no EOS token (config.json eos_token_id, or <|endoftext|>): pass --eos TOKEN")
+    tok.specials.setdefault("eos_token_id", [int(eos_id)])  # saved with the data: sampling stops at a document's end
     return tok, int(eos_id), tok._tok.id_to_token(eos_id)
 
 
