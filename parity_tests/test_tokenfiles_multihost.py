@@ -66,3 +66,54 @@ def test_one_and_two_processes_see_the_same_global_batches(tmp_path):
                                               err_msg=f"process {r['process']} step {step} {k}")
     # each process read its 4 of the 8 rows per step, not the global batch
     assert [r["reads"] for r in results] == [len(STEPS) * 4] * 2
+
+
+def test_sigkilled_token_file_run_resumes_bit_exact(tmp_path):
+    """`jaxgpt train --data DIR` SIGKILLed mid-run (after a checkpoint, between two) and rerun with
+    the same command ends with the uninterrupted run's losses and weights, bit for bit."""
+    import signal
+    import time
+
+    import jax
+
+    from jaxgpt.train.checkpoint import Checkpoints
+
+    d = tmp_path / "data"
+    d.mkdir()
+    rng = np.random.default_rng(1)
+    rng.integers(0, 50, 50_000).astype(np.uint16).tofile(d / "train.bin")
+    rng.integers(0, 50, 2_000).astype(np.uint16).tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 50, "dtype": "uint16", "tokenizer": None}))
+    sets = ["n_layer=1", "d_model=32", "d_ff=64", "batch_size=4", "seq_len=16", "steps=400", "ckpt_every=100",
+            "eval_every=0", "log_every=1", "dropout=0.1"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+
+    def cmd(out):
+        return [sys.executable, "-m", "jaxgpt", "train", "--preset", "seed-minigpt", "--data", str(d), "--quiet",
+                "--out", str(out), *[a for s in sets for a in ("--set", s)]]
+
+    subprocess.run(cmd(tmp_path / "ref"), env=env, cwd=REPO, check=True, capture_output=True, timeout=LAUNCH_S)
+    run = tmp_path / "run"
+    p = subprocess.Popen(cmd(run), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + LAUNCH_S
+    metrics = run / "metrics.jsonl"
+    while p.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 130:  # past the step-100 checkpoint
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    r = subprocess.run(cmd(run), env=env, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_S)
+    assert r.returncode == 0 and "resuming at step" in r.stdout, r.stdout + r.stderr
+
+    def losses(out):
+        return {row["step"]: row["loss"] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in row}
+
+    assert losses(run) == losses(tmp_path / "ref") and len(losses(run)) == 400
+    _, _, a, _ = Checkpoints(run, create=False).restore()
+    _, _, b, _ = Checkpoints(tmp_path / "ref", create=False).restore()
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
