@@ -20,7 +20,7 @@ from jaxgpt.config import apply_sets, get_preset
 from jaxgpt.data.prefetch import Prefetch
 from jaxgpt.data.tokenfiles import Tokens, global_batch, open_tokens, window_starts
 from jaxgpt.train.loop import fit, prepare
-from parity_tests.conftest import SHARED, require_shared
+from parity_tests.conftest import SHARED, require_module, require_shared
 
 SETS = ["n_layer=1", "d_model=32", "d_ff=64", "batch_size=4", "seq_len=16", "eval_every=0", "eval_batches=2",
         "log_every=1"]
@@ -197,3 +197,34 @@ def test_token_file_run_resumes_bit_exact(shakespeare_char, tmp_path):
     assert got == ref and sorted(got) == [1, 2, 3, 4, 5, 6]
     for a, b in zip(jax.tree.leaves(runs["run"]["state"].params), jax.tree.leaves(runs["ref"]["state"].params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tensorboard_events_read_back_with_tensorboardx(shakespeare_char, tmp_path):
+    """`--log tensorboard` writes event files (by hand: tensorboardX would import torch); read back
+    with tensorboardX's own Event proto and CRC-32C, an independent reader."""
+    require_module("tensorboardX")
+    import struct
+
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.proto.event_pb2 import Event
+
+    d, _, _ = shakespeare_char
+    run = tmp_path / "run"
+    assert main(train_args(d, run, "--set", "steps=3", "--log", "tensorboard")) == 0
+    (path,) = (run / "tensorboard").glob("events.out.tfevents.*")
+    raw, events = path.read_bytes(), []
+    masked = lambda b: (((crc32c(b) >> 15) | (crc32c(b) << 17)) + 0xA282EAD8) & 0xFFFFFFFF  # noqa: E731
+    while raw:
+        (n,), head = struct.unpack("<Q", raw[:8]), raw[:8]
+        assert struct.unpack("<I", raw[8:12])[0] == masked(head)
+        data = raw[12:12 + n]
+        assert struct.unpack("<I", raw[12 + n:16 + n])[0] == masked(data)
+        events.append(Event.FromString(data))
+        raw = raw[16 + n:]
+    assert events[0].file_version == "brain.Event:2"
+    got = {(e.step, v.tag): v.simple_value for e in events[1:] for v in e.summary.value}
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    want = {(r["step"], f"{'val' if 'val_loss' in r else 'train'}/{k}"): v for r in rows for k, v in r.items() if k != "step"}
+    assert got.keys() == want.keys() and ("train/loss" in {t for _, t in got})
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-6), k  # float32 in the event file

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "same as --set epochs=N; with --set lr_per_epoch=true the schedule steps once per epoch)")
     t.add_argument("--out", required=True, help="run directory; resumes when it holds a checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--log", action="append", choices=("tensorboard",), help="also write TensorBoard event files "
+                   "to OUT/tensorboard (beside metrics.jsonl; no extra dependency)")
     t.add_argument("--check-data", action="store_true", help="token directory: check every id against the "
                    "vocabulary before training (default: a sample at open; each batch is checked as it is read)")
     t.add_argument("--mesh", help="device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2 (an omitted axis is 1; "

@@ -41,7 +41,18 @@ def cmd_train(args) -> int:
         f"from {args.init}" if args.init else "from scratch")
     print(f"{args.preset or args.init}: {n:,} parameters | {task.kind} on {task.source} | vocab {task.tokenizer.vocab_size} | "
           f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} | {where} | out {args.out}", flush=True)
-    summary = fit(config, tc, task, args.out, state=state, progress=not args.quiet)
+    loggers = []
+    if "tensorboard" in (getattr(args, "log", None) or []):
+        from jaxgpt.parallel.hosts import is_primary
+        from jaxgpt.train.tensorboard import TensorBoardLog
+
+        if is_primary():
+            loggers.append(TensorBoardLog(f"{args.out}/tensorboard"))
+    try:
+        summary = fit(config, tc, task, args.out, state=state, progress=not args.quiet, loggers=tuple(loggers))
+    finally:
+        for logger in loggers:
+            logger.close()
     val = "none (val_fraction=0)" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"
     print(f"done: final loss {summary['final_loss']:.4f} (mean of the last 20 steps), val loss "
           f"{val}, {summary['tok_s'] or 0:,.0f} tok/s | {args.out}/metrics.jsonl"

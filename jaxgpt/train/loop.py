@@ -169,7 +169,8 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, state: TrainState | None = None,
         progress: bool = True, log=print, checkpoints: bool = True, until: int | None = None,
         on_log: Callable[[list[dict]], bool | None] | None = None,
-        on_eval: Callable[[int, Any], dict] | None = None, train_step=None, eval_step=None) -> dict:
+        on_eval: Callable[[int, Any], dict] | None = None, train_step=None, eval_step=None,
+        loggers: tuple[Callable[[list[dict]], None], ...] = ()) -> dict:
     """Train from ``state`` (default: ``init_state``) to ``tc.steps``, writing ``out/metrics.jsonl``,
     ``out/checkpoints/`` and ``out/loss.png``. Every batch is checked on the host, and a NaN/inf loss
     stops the run (``tc.on_nonfinite``).
@@ -181,7 +182,8 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     (saved when checkpointing; no extra evaluation). on_eval(step, params) -> dict: scores merged into
     each evaluation row (every ``tc.eval_every`` steps and at the end; also without a validation
     split). train_step, eval_step: compiled steps to reuse (``make_train_step(config, tc)``,
-    ``make_eval_step(config)``), e.g. across the seeds of one model.
+    ``make_eval_step(config)``), e.g. across the seeds of one model. loggers: callables given every
+    row metrics.jsonl gets, on process 0 (``jaxgpt.train.tensorboard.TensorBoardLog``).
 
     Returns the summary: steps (updates done), final_loss (mean of the last 20), val_loss, tok_s,
     skipped, plot; the timing, defined once: compile_s = the first update of this call (tracing,
@@ -231,6 +233,9 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         if metrics_path and is_primary():
             with metrics_path.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
+        if is_primary():
+            for logger in loggers:
+                logger(rows)
         history.extend(rows)
 
     def stop(what: str) -> NonFiniteLoss:
