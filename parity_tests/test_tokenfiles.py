@@ -71,15 +71,44 @@ def test_nanogpt_dir_opens_memory_mapped_with_its_vocabulary(shakespeare_char):
 def test_train_eval_sample_on_nanogpt_shakespeare_char(shakespeare_char, tmp_path, capsys):
     d, text, ref = shakespeare_char
     run = tmp_path / "run"
-    assert main(train_args(d, run, "--set", "steps=3")) == 0
+    assert main(train_args(d, run, "--set", "steps=3", "--log", "tensorboard")) == 0
     out = capsys.readouterr().out
     assert f"lm on {d} | vocab 65" in out
+    check_tensorboard(run)
     assert main(["sample", "--ckpt", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "20"]) == 0
     sample = capsys.readouterr().out.split("\n", 1)[1]
     assert sample.startswith("ROMEO:") and len(sample.rstrip("\n")) >= 26 and set(sample) <= set(ref["chars"]) | {"\n"}
     assert main(["eval", "--ckpt", str(run), "--json", str(tmp_path / "e.json")]) == 0
     assert "validation split, 2 batches" in capsys.readouterr().out
     assert 3.5 < json.loads((tmp_path / "e.json").read_text())["val_loss"] < 4.6  # ~ln 65 after 3 steps
+
+
+def check_tensorboard(run: Path) -> None:
+    """`--log tensorboard` wrote event files (by hand: tensorboardX would import torch) that hold
+    metrics.jsonl's rows; read back with tensorboardX's own Event proto and CRC-32C."""
+    require_module("tensorboardX")
+    import struct
+
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.proto.event_pb2 import Event
+
+    (path,) = (run / "tensorboard").glob("events.out.tfevents.*")
+    raw, events = path.read_bytes(), []
+    masked = lambda b: (((crc32c(b) >> 15) | (crc32c(b) << 17)) + 0xA282EAD8) & 0xFFFFFFFF  # noqa: E731
+    while raw:
+        (n,), head = struct.unpack("<Q", raw[:8]), raw[:8]
+        assert struct.unpack("<I", raw[8:12])[0] == masked(head)
+        data = raw[12:12 + n]
+        assert struct.unpack("<I", raw[12 + n:16 + n])[0] == masked(data)
+        events.append(Event.FromString(data))
+        raw = raw[16 + n:]
+    assert events[0].file_version == "brain.Event:2"
+    got = {(e.step, v.tag): v.simple_value for e in events[1:] for v in e.summary.value}
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    want = {(r["step"], f"{'val' if 'val_loss' in r else 'train'}/{k}"): v for r in rows for k, v in r.items() if k != "step"}
+    assert got.keys() == want.keys() and ("train/loss" in {t for _, t in got})
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-6), k  # float32 in the event file
 
 
 def _bad_dirs(tmp: Path) -> dict:
@@ -198,33 +227,3 @@ def test_token_file_run_resumes_bit_exact(shakespeare_char, tmp_path):
     for a, b in zip(jax.tree.leaves(runs["run"]["state"].params), jax.tree.leaves(runs["ref"]["state"].params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-
-def test_tensorboard_events_read_back_with_tensorboardx(shakespeare_char, tmp_path):
-    """`--log tensorboard` writes event files (by hand: tensorboardX would import torch); read back
-    with tensorboardX's own Event proto and CRC-32C, an independent reader."""
-    require_module("tensorboardX")
-    import struct
-
-    from tensorboardX.crc32c import crc32c
-    from tensorboardX.proto.event_pb2 import Event
-
-    d, _, _ = shakespeare_char
-    run = tmp_path / "run"
-    assert main(train_args(d, run, "--set", "steps=3", "--log", "tensorboard")) == 0
-    (path,) = (run / "tensorboard").glob("events.out.tfevents.*")
-    raw, events = path.read_bytes(), []
-    masked = lambda b: (((crc32c(b) >> 15) | (crc32c(b) << 17)) + 0xA282EAD8) & 0xFFFFFFFF  # noqa: E731
-    while raw:
-        (n,), head = struct.unpack("<Q", raw[:8]), raw[:8]
-        assert struct.unpack("<I", raw[8:12])[0] == masked(head)
-        data = raw[12:12 + n]
-        assert struct.unpack("<I", raw[12 + n:16 + n])[0] == masked(data)
-        events.append(Event.FromString(data))
-        raw = raw[16 + n:]
-    assert events[0].file_version == "brain.Event:2"
-    got = {(e.step, v.tag): v.simple_value for e in events[1:] for v in e.summary.value}
-    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
-    want = {(r["step"], f"{'val' if 'val_loss' in r else 'train'}/{k}"): v for r in rows for k, v in r.items() if k != "step"}
-    assert got.keys() == want.keys() and ("train/loss" in {t for _, t in got})
-    for k, v in want.items():
-        assert got[k] == pytest.approx(v, rel=1e-6), k  # float32 in the event file
