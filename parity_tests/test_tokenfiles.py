@@ -227,3 +227,23 @@ def test_token_file_run_resumes_bit_exact(shakespeare_char, tmp_path):
     for a, b in zip(jax.tree.leaves(runs["run"]["state"].params), jax.tree.leaves(runs["ref"]["state"].params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+
+
+def test_bare_nanogpt_gpt2_files_take_the_models_vocabulary(tmp_path):
+    """nanoGPT's openwebtext/prepare.py writes no meta.pkl: GPT-2 ids, the vocabulary is the model's
+    (the task then has an id-only tokenizer: sampling needs --prompt-ids and prints ids)."""
+    from jaxgpt.config import TrainConfig
+    from jaxgpt.train.token_task import token_task
+
+    ids = np.random.default_rng(0).integers(0, 50257, 5000).astype(np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    ids[:500].tofile(tmp_path / "val.bin")
+    with pytest.raises(ValueError, match="has no meta.json or meta.pkl: give the vocabulary size"):
+        open_tokens(tmp_path)
+    task = token_task(str(tmp_path), TrainConfig(batch_size=2, seq_len=16), vocab_size=50257)
+    assert task.tokenizer.to_dict() == {"kind": "ids", "vocab_size": 50257}
+    assert task.tokenizer.decode([5, 50256]) == "5,50256"
+    with pytest.raises(ValueError, match="token id 50256 .* outside the vocabulary \\[0, 50000\\)"):
+        ids[100] = 50256
+        ids.tofile(tmp_path / "train.bin")
+        open_tokens(tmp_path, vocab_size=50000)

@@ -1,8 +1,9 @@
 """The training loop behind ``jaxgpt train`` and every experiment in scripts/experiments: resume,
 step, log, evaluate, checkpoint, plot (``fit(checkpoints=False)``: no orbax, no run directory needed).
 
-Host work per step is one NumPy batch, built ahead by a prefetch thread; metrics stay on the device and are fetched every
-``log_every`` steps, so the jitted steps queue up back to back. They are also fetched before
+Host work per step is one NumPy batch, built ahead by a prefetch thread (``jaxgpt.data.prefetch``);
+metrics stay on the device and are fetched every ``log_every`` steps, so the jitted steps queue
+up back to back. They are also fetched before
 every evaluation and checkpoint, so a NaN/inf loss is seen before anything is saved after it:
 ``on_nonfinite='stop'`` raises ``NonFiniteLoss`` naming the first bad step (the checkpoints on
 disk all hold finite weights); ``'skip'`` counts the updates the jitted step skipped.
