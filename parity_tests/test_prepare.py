@@ -37,6 +37,9 @@ def decoded(out: Path) -> dict[str, list[str]]:
     tok = tokenizer_from_dict(td.tokenizer)
     result = {}
     for name, toks in (("train", td.train), ("val", td.val)):
+        if len(toks) == 0:
+            result[name] = []
+            continue
         ids = toks.read(0, len(toks))
         assert ids[-1] == td.eos_id, name  # every document ends with EOS
         bounds = np.flatnonzero(ids == td.eos_id)
@@ -139,10 +142,30 @@ def test_worker_processes_and_a_rerun_give_the_same_bytes(text_files, tmp_path, 
 def test_prepare_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n{"body": "y"}\n')
     cases = [([str(tmp_path / "nothing*.txt"), str(tmp_path / "o1")], "no file matches"),
-             ([str(tmp_path / "a.jsonl"), str(tmp_path / "o2")], "a.jsonl:2: no string field 'text'"),
+             ([str(tmp_path / "a.jsonl"), str(tmp_path / "o2")], "a.jsonl (the line at byte 14): no string field 'text'"),
              ([str(tmp_path / "a.jsonl"), str(tmp_path / "o3"), "--tokenizer", str(tmp_path / "none.json")],
               "not 'char', an HF directory or a tokenizer.json")]
     for args, msg in cases:
         assert main(["prepare", *args, "--quiet"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and msg in err, err
+
+
+def test_a_jsonl_file_splits_into_byte_range_shards(tmp_path, monkeypatch):
+    """64-byte shards of a jsonl file (cut inside lines): every line read once, by the shard it
+    starts in, and two workers write the bytes one process writes."""
+    import jaxgpt.data.prepare as prep
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    whole = tmp_path / "whole"
+    prepare([str(src)], whole, "char", val_fraction=0, progress=False, log=lambda _: None)
+    monkeypatch.setattr(prep, "JSONL_SHARD_BYTES", 64)
+    assert len(prep.plan_shards([str(src)])) > len(DOCS)  # more shards than lines: some hold none
+    cut = [tmp_path / "cut1", tmp_path / "cut2"]
+    for n, out in zip((1, 2), cut):
+        prepare([str(src)], out, "char", val_fraction=0, num_proc=n, progress=False, log=lambda _: None)
+    assert decoded(cut[0])["train"] == DOCS
+    ids = [open_tokens(d).train.read(0, 10**6) for d in (whole, *cut)]
+    np.testing.assert_array_equal(ids[0], ids[1])
+    np.testing.assert_array_equal(ids[1], ids[2])

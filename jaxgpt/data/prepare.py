@@ -36,6 +36,7 @@ CHAR_EOS = "\x00"
 TEXT_UNITS = ("file", "paragraph", "line")
 FILES_PER_SHARD = 64
 ROWS_PER_SHARD = 50_000
+JSONL_SHARD_BYTES = 64 << 20
 CHUNK_TOKENS = 1 << 20  # tokens buffered per split before a write
 
 
@@ -75,8 +76,12 @@ def plan_shards(sources: list[str], *, split: str = "train") -> list[dict]:
                        for a in range(0, n, ROWS_PER_SHARD)]
         elif not p.is_file():
             raise FileNotFoundError(f"no file or saved dataset at {path!r}")
-        elif p.suffix in (".jsonl", ".parquet"):
-            shards.append({"kind": p.suffix[1:], "path": path})
+        elif p.suffix == ".jsonl":  # byte ranges, cut at line starts when read: one big file still spreads over workers
+            size = p.stat().st_size
+            shards += [{"kind": "jsonl", "path": path, "start": a, "stop": min(a + JSONL_SHARD_BYTES, size)}
+                       for a in range(0, max(size, 1), JSONL_SHARD_BYTES)]
+        elif p.suffix == ".parquet":
+            shards.append({"kind": "parquet", "path": path})
         else:
             texts.append(path)
     shards += [{"kind": "text", "paths": texts[i:i + FILES_PER_SHARD]} for i in range(0, len(texts), FILES_PER_SHARD)]
@@ -96,14 +101,23 @@ def documents(shard: dict, *, text_field: str = "text", text_unit: str = "file",
             else:
                 parts = text.split("\n\n") if text_unit == "paragraph" else text.splitlines()
                 yield from (t for t in parts if t.strip())
-    elif kind == "jsonl":
-        with open(shard["path"], encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+    elif kind == "jsonl":  # the lines that start in [start, stop)
+        with open(shard["path"], "rb") as f:
+            start, stop = shard.get("start", 0), shard.get("stop", float("inf"))
+            if start > 0:
+                f.seek(start - 1)
+                if f.read(1) != b"\n":
+                    f.readline()  # a line begun before start belongs to the shard before
+            while f.tell() < stop:
+                at, line = f.tell(), f.readline()
+                if not line:
+                    break
                 if not line.strip():
                     continue
                 row = json.loads(line)
                 if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                    raise ValueError(f"{shard['path']}:{lineno}: no string field {text_field!r} (--text-field)")
+                    raise ValueError(f"{shard['path']} (the line at byte {at}): no string field {text_field!r} "
+                                     "(--text-field)")
                 yield row[text_field]
     elif kind == "parquet":
         try:
