@@ -14,12 +14,13 @@ def _check_token_dir(args) -> None:
             raise ValueError("--check-data checks a token directory; --data is not one")
         return
     meta = read_meta(args.data)
-    sets = dict(s.split("=", 1) for s in args.set if "=" in s)
+    sets = {k.strip(): v for k, v in (s.split("=", 1) for s in args.set if "=" in s)}
     if "vocab_size" in sets and meta["vocab_size"] is not None and sets["vocab_size"].strip() != str(meta["vocab_size"]):
         raise ValueError(f"--set vocab_size={sets['vocab_size']} disagrees with {args.data}'s metadata "
                          f"(vocab_size={meta['vocab_size']}); drop the --set, the vocabulary comes from the data")
     if getattr(args, "check_data", False):
-        vocab = int(sets["vocab_size"]) if "vocab_size" in sets else None
+        vocab = int(sets["vocab_size"]) if "vocab_size" in sets else \
+            getattr(get_preset(args.preset), "vocab_size", None) if args.preset else None  # meta-less nanoGPT files
         open_tokens(args.data, vocab_size=vocab, check="full")
 
 
