@@ -67,7 +67,7 @@ from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params  # noq
 
 torch.set_default_dtype(torch.float32)
 TOL = 1e-5  # float32 forward and gradient tolerance, max abs on unit-scale tensors
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(os.environ.get("JAXGPT_SHARED") or Path(__file__).resolve().parents[2] / "shared")  # env: worktrees elsewhere
 KINDS = {"parity": "parity: worst max-abs error vs an independent reference, per component",
          "self": "self-consistency: worst max-abs error of an implementation vs itself, per check"}
 WORST: dict[str, dict[str, float]] = {kind: defaultdict(float) for kind in KINDS}

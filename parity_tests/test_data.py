@@ -228,11 +228,13 @@ def test_pair_tokenizer_refuses_what_the_seed_silently_altered():
 def test_tokenizer_dicts_round_trip_through_json():
     char = D.CharTokenizer.from_text("abc xyz")
     pair = D.PairTokenizer.from_pairs(D.builtin_pairs())
-    for tok in (char, pair):
+    from jaxgpt.data.tokenizers import IdTokenizer  # token files without a tokenizer
+
+    for tok in (char, pair, IdTokenizer(50257)):
         back = D.tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
         assert type(back) is type(tok) and back.to_dict() == tok.to_dict()
     assert D.tokenizer_from_dict(char.to_dict()).encode("zyx").tolist() == [6, 5, 4]
-    with pytest.raises(ValueError, match=r"kind 'word'.*\('char', 'pair', 'bpe'\)"):
+    with pytest.raises(ValueError, match=r"kind 'word'.*\('char', 'pair', 'bpe', 'ids'\)"):
         D.tokenizer_from_dict({"kind": "word"})
     with pytest.raises(ValueError, match=r"kind 'pair', got kind='char'"):
         D.PairTokenizer.from_dict(char.to_dict())

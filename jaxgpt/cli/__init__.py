@@ -1,10 +1,10 @@
-"""``jaxgpt train | sample | eval | convert | bench | parity`` (also ``python -m jaxgpt``).
+"""``jaxgpt train | sample | eval | prepare | convert | bench | parity`` (also ``python -m jaxgpt``).
 
 Expected failures (missing file, unknown preset, bad ``--set``, invalid config) print one line
 on stderr and exit with 2; ``--debug`` shows the traceback instead. Heavy imports (JAX, orbax)
 happen inside the commands, so argument errors are reported at once.
 
-One module per command (train, sample, eval, convert, parity, bench); ``common`` holds what they share.
+One module per command (train, sample, eval, prepare, convert, parity, bench); ``common`` holds what they share.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from jaxgpt.cli.common import USER_ERRORS
 from jaxgpt.cli.convert import cmd_convert
 from jaxgpt.cli.eval import cmd_eval
 from jaxgpt.cli.parity import cmd_parity
+from jaxgpt.cli.prepare import add_parser as add_prepare_parser
 from jaxgpt.cli.sample import cmd_sample
 from jaxgpt.cli.train import cmd_train
 from jaxgpt.config import PRESETS
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
     start.add_argument("--init", help="fine-tune these weights: jaxgpt checkpoint, .safetensors, .pt or HF model dir")
     src = t.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="UTF-8 text file, or .tsv (src<TAB>tgt pairs; label<TAB>text for classifiers)")
+    src.add_argument("--data", help="UTF-8 text file, .tsv (src<TAB>tgt pairs; label<TAB>text for classifiers), or a "
+                     "token directory (train.bin/val.bin + meta.json from jaxgpt prepare, or nanoGPT's + meta.pkl)")
     src.add_argument("--corpus", help="built-in corpus: seed-synthetic, zh-en")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="training (steps, lr, batch_size, ...) or model (d_model, n_layer, ...) setting; repeatable")
@@ -39,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "same as --set epochs=N; with --set lr_per_epoch=true the schedule steps once per epoch)")
     t.add_argument("--out", required=True, help="run directory; resumes when it holds a checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--log", action="append", choices=("tensorboard",), help="also write TensorBoard event files "
+                   "to OUT/tensorboard (beside metrics.jsonl; no extra dependency)")
+    t.add_argument("--check-data", action="store_true", help="token directory: check every id against the "
+                   "vocabulary before training (default: a sample at open; each batch is checked as it is read)")
     t.add_argument("--mesh", help="device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2 (an omitted axis is 1; "
                    "docs/scaling.md); on a CPU it sets the host device count")
     t.add_argument("--coordinator", metavar="HOST:PORT", help="multi-host: process 0's address (jax.distributed)")
@@ -68,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int)
     e.add_argument("--json", help="also write the result here")
     e.set_defaults(fn=cmd_eval)
+
+    add_prepare_parser(sub)
 
     c = sub.add_parser("convert", help="convert weights between jaxgpt, safetensors, torch_ref, HF and nanoGPT")
     c.add_argument("src", help="jaxgpt run/checkpoint dir, .safetensors, torch_ref or nanoGPT .pt, HF model dir")

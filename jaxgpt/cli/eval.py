@@ -24,8 +24,18 @@ def cmd_eval(args) -> int:
     if data is None and corpus is None:  # the data it was trained on
         source = meta.get("source", "")
         corpus, data = (source.removeprefix("corpus:"), None) if source.startswith("corpus:") else (None, source)
-    task = load_task(config, tc, data=data, corpus=corpus, tokenizer=meta["tokenizer"])
+    from jaxgpt.data.tokenfiles import is_token_dir
+
+    if data is not None and is_token_dir(data):  # validation from val.bin, whatever the run's val_fraction
+        from jaxgpt.train.token_task import token_task
+
+        task = token_task(data, tc, vocab_size=config.vocab_size, tokenizer=meta["tokenizer"], need_val=True)
+    else:
+        task = load_task(config, tc, data=data, corpus=corpus, tokenizer=meta["tokenizer"])
     batches = task.eval_batches(tc)
+    if not batches:
+        raise ValueError(f"{task.source} has no validation split (trained with val_fraction=0): pass --data or --corpus "
+                         "with validation data")
     result = evaluate(config, params, batches)
     metric = "accuracy" if task.kind == "classify" else "token accuracy"
     print(f"{task.source} (validation split, {len(batches)} batches): loss {result['val_loss']:.4f} "

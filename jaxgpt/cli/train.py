@@ -4,12 +4,33 @@ from __future__ import annotations
 from jaxgpt.cli.common import _init_from, _start_devices, _train_sets
 from jaxgpt.config import apply_sets, get_preset
 
+def _check_token_dir(args) -> None:
+    """A token directory: its metadata must agree with ``--set vocab_size``; ``--check-data`` checks
+    every id now (streamed), before any compilation."""
+    from jaxgpt.data.tokenfiles import is_token_dir, open_tokens, read_meta
+
+    if args.data is None or not is_token_dir(args.data):
+        if getattr(args, "check_data", False):
+            raise ValueError("--check-data checks a token directory; --data is not one")
+        return
+    meta = read_meta(args.data)
+    sets = {k.strip(): v for k, v in (s.split("=", 1) for s in args.set if "=" in s)}
+    if "vocab_size" in sets and meta["vocab_size"] is not None and sets["vocab_size"].strip() != str(meta["vocab_size"]):
+        raise ValueError(f"--set vocab_size={sets['vocab_size']} disagrees with {args.data}'s metadata "
+                         f"(vocab_size={meta['vocab_size']}); drop the --set, the vocabulary comes from the data")
+    if getattr(args, "check_data", False):
+        vocab = int(sets["vocab_size"]) if "vocab_size" in sets else \
+            getattr(get_preset(args.preset), "vocab_size", None) if args.preset else None  # meta-less nanoGPT files
+        open_tokens(args.data, vocab_size=vocab, check="full")
+
+
 def cmd_train(args) -> int:
     from jaxgpt.models import count_params
     from jaxgpt.models import abstract_params
     from jaxgpt.train.loop import fit, prepare
 
     _start_devices(args)
+    _check_token_dir(args)
     mesh = {"mesh": args.mesh} if args.mesh else {}
     if args.init:
         config, tc, task, state = _init_from(args, **mesh)
@@ -21,7 +42,18 @@ def cmd_train(args) -> int:
         f"from {args.init}" if args.init else "from scratch")
     print(f"{args.preset or args.init}: {n:,} parameters | {task.kind} on {task.source} | vocab {task.tokenizer.vocab_size} | "
           f"{tc.steps} steps of {tc.batch_size}x{tc.seq_len} | {where} | out {args.out}", flush=True)
-    summary = fit(config, tc, task, args.out, state=state, progress=not args.quiet)
+    loggers = []
+    if "tensorboard" in (getattr(args, "log", None) or []):
+        from jaxgpt.parallel.hosts import is_primary
+        from jaxgpt.train.tensorboard import TensorBoardLog
+
+        if is_primary():
+            loggers.append(TensorBoardLog(f"{args.out}/tensorboard"))
+    try:
+        summary = fit(config, tc, task, args.out, state=state, progress=not args.quiet, loggers=tuple(loggers))
+    finally:
+        for logger in loggers:
+            logger.close()
     val = "none (val_fraction=0)" if summary["val_loss"] is None else f"{summary['val_loss']:.4f}"
     print(f"done: final loss {summary['final_loss']:.4f} (mean of the last 20 steps), val loss "
           f"{val}, {summary['tok_s'] or 0:,.0f} tok/s | {args.out}/metrics.jsonl"

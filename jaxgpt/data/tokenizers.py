@@ -248,7 +248,36 @@ def train_bpe(text_or_path: str | os.PathLike, vocab_size: int, *, min_frequency
     return BPETokenizer(tok.to_str())
 
 
-_TOKENIZERS = {cls.kind: cls for cls in (CharTokenizer, PairTokenizer, BPETokenizer)}
+class IdTokenizer:
+    """No text, only ids [0, vocab_size): token files without a tokenizer (nanoGPT's GPT-2 .bin
+    files have no meta.pkl). ``decode`` writes the ids comma-separated; ``encode`` raises."""
+
+    kind = "ids"
+
+    def __init__(self, vocab_size: int):
+        _int_at_least("vocab_size", vocab_size, 1)
+        self._vocab_size = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> np.ndarray:
+        raise ValueError("this run has no tokenizer (token files without one): pass --prompt-ids 1,2,3")
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return ",".join(map(str, _check_ids(ids, self.vocab_size)))
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self._vocab_size}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> IdTokenizer:
+        _expect_kind(d, cls.kind)
+        return cls(d["vocab_size"])
+
+
+_TOKENIZERS = {cls.kind: cls for cls in (CharTokenizer, PairTokenizer, BPETokenizer, IdTokenizer)}
 
 
 def tokenizer_from_dict(d: dict) -> CharTokenizer | PairTokenizer | BPETokenizer:

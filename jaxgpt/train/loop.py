@@ -1,8 +1,9 @@
 """The training loop behind ``jaxgpt train`` and every experiment in scripts/experiments: resume,
 step, log, evaluate, checkpoint, plot (``fit(checkpoints=False)``: no orbax, no run directory needed).
 
-Host work per step is one NumPy batch; metrics stay on the device and are fetched every
-``log_every`` steps, so the jitted steps queue up back to back. They are also fetched before
+Host work per step is one NumPy batch, built ahead by a prefetch thread (``jaxgpt.data.prefetch``);
+metrics stay on the device and are fetched every ``log_every`` steps, so the jitted steps queue
+up back to back. They are also fetched before
 every evaluation and checkpoint, so a NaN/inf loss is seen before anything is saved after it:
 ``on_nonfinite='stop'`` raises ``NonFiniteLoss`` naming the first bad step (the checkpoints on
 disk all hold finite weights); ``'skip'`` counts the updates the jitted step skipped.
@@ -23,6 +24,7 @@ from tqdm import std as tqdm_std
 from tqdm.auto import tqdm
 
 from jaxgpt.config import TrainConfig
+from jaxgpt.data.prefetch import Prefetch
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step
@@ -30,6 +32,7 @@ from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
 
 
+PREFETCH_DEPTH = 2  # batches built ahead of the device (host memory: depth x one batch)
 ENGINE = ("mesh",)  # TrainConfig fields a run may change when it resumes: placement, not math
 
 
@@ -167,7 +170,8 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, state: TrainState | None = None,
         progress: bool = True, log=print, checkpoints: bool = True, until: int | None = None,
         on_log: Callable[[list[dict]], bool | None] | None = None,
-        on_eval: Callable[[int, Any], dict] | None = None, train_step=None, eval_step=None) -> dict:
+        on_eval: Callable[[int, Any], dict] | None = None, train_step=None, eval_step=None,
+        loggers: tuple[Callable[[list[dict]], None], ...] = ()) -> dict:
     """Train from ``state`` (default: ``init_state``) to ``tc.steps``, writing ``out/metrics.jsonl``,
     ``out/checkpoints/`` and ``out/loss.png``. Every batch is checked on the host, and a NaN/inf loss
     stops the run (``tc.on_nonfinite``).
@@ -179,7 +183,8 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     (saved when checkpointing; no extra evaluation). on_eval(step, params) -> dict: scores merged into
     each evaluation row (every ``tc.eval_every`` steps and at the end; also without a validation
     split). train_step, eval_step: compiled steps to reuse (``make_train_step(config, tc)``,
-    ``make_eval_step(config)``), e.g. across the seeds of one model.
+    ``make_eval_step(config)``), e.g. across the seeds of one model. loggers: callables given every
+    row metrics.jsonl gets, on process 0 (``jaxgpt.train.tensorboard.TensorBoardLog``).
 
     Returns the summary: steps (updates done), final_loss (mean of the last 20), val_loss, tok_s,
     skipped, plot; the timing, defined once: compile_s = the first update of this call (tracing,
@@ -229,6 +234,9 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         if metrics_path and is_primary():
             with metrics_path.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
+        if is_primary():
+            for logger in loggers:
+                logger(rows)
         history.extend(rows)
 
     def stop(what: str) -> NonFiniteLoss:
@@ -277,11 +285,13 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
             raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
         ckpts.save(state, meta)
 
+    # host-side prefetch: a thread builds the next batches (pure functions of the step) while the device runs
+    batches = Prefetch(lambda s: task.batch(tc, s), range(start, end), depth=PREFETCH_DEPTH)
     try:
         try:
             for step in range(start, end):
-                # dispatch is asynchronous: the next batch is built on the host while this step runs
-                state, m = train_step(state, place(check_batch(task.batch(tc, step), config)))  # jit would not raise
+                # dispatch is asynchronous: the thread is already building the batches after this one
+                state, m = train_step(state, place(check_batch(batches.get(step), config)))  # jit would not raise
                 done = step + 1
                 pending.append((done, m))
                 evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == end
@@ -310,6 +320,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         if ckpts is None and not bool(_all_finite(state.params)):  # what a save would have refused
             raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
     finally:
+        batches.close()
         bar.close()
         if ckpts is not None:
             ckpts.wait()  # the last save: finished, read back, older steps pruned

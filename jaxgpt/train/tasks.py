@@ -20,6 +20,7 @@ from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig
 from jaxgpt.data import (IGNORE_INDEX, CharTokenizer, PairTokenizer, builtin_corpus, builtin_pairs, encode_pairs,
                          get_batch, load_text, pad_batch, shuffled_batch, split_train_val, tokenizer_from_dict,
                          train_bpe)
+from jaxgpt.data.tokenfiles import is_token_dir
 from jaxgpt.core.validate import check_ids, check_padding_mask, check_targets
 
 KEYS = {"lm": ("x", "y"), "pairs": ("x", "y"), "seq2seq": ("src", "tgt", "src_mask", "labels"),
@@ -182,10 +183,16 @@ def read_tsv(path: str | Path) -> list[tuple[str, str]]:
 
 def load_task(config, tc: TrainConfig, *, data: str | None = None, corpus: str | None = None,
               tokenizer: dict | None = None) -> Task:
-    """The task for ``config`` on a file (``.tsv``: pairs or labelled rows; anything else: text)
-    or a built-in corpus. ``tokenizer``: a saved tokenizer dict (resuming), else built from the data."""
+    """The task for ``config`` on a file (``.tsv``: pairs or labelled rows; anything else: text),
+    a token directory (train.bin/val.bin with meta.json or nanoGPT's meta.pkl) or a built-in corpus. ``tokenizer``: a saved tokenizer dict (resuming), else built from the data."""
     if (data is None) == (corpus is None):
         raise ValueError("give exactly one of data (a file) or corpus (a built-in name)")
+    if data is not None and is_token_dir(data):  # train.bin/val.bin + meta: memory-mapped token files
+        from jaxgpt.train.token_task import token_task
+
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"{data} holds token files, which train decoder LMs, not a {type(config).__name__}")
+        return token_task(data, tc, vocab_size=config.vocab_size, tokenizer=tokenizer)
     tok = None if tokenizer is None else tokenizer_from_dict(tokenizer)
     source = f"corpus:{corpus}" if corpus else str(data)
     rows = None
