@@ -62,7 +62,7 @@ def _wrong_values(allowed: tuple) -> list:
         out.append(True)
     if int in allowed:
         out.append(1.5)
-    if bool in allowed or str in allowed:
+    if (bool in allowed or str in allowed) and int not in allowed:  # int | str ('auto' or a count) takes 1
         out.append(1)
     if ModelConfig in allowed:
         out.append({"d_model": 64})

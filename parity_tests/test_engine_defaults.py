@@ -100,3 +100,18 @@ def test_gelu_erf_form_equals_jax_exact_gelu():
     g = jax.vmap(jax.grad(gelu))(x)
     g_ref = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=False)))(x)
     assert float(jnp.max(jnp.abs(g - g_ref))) < SELF_TOL
+
+
+def test_attention_impl_auto_picks_by_backend_and_shape():
+    from jaxgpt.nn.kernels import auto_impl
+
+    assert ModelConfig().attention_impl == "auto"
+    cpu = jax.default_backend() == "cpu"
+    assert auto_impl(256, 256, 128) == ("blocked" if cpu else "xla")  # training / prefill over 2 key blocks
+    assert auto_impl(64, 64, 128) == "xla"  # one key block: nothing to skip
+    assert auto_impl(1, 1024, 128) == "xla"  # a decode step
+    assert auto_impl(256, 256, 128, dropout_rate=0.1) == "xla"  # the only kernel with attention dropout
+    # so 'auto' accepts attention dropout, where an explicit kernel without it is refused
+    assert ModelConfig(attn_dropout=0.1).attention_impl == "auto"
+    with pytest.raises(ValueError, match="attention_impl='blocked' has no attention dropout"):
+        ModelConfig(attn_dropout=0.1, attention_impl="blocked")

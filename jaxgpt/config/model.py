@@ -26,8 +26,9 @@ REMATS = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16", "float16")
 # Attention core (engine knob, same math): 'xla' einsum softmax (returns weights for plots), 'jax'
 # jax.nn.dot_product_attention (XLA implementation), 'cudnn' the same with cuDNN flash attention on GPU,
-# 'blocked' a flash-style online-softmax loop over key/value blocks (memory linear in sequence length).
-ATTENTION_IMPLS = ("xla", "jax", "cudnn", "blocked")
+# 'blocked' a flash-style online-softmax loop over key/value blocks (memory linear in sequence length),
+# 'auto' one of them per call, backend and shape (jaxgpt.nn.kernels.auto_impl).
+ATTENTION_IMPLS = ("auto", "xla", "jax", "cudnn", "blocked")
 
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
@@ -90,8 +91,8 @@ class ModelConfig(_Config):
     # unrolled on the CPU without remat (same params, the step of unrolled layers; measured 1.2x), else rolled.
     scan_unroll: int | str = "auto"
     remat: str = "none"  # one of REMATS: what each layer keeps for the backward pass
-    attention_impl: str = "xla"  # one of ATTENTION_IMPLS
-    attention_block: int = 512  # key/value block length of attention_impl='blocked'
+    attention_impl: str = "auto"  # one of ATTENTION_IMPLS
+    attention_block: int = 128  # key/value block length of attention_impl='blocked' (128: fastest measured on CPU)
     dtype: str = "float32"  # compute dtype (DTYPES); bfloat16 with param_dtype float32 = mixed precision
     param_dtype: str = "float32"  # dtype the weights are stored (and optimised) in
 
@@ -139,7 +140,7 @@ class ModelConfig(_Config):
             _probability("attn_dropout", self.attn_dropout)
         if self.lm_head_bias and self.tie_embeddings:
             raise ValueError("lm_head_bias=True needs an untied lm_head (tie_embeddings=False)")
-        if self.attention_impl != "xla" and self.attention_dropout > 0:
+        if self.attention_impl not in ("xla", "auto") and self.attention_dropout > 0:  # 'auto' picks 'xla' then
             # Only the einsum kernel can drop attention weights; no other kernel reproduces its draws,
             # so the pair is refused here rather than silently training with another kernel.
             via = "" if self.attn_dropout is not None else f" (attn_dropout=None takes dropout={self.dropout})"

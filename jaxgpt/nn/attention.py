@@ -113,8 +113,8 @@ class Attention(nn.Module):
     attn_dropout: float = 0.0
     init_std: float = 0.02
     out_init_std: float = 0.02
-    attention_impl: str = "xla"  # config.ATTENTION_IMPLS
-    attention_block: int = 512
+    attention_impl: str = "auto"  # config.ATTENTION_IMPLS
+    attention_block: int = 128
     dtype: str = "float32"  # compute dtype of the projections and the attention core
     param_dtype: str = "float32"
 

@@ -8,12 +8,14 @@ same numbers (1e-5 in float32, forward and gradients); they differ in memory and
     'jax'      jax_sdpa.py  jax.nn.dot_product_attention (XLA implementation)
     'cudnn'    jax_sdpa.py  the same with cuDNN flash attention (GPU, bf16/fp16; else XLA + one warning)
     'blocked'  blocked.py   flash-style online softmax, memory linear in T
+    'auto'     one of the above per call (auto_impl): the ModelConfig default
 
 Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at
 call time (``xla.scaled_dot_product_attention``, ...), so a test can count which one ran.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ATTENTION_IMPLS
@@ -24,11 +26,22 @@ from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_on
 from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before
 from jaxgpt.nn.kernels.xla import KV_LAYOUTS, kv_shape, scaled_dot_product_attention
 
-__all__ = ["ATTENTION_IMPLS", "KV_LAYOUTS", "attend", "blocked_attention", "causal_mask", "cudnn_unsupported",
+__all__ = ["ATTENTION_IMPLS", "KV_LAYOUTS", "attend", "auto_impl", "blocked_attention", "causal_mask", "cudnn_unsupported",
            "grouped_mask", "jax_attention", "keys_before", "scaled_dot_product_attention", "warn_once"]
 
 
-def attend(q, k, v, *, impl="xla", block=512, mask=None, is_causal=False, q_offset=0, scale=None,
+def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0) -> str:
+    """The kernel attention_impl='auto' runs, by measurement (docs/performance.md). On the CPU:
+    'blocked' for training and prefill over more than one key block (its causal block skipping and
+    O(T) residuals made a 6 x 384, T 256 train step 1.3x faster than 'xla'), else 'xla' (decode
+    steps, short sequences: equal or faster). Elsewhere 'xla' (no accelerator measured yet).
+    Always 'xla' with attention dropout, the only kernel that has it."""
+    if dropout_rate > 0.0 or jax.default_backend() != "cpu":
+        return "xla"
+    return "blocked" if tq > 1 and tk > block else "xla"
+
+
+def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_offset=0, scale=None,
            return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
 
@@ -46,6 +59,8 @@ def attend(q, k, v, *, impl="xla", block=512, mask=None, is_causal=False, q_offs
     if mask is not None:
         mask = jnp.asarray(mask)
         validate.check_mask(mask.shape, mask.dtype, (b, h, tq, tk))
+    if impl == "auto":
+        impl = auto_impl(tq, tk, block, dropout_rate)
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
                          f"set attn_dropout=0.0 or attention_impl='xla'")

@@ -141,7 +141,7 @@ def _pad_to(x, axis: int, size: int, value=0):
 
 
 def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_layout="tokens",
-                      block=512):
+                      block=128):
     """Flash-style attention: loops over query blocks and key/value blocks of ``block`` positions with
     an online softmax, and a custom VJP that recomputes block scores from the saved logsumexp, so
     forward and backward hold O(T * block) scores instead of O(Tq * Tk). Lengths that are not a
