@@ -17,7 +17,7 @@ from flax import struct
 from jaxgpt.nn import checks
 from jaxgpt.config import TrainConfig
 from jaxgpt.models import init_params
-from jaxgpt.train.losses import loss_terms
+from jaxgpt.train.losses import loss_terms, objective
 from jaxgpt.train.optim import make_optimizer, schedule
 
 
@@ -96,7 +96,7 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None
 
                 with constrain_activations(mesh, jax.tree.leaves(micro)[0].shape[0]):
                     terms = loss_terms(config, p, micro, rng=rng, train=True)
-            return terms["loss_sum"], terms
+            return objective(terms, tc), terms
         return jax.grad(f, has_aux=True)(params)
 
     def train_step(state: TrainState, batch: dict):
@@ -129,6 +129,8 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None
         metrics = {"loss": terms["loss_sum"] / count, "accuracy": terms["correct"] / count,
                    "grad_norm": grad_norm, "lr": lr(state.step),
                    "nonfinite": 1.0 - finite.astype(jnp.float32)}  # skip: 1 = this update was skipped
+        if "router_aux_sum" in terms:  # MoE: the router losses (token means), not in 'loss'
+            metrics.update(router_aux=terms["router_aux_sum"] / count, router_z=terms["router_z_sum"] / count)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     if mesh is not None:
