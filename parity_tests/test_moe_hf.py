@@ -93,3 +93,17 @@ def test_moe_export_refusals_name_the_field():
     cfg = ModelConfig(pos="rope", moe=MoEConfig(n_experts=4, norm_topk=False))  # Mixtral renormalises
     with pytest.raises(ValueError, match="moe=MoEConfig"):
         save_hf("/nonexistent", cfg, {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_parity_tool_with_grads_passes(family, tmp_path):
+    """What ``jaxgpt parity DIR --grads`` runs: logits, per-layer outputs, every gradient, an AdamW
+    step and greedy decoding, each within 1e-5 of transformers."""
+    from jaxgpt.tools.parity import run
+
+    path = (hf_dirs.mixtral_dir(tmp_path / "hf") if family == "mixtral"
+            else hf_dirs.qwen2_moe_dir(tmp_path / "hf", mlp_only_layers=(1,)))
+    report = run(path, grads=True, generate=4)
+    assert report["ok"], report
+    assert not report["grads"]["over_tol"] and report["grads"]["scaled"] <= 1e-5
