@@ -54,7 +54,7 @@ class TrainConfig(_Config):
     # jitted step keeps the old params and optimizer state; the batch is consumed, metrics count it).
     on_nonfinite: str = "stop"
     # Engine knob (jaxgpt.parallel.sharding): device mesh 'data=N,fsdp=M,tensor=K' ('' = one device). It changes
-    # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp.
+    # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp*expert.
     mesh: str = ""
     # Mixture-of-Experts models (ModelConfig.moe) add coef * loss to the training objective, averaged over
     # tokens like the cross entropy: the load-balancing loss (Switch / transformers' load_balancing_loss_func;
@@ -99,12 +99,12 @@ class TrainConfig(_Config):
             raise ValueError(f"steps={self.steps} is not epochs * steps_per_epoch = {self.epochs} * "
                              f"{self.steps_per_epoch}; derive them with jaxgpt.train.tasks.with_epochs")
         if self.mesh:
-            from jaxgpt.config.mesh import parse_mesh
+            from jaxgpt.config.mesh import batch_devices, parse_mesh
 
-            sizes = parse_mesh(self.mesh)
-            if self.micro_batch % (sizes["data"] * sizes["fsdp"]):
-                raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp="
-                                 f"{sizes['data'] * sizes['fsdp']} devices, but batch_size/grad_accum="
+            n = batch_devices(parse_mesh(self.mesh))
+            if self.micro_batch % n:
+                raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp*expert="
+                                 f"{n} devices, but batch_size/grad_accum="
                                  f"{self.micro_batch} is not a multiple of it")
 
     @property

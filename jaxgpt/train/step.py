@@ -74,7 +74,7 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh=None
     ``checked``: checked mode (``jaxgpt.nn.checks``): a bad id, target or label raises ValueError
     instead of being clamped or scored silently; off by default (the checks compile away).
     ``mesh``: a ``jaxgpt.parallel.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
-    batch rows are split over ('data', 'fsdp') (``sharding.shard_batch``), metrics replicated; jit
+    batch rows are split over ('data', 'fsdp', 'expert') (``sharding.shard_batch``), metrics replicated; jit
     propagates the rest. None: the single-device step, unchanged.
 
     batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
