@@ -107,3 +107,28 @@ def test_parity_tool_with_grads_passes(family, tmp_path):
     report = run(path, grads=True, generate=4)
     assert report["ok"], report
     assert not report["grads"]["over_tol"] and report["grads"]["scaled"] <= 1e-5
+
+
+@pytest.mark.slow  # ~2 min on the shared 2-core machine: five commands, each compiling its own programs
+def test_cli_trains_samples_evaluates_and_converts_a_moe_model(tmp_path, capsys):
+    """train (MoE from --set moe.*), sample, eval, convert --to hf (read back by transformers as a
+    Mixtral), and train --init from the converted directory: the commands users run."""
+    from jaxgpt.cli import main
+
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    common = ["--corpus", "seed-synthetic", "--set", "batch_size=4", "--set", "seq_len=16", "--quiet"]
+    assert main(["train", "--preset", "llama-tiny", "--set", "n_layer=1", "--set", "d_model=32", "--set", "n_head=4",
+                 "--set", "moe.n_experts=4", "--set", "moe.d_ff=32", "--set", "steps=4", "--out", str(run), *common]) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("router_aux" in m for m in metrics)
+    assert main(["sample", "--ckpt", str(run), "--prompt-ids", "1,2", "--max-new-tokens", "4"]) == 0
+    assert main(["eval", "--ckpt", str(run), "--corpus", "seed-synthetic", "--batches", "1"]) == 0
+    assert main(["convert", str(run), str(hf), "--to", "hf"]) == 0
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "mixtral"
+    config, params = load_hf(hf)
+    back = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    tokens = TOKENS % config.vocab_size
+    want = back(torch.from_numpy(tokens).long()).logits.detach().numpy()
+    assert_close(np.asarray(build(config).apply({"params": params}, tokens)), want, "jaxgpt convert --to hf (MoE)")
+    assert main(["train", "--init", str(run), "--set", "steps=2", "--out", str(tmp_path / "ft"), *common]) == 0
+    capsys.readouterr()
