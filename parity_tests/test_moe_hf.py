@@ -14,7 +14,7 @@ import transformers
 import hf_dirs
 from conftest import assert_close
 from jaxgpt import build
-from jaxgpt.convert import from_hf, load_hf, save_hf
+from jaxgpt.convert import from_hf, load_hf, save_hf, to_hf
 from test_hf_dir import assert_same_tensors, read_dir
 
 TOKENS = np.random.default_rng(0).integers(0, hf_dirs.VOCAB, (2, 12)).astype(np.int32)
@@ -59,10 +59,14 @@ def test_mixtral_directories(fused, tmp_path):
 
 
 def test_mixtral_live_model_fused_state_dict():
-    """from_hf reads transformers 5's in-memory (fused gate_up_proj) layout."""
+    """from_hf reads transformers 5's in-memory (fused gate_up_proj) layout; to_hf gives it back."""
     hf = hf_dirs.mixtral_model().eval()
     config, params = from_hf(hf)
-    assert_close(ours(config, params), hf_logits(hf), "from_hf Mixtral (fused)")
+    got = ours(config, params)
+    assert_close(got, hf_logits(hf), "from_hf Mixtral (fused)")
+    back = to_hf(config, params)
+    assert type(back).__name__ == "MixtralForCausalLM"
+    assert_close(got, hf_logits(back, False), "to_hf Mixtral")
 
 
 @pytest.mark.parametrize("norm_topk,dense", [(False, ()), (True, (1,))], ids=["raw-topk", "renorm-mixed-layers"])

@@ -228,6 +228,14 @@ def to_hf(config, params: Mapping, *, attn_implementation: str = "eager"):
 
     d, sd = export_hf(config, params)
     arch = d.pop("architectures")[0]
+    if d["model_type"] in ("mixtral", "qwen2_moe"):
+        # transformers 5 fuses the experts in memory (gate_up_proj) and converts the saved per-expert
+        # layout only while loading a directory: go through one.
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            save_hf(tmp, config, params)
+            return getattr(transformers, arch).from_pretrained(tmp, attn_implementation=attn_implementation).eval()
     kwargs = {k: v for k, v in d.items() if k not in ("model_type", "dtype", "torch_dtype")}
     hc = transformers.AutoConfig.for_model(d["model_type"], attn_implementation=attn_implementation, **kwargs)
     model = getattr(transformers, arch)(hc)
