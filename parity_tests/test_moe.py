@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_ref
-from conftest import TOL, assert_close, assert_self_consistent, check_module, load_into, randomize, torch_grads
+from conftest import assert_close, assert_self_consistent, check_module, load_into, randomize, torch_grads
 from jaxgpt import build
 from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
 from jaxgpt.nn.moe import MoE, route, router_losses
