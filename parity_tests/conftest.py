@@ -157,7 +157,7 @@ def randomize(params, seed: int = 0):
     for path, leaf in leaves:
         name = getattr(path[-1], "key", "")
         shape = np.shape(leaf)
-        if name == "kernel":
+        if name in ("kernel", "gate_proj", "up_proj", "down_proj"):  # Dense kernels, MoE experts (E, in, out)
             v = rng.standard_normal(shape) / np.sqrt(shape[-2])
         elif name == "embedding":  # also a tied output head: keep its logits unit-scale
             v = rng.standard_normal(shape) / np.sqrt(shape[-1])

@@ -104,3 +104,49 @@ def nanogpt_ckpt(path: Path, *, bias: bool = True, compiled: bool = False) -> Pa
     torch.save({"model_args": dict(n_layer=n_layer, n_head=4, n_embd=d, block_size=t, bias=bias, vocab_size=v,
                                    dropout=0.0), "model": sd, "iter_num": 0}, path)
     return path
+
+
+def randomize_moe_(model, seed: int = 3):
+    """Unit-scale weights for a MoE model (HF's 0.02 init makes near-uniform routers whose top-k
+    a rounding could flip): every matrix N(0, 1/fan_in), then randomize_."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(p.shape[-1] ** -0.5 * torch.randn(p.shape, generator=g))
+    return randomize_(model, seed)
+
+
+def mixtral_model(n_layer: int = 2):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(3)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=n_layer,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return randomize_moe_(MixtralForCausalLM(cfg))
+
+
+def mixtral_dir(path: Path, *, fused: bool = False, n_layer: int = 2) -> Path:
+    """save_pretrained's layout (block_sparse_moe.experts.N.w1/w2/w3), or with ``fused`` the in-memory
+    transformers 5 layout (mlp.experts.gate_up_proj / down_proj) written as it is."""
+    model = mixtral_model(n_layer)
+    model.save_pretrained(path)
+    if fused:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return path
+
+
+def qwen2_moe_dir(path: Path, *, norm_topk: bool = False, mlp_only_layers=(), n_layer: int = 2) -> Path:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(4)
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=24, num_hidden_layers=n_layer, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk,
+                         mlp_only_layers=list(mlp_only_layers), max_position_embeddings=64, tie_word_embeddings=False)
+    randomize_moe_(Qwen2MoeForCausalLM(cfg), seed=4).save_pretrained(path)
+    return path

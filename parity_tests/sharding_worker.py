@@ -18,7 +18,7 @@ import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxgpt.config import ModelConfig, TrainConfig  # noqa: E402
+from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig  # noqa: E402
 from jaxgpt.parallel.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch  # noqa: E402
 from jaxgpt.train.step import init_state, make_train_step  # noqa: E402
 
@@ -28,7 +28,11 @@ MODELS = {  # tiny, so the 8 compilations per model stay a few seconds each
     # GQA: 8 query heads, 2 kv heads; on tensor=8 k_proj/v_proj cannot be split by head
     "llama": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=8, n_kv_head=2, d_ff=48, max_len=16,
                          pos="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu"),
+    # Mixture of Experts: 8 experts, top-2, the router losses in the objective (TrainConfig defaults)
+    "moe": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_ff=48, max_len=16, pos="rope",
+                       moe=MoEConfig(n_experts=8, top_k=2, d_ff=16)),
 }
+MODELS["moe-grouped"] = MODELS["moe"].replace(moe=MODELS["moe"].moe.replace(impl="grouped"))
 TC = TrainConfig(steps=10, batch_size=8, seq_len=8)  # default AdamW lr 3e-4, clipping 1.0
 
 
@@ -66,6 +70,10 @@ def steps(name: str, *meshes: str) -> dict:
             "gather_in_scan": gathers_in_scan(hlo), "k_proj_spec": str(kv.sharding.spec),
             "k_proj_shard": list(kv.addressable_shards[0].data.shape),
         }
+        if cfg.moe is not None:
+            ex = s1.params["layers"]["mlp"]["experts"]["gate_proj"]
+            out[f"{name} {spec}"].update(expert_spec=str(ex.sharding.spec),
+                                         expert_shard=list(ex.addressable_shards[0].data.shape))
     return out
 
 

@@ -9,8 +9,8 @@ import torch
 
 from conftest import assert_close, require_module
 from jaxgpt import PRESETS, build
-from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig)
-from jaxgpt.convert import bert, from_hf, gpt2, llama, to_hf
+from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig, MoEConfig)
+from jaxgpt.convert import bert, from_hf, gpt2, llama, mixtral, qwen2_moe, to_hf
 from jaxgpt.convert.common import check_options
 from jaxgpt.models import abstract_params
 
@@ -19,11 +19,14 @@ TINY = dict(vocab_size=48, d_model=32, n_head=4, n_layer=2, max_len=32)
 GPT2 = PRESETS["gpt2-small"].replace(**TINY, dropout=0.0, attn_dropout=0.0)
 LLAMA = PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48)
 BERT = PRESETS["bert-base"].replace(encoder=PRESETS["bert-base"].encoder.replace(**TINY, d_ff=64))
-FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LLAMA)}
+MIXTRAL = LLAMA.replace(moe=MoEConfig(n_experts=4))
+QWEN2_MOE = LLAMA.replace(qkv_bias=True, moe=MoEConfig(n_experts=4, d_ff=16, norm_topk=False, shared_d_ff=24))
+FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LLAMA),
+            "mixtral": (mixtral, mixtral.FIELDS, MIXTRAL), "qwen2_moe": (qwen2_moe, qwen2_moe.FIELDS, QWEN2_MOE)}
 # Candidate values for a field, to find one its family's rule refuses.
 CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMENTS, "rope_layout": ROPE_LAYOUTS,
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
-              "pooler": ("cls", "tanh")}
+              "pooler": ("cls", "tanh"), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False))}
 
 
 def _params(config):
@@ -31,6 +34,7 @@ def _params(config):
 
 
 @pytest.mark.parametrize("table,cls", [(gpt2.FIELDS, ModelConfig), (llama.FIELDS, ModelConfig),
+                                       (mixtral.FIELDS, ModelConfig), (qwen2_moe.FIELDS, ModelConfig),
                                        (bert._ENCODER, ModelConfig), (bert.FIELDS, BertConfig)])
 def test_every_config_field_has_an_export_rule(table, cls):
     """A new config field must be given a rule per family (maps to / must be / unused)."""

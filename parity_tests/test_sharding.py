@@ -31,6 +31,8 @@ TOL = 1e-5
 MESHES = ("data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8")
 CI_CASES = {"gpt": MESHES, "llama": ("data=2,fsdp=2,tensor=2", "tensor=8")}  # GQA with TP in CI
 SLOW_CASES = {"llama": ("data=8", "data=2,fsdp=4")}
+# Expert parallelism (MoE, 8 experts): alone, with data + tensor, with FSDP; the grouped implementation too
+MOE_CASES = {"moe": ("expert=8", "data=2,expert=2,tensor=2", "fsdp=2,expert=4"), "moe-grouped": ("data=2,expert=4",)}
 
 
 def run_worker(*args: str, devices: int, timeout: float = 300, wait: bool = True):
@@ -68,6 +70,18 @@ def _check_step(row: dict) -> None:
 @pytest.mark.parametrize("case", [f"{n} {m}" for n, ms in CI_CASES.items() for m in ms])
 def test_sharded_step_matches_single_device(steps, case):
     _check_step(steps[case])
+
+
+@pytest.mark.multiprocess  # sharding_worker.py subprocesses: make test-slow
+def test_expert_parallel_step_matches_single_device():
+    """The 'expert' axis: each device holds n_experts / expert of every MoE layer's experts (and their
+    Adam moments), the batch is split over it too, and loss, params and moments equal one device's."""
+    rows = {k: v for name, meshes in MOE_CASES.items() for k, v in run_worker("steps", name, *meshes, devices=8).items()}
+    for case, row in rows.items():
+        _check_step(row)
+        e = parse_mesh(case.split()[1])["expert"]
+        assert "'expert'" in row["expert_spec"], row["expert_spec"]
+        assert row["expert_shard"][1] == 8 // e, f"{case}: {row['expert_shard']}"  # (L, E / expert, d, f)
 
 
 @pytest.mark.slow
@@ -186,7 +200,7 @@ def test_train_config_mesh_is_validated():
     from jaxgpt.config import TrainConfig
 
     assert TrainConfig(mesh="data=2,fsdp=2", batch_size=8).mesh == "data=2,fsdp=2"
-    with pytest.raises(ValueError, match=r"data\*fsdp=4 devices, but batch_size/grad_accum=6 is not a multiple"):
+    with pytest.raises(ValueError, match=r"data\*fsdp\*expert=4 devices, but batch_size/grad_accum=6 is not a multiple"):
         TrainConfig(mesh="data=2,fsdp=2", batch_size=6)
     with pytest.raises(ValueError, match="bad mesh 'gpu=2'"):
         TrainConfig(mesh="gpu=2")
@@ -270,9 +284,10 @@ def test_unknown_parameter_is_an_error():
 
 
 def test_parse_mesh():
-    assert parse_mesh("data=8") == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert parse_mesh("tensor=8", 8) == {"data": 1, "fsdp": 1, "tensor": 8}
-    assert parse_mesh("data=2, fsdp=2,tensor=2", 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert parse_mesh("data=8") == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert parse_mesh("tensor=8", 8) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 8}
+    assert parse_mesh("data=2, fsdp=2,tensor=2", 8) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert parse_mesh("data=2,expert=4", 8) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
     with pytest.raises(ValueError, match=r"mesh 'data=2,fsdp=2' needs 4 devices .* but 8 are available"):
         parse_mesh("data=2,fsdp=2", 8)
     for bad in ("data", "pipeline=2", "data=0", "data=2,data=2", "data=x", ""):

@@ -14,7 +14,8 @@ from jaxgpt.core.constants import IGNORE_INDEX, batch_keys
 
 
 def loss_terms(model: nn.Module, batch: dict) -> dict:
-    """Forward + summed cross entropy on one batch -> {'loss_sum', 'count', 'correct'} (tensors)."""
+    """Forward + summed cross entropy on one batch -> {'loss_sum', 'count', 'correct'} (tensors);
+    MoE models add 'router_aux_sum' and 'router_z_sum' (the router losses times count), as jaxgpt."""
     *inputs, targets = (torch.as_tensor(batch[k]) for k in batch_keys(model.config))
     inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
     logits = model(*inputs).float()
@@ -23,7 +24,13 @@ def loss_terms(model: nn.Module, batch: dict) -> dict:
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
     correct = (keep & (logits.argmax(-1) == targets)).sum()
-    return {"loss_sum": loss_sum, "count": keep.sum(), "correct": correct}
+    terms = {"loss_sum": loss_sum, "count": keep.sum(), "correct": correct}
+    if getattr(model.config, "moe", None) is not None:
+        from torch_ref.nn.moe import router_losses
+
+        aux, z = router_losses(model)
+        terms.update(router_aux_sum=aux * terms["count"], router_z_sum=z * terms["count"])
+    return terms
 
 
 def make_optimizer(model: nn.Module, tc: TrainConfig):
@@ -51,7 +58,11 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
     totals = dict.fromkeys(("loss_sum", "count", "correct"), 0.0)
     for i in range(tc.grad_accum):
         terms = loss_terms(model, {k: v[i] for k, v in batch.items()})
-        terms["loss_sum"].backward()
+        loss = terms["loss_sum"]
+        if "router_aux_sum" in terms:
+            loss = loss + tc.router_aux_coef * terms["router_aux_sum"] + tc.router_z_coef * terms["router_z_sum"]
+            totals = {"router_aux_sum": 0.0, "router_z_sum": 0.0} | totals
+        loss.backward()
         totals = {k: totals[k] + terms[k].item() for k in totals}
     count = max(totals["count"], 1)
     for p in model.parameters():
@@ -61,7 +72,10 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
     lr = opt.param_groups[0]["lr"]
     opt.step()
     sched.step()
-    return {"loss": totals["loss_sum"] / count, "accuracy": totals["correct"] / count, "grad_norm": float(grad_norm), "lr": lr}
+    out = {"loss": totals["loss_sum"] / count, "accuracy": totals["correct"] / count, "grad_norm": float(grad_norm), "lr": lr}
+    if "router_aux_sum" in totals:
+        out.update(router_aux=totals["router_aux_sum"] / count, router_z=totals["router_z_sum"] / count)
+    return out
 
 
 def train(model: nn.Module, tc: TrainConfig, task, steps: int | None = None) -> list[dict]:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
-AXES = ("data", "fsdp", "tensor")  # batch split / params split (ZeRO-3) / Megatron heads and MLP width
+# batch split / params split (ZeRO-3) / MoE experts split (expert parallelism; the batch is split over it
+# too) / Megatron heads and MLP width
+AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the mesh axes a batch's rows are split over
 
 
 def parse_mesh(spec: str, n_devices: int | None = None) -> dict[str, int]:
@@ -23,10 +26,15 @@ def parse_mesh(spec: str, n_devices: int | None = None) -> dict[str, int]:
         raise ValueError(f"bad mesh {spec!r}: name at least one axis, e.g. 'data=8'")
     total = math.prod(sizes.values())
     if n_devices is not None and total != n_devices:
-        raise ValueError(f"mesh {spec!r} needs {total} devices (data*fsdp*tensor), but {n_devices} are available; "
+        raise ValueError(f"mesh {spec!r} needs {total} devices (data*fsdp*expert*tensor), but {n_devices} are available; "
                          "make the product equal the device count (on a CPU, more host devices: "
                          "jaxgpt.parallel.sharding.use_host_devices(n) before JAX starts)")
     return sizes
+
+
+def batch_devices(sizes) -> int:
+    """How many ways a mesh (``parse_mesh`` dict or ``Mesh.shape``) splits a batch's rows: data*fsdp*expert."""
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
 
 
 def mesh_devices(spec: str) -> int:
@@ -34,4 +42,4 @@ def mesh_devices(spec: str) -> int:
     return math.prod(parse_mesh(spec).values())
 
 
-__all__ = ["AXES", "mesh_devices", "parse_mesh"]
+__all__ = ["AXES", "BATCH_AXES", "batch_devices", "mesh_devices", "parse_mesh"]

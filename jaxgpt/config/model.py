@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxgpt.config.base import _Config, _choice, _positive, _probability
+from jaxgpt.config.moe import MoEConfig
 
 POS = ("none", "sinusoidal", "learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
@@ -95,6 +96,8 @@ class ModelConfig(_Config):
     attention_block: int = 128  # key/value block length of attention_impl='blocked' (128: fastest measured on CPU)
     dtype: str = "float32"  # compute dtype (DTYPES); bfloat16 with param_dtype float32 = mixed precision
     param_dtype: str = "float32"  # dtype the weights are stored (and optimised) in
+    # Mixture of Experts (jaxgpt/config/moe.py): None = every layer's FFN is the dense ``mlp``.
+    moe: MoEConfig | None = None
 
     def _validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "max_len"):
@@ -140,12 +143,38 @@ class ModelConfig(_Config):
             _probability("attn_dropout", self.attn_dropout)
         if self.lm_head_bias and self.tie_embeddings:
             raise ValueError("lm_head_bias=True needs an untied lm_head (tie_embeddings=False)")
+        if self.moe is not None:
+            self._validate_moe()
         if self.attention_impl not in ("xla", "auto") and self.attention_dropout > 0:  # 'auto' picks 'xla' then
             # Only the einsum kernel can drop attention weights; no other kernel reproduces its draws,
             # so the pair is refused here rather than silently training with another kernel.
             via = "" if self.attn_dropout is not None else f" (attn_dropout=None takes dropout={self.dropout})"
             raise ValueError(f"attention_impl={self.attention_impl!r} has no attention dropout, but attention "
                              f"dropout is {self.attention_dropout}{via}; set attn_dropout=0.0 or attention_impl='xla'")
+
+    def _validate_moe(self) -> None:
+        moe = self.moe
+        if self.residual != "standard":
+            raise ValueError(f"moe needs residual='standard', got residual={self.residual!r}")
+        out = [i for i in moe.dense_layers if i >= self.n_layer]
+        if out:
+            raise ValueError(f"moe.dense_layers={list(moe.dense_layers)} names layers past n_layer={self.n_layer}")
+        kinds = {moe.sparse(i) for i in range(self.n_layer)}
+        if self.scan_layers and len(kinds) > 1:
+            # nn.scan compiles one layer body: every layer must have the same parameters.
+            raise ValueError(f"moe.every={moe.every}, moe.dense_layers={list(moe.dense_layers)} mix dense and MoE "
+                             "layers; that needs scan_layers=False")
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has a MoE feed-forward network."""
+        return self.moe is not None and self.moe.sparse(layer)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        moe = d.get("moe")
+        if isinstance(moe, dict):
+            d = {**d, "moe": MoEConfig.from_dict(moe)}
+        return super().from_dict(d)
 
     # Derived sizes -------------------------------------------------------------------------
     @property
@@ -168,6 +197,11 @@ class ModelConfig(_Config):
         if self.mlp == "swiglu":  # keep the parameter count of a 4x two-matrix MLP
             return -(-(8 * self.d_model // 3) // 8) * 8
         return 4 * self.d_model
+
+    @property
+    def expert_dim(self) -> int:
+        """Width of each MoE expert: ``moe.d_ff``, or ``ffn_dim``."""
+        return self.moe.d_ff if self.moe is not None and self.moe.d_ff is not None else self.ffn_dim
 
     @property
     def out_init_std(self) -> float:
@@ -195,6 +229,8 @@ class BertConfig(_Config):
         if self.type_vocab_size < 0:
             raise ValueError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
         _choice("pooler", self.pooler, POOLERS)
+        if self.encoder.moe is not None:
+            raise ValueError("BERT has no Mixture-of-Experts layers: encoder.moe must be None")
         if self.encoder.pos == "rope":
             raise ValueError("BERT uses absolute positions: encoder.pos must not be 'rope'")
 
@@ -216,6 +252,9 @@ class EncDecConfig(_Config):
     def _validate(self) -> None:
         if self.encoder.d_model != self.decoder.d_model:
             raise ValueError(f"encoder.d_model={self.encoder.d_model} != decoder.d_model={self.decoder.d_model}")
+        if self.encoder.moe is not None or self.decoder.moe is not None:
+            raise ValueError("the encoder-decoder has no Mixture-of-Experts layers: encoder.moe and decoder.moe "
+                             "must be None")
 
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxgpt.config.model import EncDecConfig, ModelConfig
+from jaxgpt.config.moe import MoEConfig
 from jaxgpt.config.train import TrainConfig
 
 
@@ -36,6 +37,7 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
     own = {f.name for f in dataclasses.fields(config)} - {"encoder", "decoder"}
     train: dict = {}
     model: dict[str, dict] = {}
+    moe_sets: dict = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -43,6 +45,15 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
         value = parse_value(raw)
         if key in train_fields:
             train[key] = _as_field(TrainConfig, key, raw, value)
+            continue
+        if isinstance(config, ModelConfig) and key.startswith("moe."):  # moe.n_experts=8, moe.dense_layers=0;3
+            name = key[4:]
+            if name not in {f.name for f in dataclasses.fields(MoEConfig)}:
+                raise ValueError(f"unknown setting {key!r}; MoE keys: "
+                                 f"{', '.join('moe.' + f.name for f in dataclasses.fields(MoEConfig))}")
+            if name == "dense_layers":
+                value = tuple(int(v) for v in raw.replace(",", ";").split(";") if v.strip())
+            moe_sets[name] = _as_field(MoEConfig, name, raw, value)
             continue
         target, _, name = key.rpartition(".")
         if name in model_fields:
@@ -62,6 +73,8 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
         else:
             raise ValueError(f"unknown setting {key!r}; training keys: {', '.join(sorted(train_fields))}; "
                              f"model keys: {', '.join(sorted(model_fields | own))}")
+    if moe_sets:  # on top of the config's MoEConfig, or of MoEConfig's defaults
+        model.setdefault("", {})["moe"] = (config.moe or MoEConfig()).replace(**moe_sets)
     if "" in model:
         config = config.replace(**model[""])
     nested = {stack: getattr(config, stack).replace(**model[stack]) for stack in ("encoder", "decoder") if stack in model}

@@ -54,9 +54,14 @@ class TrainConfig(_Config):
     # jitted step keeps the old params and optimizer state; the batch is consumed, metrics count it).
     on_nonfinite: str = "stop"
     # Engine knob (jaxgpt.parallel.sharding): device mesh 'data=N,fsdp=M,tensor=K' ('' = one device). It changes
-    # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp.
+    # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp*expert.
     # 'auto': on a CPU host, the micro-batch split over its CPU devices (jaxgpt.parallel.host_devices), else one device.
     mesh: str = "auto"
+    # Mixture-of-Experts models (ModelConfig.moe) add coef * loss to the training objective, averaged over
+    # tokens like the cross entropy: the load-balancing loss (Switch / transformers' load_balancing_loss_func;
+    # Mixtral and Qwen2-MoE train with 0.001, Switch with 0.01) and the ST-MoE router z-loss (0: off).
+    router_aux_coef: float = 0.01
+    router_z_coef: float = 0.0
 
     def _validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
@@ -80,6 +85,9 @@ class TrainConfig(_Config):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         _probability("beta1", self.beta1)
         _probability("beta2", self.beta2)
+        if self.router_aux_coef < 0 or self.router_z_coef < 0:
+            raise ValueError(f"router_aux_coef and router_z_coef must be >= 0, got {self.router_aux_coef!r}, "
+                             f"{self.router_z_coef!r}")
         if self.weight_decay < 0 or self.eps <= 0:
             raise ValueError(f"need weight_decay >= 0 and eps > 0, got {self.weight_decay!r}, {self.eps!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:
@@ -92,12 +100,12 @@ class TrainConfig(_Config):
             raise ValueError(f"steps={self.steps} is not epochs * steps_per_epoch = {self.epochs} * "
                              f"{self.steps_per_epoch}; derive them with jaxgpt.train.tasks.with_epochs")
         if self.mesh and self.mesh != "auto":
-            from jaxgpt.config.mesh import parse_mesh
+            from jaxgpt.config.mesh import batch_devices, parse_mesh
 
-            sizes = parse_mesh(self.mesh)
-            if self.micro_batch % (sizes["data"] * sizes["fsdp"]):
-                raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp="
-                                 f"{sizes['data'] * sizes['fsdp']} devices, but batch_size/grad_accum="
+            n = batch_devices(parse_mesh(self.mesh))
+            if self.micro_batch % n:
+                raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp*expert="
+                                 f"{n} devices, but batch_size/grad_accum="
                                  f"{self.micro_batch} is not a multiple of it")
 
     @property

@@ -55,6 +55,7 @@ _ENCODER: dict[str, Field] = {
     "final_norm": must_be(False), "tie_embeddings": unused("no language-model head"),
     "lm_head_bias": unused("no language-model head"),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
+    "moe": unused("BertConfig itself refuses encoder.moe (no MoE encoder)"),
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 FIELDS: dict[str, Field] = {

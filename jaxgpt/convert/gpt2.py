@@ -58,7 +58,7 @@ FIELDS: dict[str, Field] = {
     "mlp": Field(lambda v, c: v in _ACT_OUT, f"one of {sorted(_ACT_OUT)}"), "mlp_bias": must_be(True),
     "qkv_bias": must_be(True), "o_bias": must_be(True), "norm_placement": must_be("pre"),
     "final_norm": must_be(True), "scale_out_init": must_be(True), "embed_scale": must_be(False),
-    "lm_head_bias": must_be(False),
+    "lm_head_bias": must_be(False), "moe": must_be(None),
     "residual": must_be("standard"), **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 

@@ -17,12 +17,14 @@ import jax
 import numpy as np
 
 from jaxgpt.config import BertConfig, ModelConfig
-from jaxgpt.convert import bert, gpt2, llama
+from jaxgpt.convert import bert, gpt2, llama, mixtral, qwen2_moe
 from jaxgpt.convert.rule import params_to_state_dict, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
 
-FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert}
-ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS}
+FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert, "mixtral": mixtral,
+            "qwen2_moe": qwen2_moe}
+ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS,
+         "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS}
 SUPPORTED = tuple(a for archs in ARCHS.values() for a in archs)
 _DTYPES = ("float32", "bfloat16", "float16")  # what params may be loaded as and exported in
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -124,6 +126,8 @@ def _family_of(config) -> Any:
     if not isinstance(config, ModelConfig):
         raise ValueError(f"Hugging Face export supports decoder (ModelConfig) and BERT configs, got "
                          f"{type(config).__name__}")
+    if config.moe is not None:  # a shared expert is Qwen2-MoE's; Mixtral has none
+        return qwen2_moe if config.moe.shared_d_ff else mixtral
     if config.pos == "rope":
         return llama
     if config.pos == "learned":
@@ -224,6 +228,14 @@ def to_hf(config, params: Mapping, *, attn_implementation: str = "eager"):
 
     d, sd = export_hf(config, params)
     arch = d.pop("architectures")[0]
+    if d["model_type"] in ("mixtral", "qwen2_moe"):
+        # transformers 5 fuses the experts in memory (gate_up_proj) and converts the saved per-expert
+        # layout only while loading a directory: go through one.
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            save_hf(tmp, config, params)
+            return getattr(transformers, arch).from_pretrained(tmp, attn_implementation=attn_implementation).eval()
     kwargs = {k: v for k, v in d.items() if k not in ("model_type", "dtype", "torch_dtype")}
     hc = transformers.AutoConfig.for_model(d["model_type"], attn_implementation=attn_implementation, **kwargs)
     model = getattr(transformers, arch)(hc)

@@ -85,7 +85,7 @@ FIELDS: dict[str, Field] = {
     "norm_bias": unused("norm must be 'rmsnorm' (no bias)"), "mlp": must_be("swiglu"),
     "norm_placement": must_be("pre"), "final_norm": must_be(True), "dropout": must_be(0.0),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
-    "lm_head_bias": must_be(False),
+    "lm_head_bias": must_be(False), "moe": must_be(None),
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 

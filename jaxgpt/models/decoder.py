@@ -110,6 +110,9 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
+SCANNED_COLLECTIONS = {"params": 0, "intermediates": 0, "router": 0}  # what nn.scan stacks per layer
+
+
 def scan_unroll(config) -> int:
     """``config.scan_unroll`` as an int; 'auto': every layer in one iteration on the CPU, where the
     rolled loop's per-layer weight slices and stacked activations cost about 1.2x in the train step
@@ -152,16 +155,19 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     if not config.scan_layers:
         outs = []
         for i in range(config.n_layer):
-            x, out = body(Block(config, causal=causal, cross=cross, name=f"{name}_{i}"), x, None)
+            x, out = body(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
+                          x, None)
             outs.append(out)
         cache, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
         return x, cache, weights
 
     # "intermediates": 0 stacks what capture_intermediates / sow record per layer (jaxgpt.tools.parity reads
     # each Block's output from it); without that collection mutable, nothing changes.
-    scan = nn.scan(body, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
+    # "router": 0 stacks the MoE router statistics (jaxgpt.nn.moe) the same way.
+    scan = nn.scan(body, variable_axes=SCANNED_COLLECTIONS, split_rngs={"params": True, "dropout": True},
                    in_axes=0, length=config.n_layer, unroll=scan_unroll(config))
-    x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, name=name), x, cache)
+    x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
+                               x, cache)
     return x, cache, weights
 
 
@@ -190,7 +196,8 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
             return x, tuple(split), weights
         new, ws = [], []
         for i, layer_cache in enumerate(cache):
-            x, (c, w) = body(Block(config, causal=causal, cross=cross, name=f"{name}_{i}"), x, layer_cache)
+            x, (c, w) = body(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
+                             x, layer_cache)
             new.append(c)
             ws.append(w)
         weights = None if ws[0] is None else jnp.stack(ws)
@@ -207,16 +214,17 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
     if not config.scan_layers:
         carry, outs = (x, cache.k, cache.v), []
         for i in range(config.n_layer):  # a static layer index: plain slices of the stacked cache
-            block = Block(config, causal=causal, cross=cross, name=f"{name}_{i}")
+            block = Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}")
             carry, out = layer_body(block, carry, (i, cache.index[i]))
             outs.append(out)
         index, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
     else:
-        scan = nn.scan(layer_body, variable_axes={"params": 0, "intermediates": 0},
+        scan = nn.scan(layer_body, variable_axes=SCANNED_COLLECTIONS,
                        split_rngs={"params": True, "dropout": True}, in_axes=0, length=config.n_layer,
                        unroll=scan_unroll(config))
         layers = jnp.arange(config.n_layer, dtype=jnp.int32)
-        carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, name=name), (x, cache.k, cache.v),
+        carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
+                                       (x, cache.k, cache.v),
                                        (layers, cache.index))
     x, k, v = carry
     return x, KVCache(k, v, index, "stacked"), weights

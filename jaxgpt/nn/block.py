@@ -7,18 +7,20 @@ import flax.linen as nn
 from jaxgpt.nn.attention import attention_from_config
 from jaxgpt.config import ModelConfig
 from jaxgpt.nn.mlp import make_mlp
+from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.norms import norm_from_config
 
 
 class Block(nn.Module):
     """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  x: (B, T, d_model).
 
-    Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp.
+    Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp (a MoE when ``sparse``).
     """
 
     config: ModelConfig
     causal: bool = True
     cross: bool = False
+    sparse: bool = False  # the feed-forward network is a Mixture of Experts (config.sparse_layer(i))
 
     @nn.compact
     def __call__(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
@@ -50,5 +52,5 @@ class Block(nn.Module):
             cross = attention_from_config(cfg, "cross_attn", rope=False)
             x = residual(x, lambda h: cross(h, context, mask=context_mask, deterministic=deterministic)[0],
                          "cross_norm")
-        x = residual(x, make_mlp(cfg, "mlp"), "mlp_norm")
+        x = residual(x, MoE(cfg, name="mlp") if self.sparse else make_mlp(cfg, "mlp"), "mlp_norm")
         return x, out["cache"], out["weights"]

@@ -1,4 +1,4 @@
-"""Sharded training on JAX's SPMD engine: a ('data', 'fsdp', 'tensor') mesh and where every array lives.
+"""Sharded training on JAX's SPMD engine: a ('data', 'fsdp', 'expert', 'tensor') mesh and where every array lives.
 
 The model code carries no sharding annotations (it is shared with the single-device path and the
 torch mirror). Instead, MaxText-style, two explicit rule tables decide placement, and ``jax.jit``
@@ -8,9 +8,11 @@ propagates the rest (activations follow their inputs and the parameters):
   ('embed', 'heads'), o_proj kernel ('heads', 'embed'); a leading layer axis from ``nn.scan`` is
   'layers' (never sharded). An unknown path is a ValueError, so a new parameter cannot silently
   stay unsharded.
-- logical axis -> mesh axis: ``LOGICAL_RULES``; batch over ('data', 'fsdp'), embed over 'fsdp'
+- logical axis -> mesh axis: ``LOGICAL_RULES``; batch over ('data', 'fsdp', 'expert'), embed over 'fsdp'
   (FSDP / ZeRO-3: params and Adam moments are split, gathered where used), heads / kv_heads / mlp /
-  vocab over 'tensor' (Megatron: q/k/v and gate/up column-split, o/down row-split).
+  vocab over 'tensor' (Megatron: q/k/v and gate/up column-split, o/down row-split), the experts of
+  a MoE layer over 'expert' (expert parallelism: each device of the axis holds E/expert experts and
+  its own rows of the batch; XLA moves the tokens to their experts and back).
 
 A dimension that does not divide by its mesh axes is replicated over them rather than padded:
 with GQA, kv heads that do not divide by the tensor size (n_kv_head 2, tensor 8) leave k_proj and
@@ -32,14 +34,14 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config.mesh import AXES, mesh_devices, parse_mesh  # noqa: F401 - re-exported
+from jaxgpt.config.mesh import AXES, BATCH_AXES, batch_devices, mesh_devices, parse_mesh  # noqa: F401 - re-exported
 
-BATCH = ("data", "fsdp")  # mesh axes the batch is split over
+BATCH = BATCH_AXES  # mesh axes the batch is split over: ('data', 'fsdp', 'expert')
 
 # logical axis -> mesh axis (None: replicated). flax.linen's rule format.
 LOGICAL_RULES = (("batch", BATCH), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
                  ("mlp", "tensor"), ("vocab", "tensor"), ("layers", None), ("norm", None), ("table", None),
-                 ("classes", None), ("embed_out", None))
+                 ("classes", None), ("embed_out", None), ("expert", "expert"), ("router", None))
 
 _PROJ = {"kernel": ("embed", "heads"), "bias": ("heads",)}
 _KV = {"kernel": ("embed", "kv_heads"), "bias": ("kv_heads",)}
@@ -57,6 +59,10 @@ PARAM_RULES: dict[str, dict[str, tuple]] = {
     "out_proj": {"kernel": ("embed", "vocab"), "bias": ("vocab",)},  # the encoder-decoder's LM head
     "classifier": {"kernel": ("embed", "classes"), "bias": ("classes",)},
     "pooler": {"kernel": ("embed", "embed_out"), "bias": ("embed_out",)},
+    # Mixture of Experts (jaxgpt.nn.moe): stacked (E, in, out) experts split by expert; routers whole
+    "experts": {"gate_proj": ("expert", "embed", "mlp"), "up_proj": ("expert", "embed", "mlp"),
+                "down_proj": ("expert", "mlp", "embed")},
+    "router": {"kernel": ("embed", "router")}, "shared_expert_gate": {"kernel": ("embed", "router")},
 }
 _NORM_MODULE = re.compile(r"(^|_)norm$")  # norm, attn_norm, mlp_norm, cross_norm, key_norm, embed_norm
 _LEAF_RULES = {"w_attn": ("norm",), "w_mlp": ("norm",)}  # Attention Residuals queries: (d_model,)
@@ -70,7 +76,7 @@ def auto_mesh(micro_batch: int | None = None) -> Mesh | None:
         return None
     devices = jax.local_devices()
     n = max(d for d in range(1, len(devices) + 1) if not micro_batch or micro_batch % d == 0)
-    return make_mesh({"data": n, "fsdp": 1, "tensor": 1}, devices[:n]) if n > 1 else None
+    return make_mesh({a: n if a == "data" else 1 for a in AXES}, devices[:n]) if n > 1 else None
 
 
 def train_mesh(tc, mesh="auto") -> Mesh | None:
@@ -86,7 +92,7 @@ def train_mesh(tc, mesh="auto") -> Mesh | None:
 
 
 def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
-    """A Mesh with axes ('data', 'fsdp', 'tensor') over ``devices`` (default: all, every process)."""
+    """A Mesh with axes ('data', 'fsdp', 'expert', 'tensor') over ``devices`` (default: all, every process)."""
     devices = jax.devices() if devices is None else list(devices)
     sizes = parse_mesh(spec, len(devices)) if isinstance(spec, str) else spec
     shape = tuple(sizes[a] for a in AXES)
@@ -208,7 +214,7 @@ def unsplit(config, params, mesh: Mesh, specs=None) -> dict:
     heads = {"heads": ("n_head", [c.n_head for c in stacks]),
              "kv_heads": ("n_kv_head" if gqa else "n_head", [c.kv_heads for c in stacks])}
     dropped = {k for k, v in rules if v is None} - {k for k, v in LOGICAL_RULES if v is None}
-    axes = [a for a in ("fsdp", "tensor") if mesh.shape[a] > 1]
+    axes = [a for a in ("fsdp", "expert", "tensor") if mesh.shape.get(a, 1) > 1]
     total, replicated, failed = 0, dict.fromkeys(axes, 0), []
     leaves = jax.tree_util.tree_leaves_with_path(params)
     for (path, x), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))):
@@ -295,20 +301,20 @@ def state_shardings(config, state, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh, micro_axis: bool = True) -> NamedSharding:
-    """Rows over ('data', 'fsdp'); with ``micro_axis`` the leading grad-accumulation axis stays whole."""
+    """Rows over ('data', 'fsdp', 'expert'); with ``micro_axis`` the leading grad-accumulation axis stays whole."""
     return NamedSharding(mesh, P(None, BATCH) if micro_axis else P(BATCH))
 
 
 def check_batch_divides(mesh: Mesh, rows: int, what: str = "micro-batch") -> None:
-    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    n = batch_devices(mesh.shape)
     if rows % n:
-        raise ValueError(f"{what} of {rows} rows does not split over data*fsdp={n} devices; "
+        raise ValueError(f"{what} of {rows} rows does not split over data*fsdp*expert={n} devices; "
                          f"use a multiple of {n} (batch_size / grad_accum)")
 
 
 def shard_batch(batch: dict, mesh: Mesh, micro_axis: bool = True) -> dict:
     """A host batch (NumPy, the GLOBAL batch, identical on every process) -> global jax.Arrays split
-    over ('data', 'fsdp'). Each process hands over only the rows its own devices hold
+    over ('data', 'fsdp', 'expert'). Each process hands over only the rows its own devices hold
     (jax.make_array_from_process_local_data), so multi-host runs feed each process its shard."""
     sharding = batch_sharding(mesh, micro_axis)
     axis = 1 if micro_axis else 0
@@ -327,7 +333,7 @@ def shard_batch(batch: dict, mesh: Mesh, micro_axis: bool = True) -> dict:
 
 def constrain_activations(mesh: Mesh, rows: int):
     """Context manager (flax ``nn.intercept_methods``): every module output of shape (rows, ...)
-    is constrained to rows over ('data', 'fsdp'), the rest replicated or left to propagation.
+    is constrained to rows over ('data', 'fsdp', 'expert'), the rest replicated or left to propagation.
 
     This is the activation half of the logical-axis rules, applied from outside the model code.
     Without it XLA may keep the weights' 'fsdp' split and move the batch instead (gather the

@@ -129,13 +129,14 @@ class Progress:
 
 def _placer(mesh):
     """Host batch -> global arrays on ``mesh``: train batches (A, B, ...) split by row over
-    ('data', 'fsdp'), each process handing over its own rows; eval batches (B, ...) too when B
+    ('data', 'fsdp', 'expert'), each process handing over its own rows; eval batches (B, ...) too when B
     divides, else replicated (a short last batch of a classification set)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from jaxgpt.config.mesh import batch_devices
     from jaxgpt.parallel.sharding import shard_batch
 
-    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = batch_devices(mesh.shape)
 
     def place(batch: dict, micro_axis: bool = True) -> dict:
         if micro_axis or all(len(x) % rows == 0 for x in batch.values()):

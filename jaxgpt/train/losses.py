@@ -33,10 +33,32 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
 
     Language models: next-token loss over y != IGNORE_INDEX. Classifiers: one label per row.
     Encoder-decoder: teacher-forced loss over labels != IGNORE_INDEX. ``train`` turns dropout on
-    (then ``rng`` is required).
+    (then ``rng`` is required). Mixture-of-Experts models add 'router_aux_sum' and 'router_z_sum':
+    this batch's load-balancing and z losses (jaxgpt.nn.moe.router_losses) times ``count``, so
+    that micro-batches combine like the cross entropy.
     """
     *inputs, targets = (batch[k] for k in batch_keys(config))
     rngs = {"dropout": rng} if train else {}
-    logits = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs)
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        logits = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs)
+    else:
+        logits, state = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs,
+                                            mutable=["router"])
     loss_sum, count, correct = cross_entropy(logits, targets)
-    return {"loss_sum": loss_sum, "count": count, "correct": correct}
+    terms = {"loss_sum": loss_sum, "count": count, "correct": correct}
+    if moe is not None:
+        from jaxgpt.nn.moe import router_losses
+
+        aux, z = router_losses(state.get("router", {}), moe.n_experts)
+        terms.update(router_aux_sum=aux * count, router_z_sum=z * count)
+    return terms
+
+
+def objective(terms: dict, tc) -> jax.Array:
+    """The summed training objective of ``loss_terms``: cross entropy + the router losses times their
+    TrainConfig coefficients (MoE models); divided by the token count it is the mean loss optimised."""
+    out = terms["loss_sum"]
+    if "router_aux_sum" in terms:
+        out = out + tc.router_aux_coef * terms["router_aux_sum"] + tc.router_z_coef * terms["router_z_sum"]
+    return out

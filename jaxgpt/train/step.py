@@ -16,8 +16,9 @@ from flax import struct
 
 from jaxgpt.nn import checks
 from jaxgpt.config import TrainConfig
+from jaxgpt.config.mesh import batch_devices
 from jaxgpt.models import init_params
-from jaxgpt.train.losses import loss_terms
+from jaxgpt.train.losses import loss_terms, objective
 from jaxgpt.train.optim import make_optimizer, schedule
 
 
@@ -79,7 +80,7 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
     ``checked``: checked mode (``jaxgpt.nn.checks``): a bad id, target or label raises ValueError
     instead of being clamped or scored silently; off by default (the checks compile away).
     ``mesh``: a ``jaxgpt.parallel.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
-    batch rows are split over ('data', 'fsdp') (``sharding.shard_batch``), metrics replicated; jit
+    batch rows are split over ('data', 'fsdp', 'expert') (``sharding.shard_batch``), metrics replicated; jit
     propagates the rest. None: the single-device step, unchanged. 'auto' (default): from ``tc.mesh``
     (sharding.train_mesh); its default 'auto' splits the batch over this host's CPU devices
     (jaxgpt.parallel.host_devices), and a batch whose rows do not divide runs whole on each of them.
@@ -102,19 +103,19 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
     def micro_grads(params, micro, rng):
         def f(p):
             rows = jax.tree.leaves(micro)[0].shape[0]
-            if mesh is None or rows % (mesh.shape["data"] * mesh.shape["fsdp"]):  # the latter: 'auto' only
+            if mesh is None or rows % batch_devices(mesh.shape):  # the latter: 'auto' only
                 terms = loss_terms(config, p, micro, rng=rng, train=True)
             else:  # activations split by row: FSDP weights are then gathered layer by layer in the scan
                 from jaxgpt.parallel.sharding import constrain_activations
 
                 with constrain_activations(mesh, rows):
                     terms = loss_terms(config, p, micro, rng=rng, train=True)
-            return terms["loss_sum"], terms
+            return objective(terms, tc), terms
         return jax.grad(f, has_aux=True)(params)
 
     def train_step(state: TrainState, batch: dict):
         checks.check_batch(batch, config)  # up front, outside grad: names the key and the micro-batch
-        if auto and mesh is not None and jax.tree.leaves(batch)[0].shape[1] % mesh.shape["data"] == 0:
+        if auto and mesh is not None and jax.tree.leaves(batch)[0].shape[1] % batch_devices(mesh.shape) == 0:
             from jaxgpt.parallel.sharding import batch_sharding
 
             batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
@@ -146,6 +147,8 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
         metrics = {"loss": terms["loss_sum"] / count, "accuracy": terms["correct"] / count,
                    "grad_norm": grad_norm, "lr": lr(state.step),
                    "nonfinite": 1.0 - finite.astype(jnp.float32)}  # skip: 1 = this update was skipped
+        if "router_aux_sum" in terms:  # MoE: the router losses (token means), not in 'loss'
+            metrics.update(router_aux=terms["router_aux_sum"] / count, router_z=terms["router_z_sum"] / count)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     if mesh is not None:

@@ -25,7 +25,7 @@ from scripts.harness import ROOT
 
 # name -> module (scripts.experiments.<module>); the order runs the quick figure-only experiment first
 EXPERIMENTS = {name: f"exp_{name}" for name in
-               ("attention_basics", "minigpt", "attnres", "attnres_charlm", "shakespeare", "seed004")}
+               ("attention_basics", "minigpt", "attnres", "attnres_charlm", "shakespeare", "seed004", "moe")}
 WRITER = "`python -m scripts.experiments.run_experiments`"
 
 

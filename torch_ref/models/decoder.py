@@ -72,7 +72,7 @@ class DecoderLM(nn.Module):
         cfg = self.config = config
         add_embeddings(self, cfg)
         if cfg.residual == "standard":
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.layers = nn.ModuleList(Block(cfg, sparse=cfg.sparse_layer(i)) for i in range(cfg.n_layer))
         else:
             from torch_ref.nn.attnres import AttnResLayers
 

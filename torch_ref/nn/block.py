@@ -6,13 +6,14 @@ from torch import nn
 from jaxgpt.config import ModelConfig
 from torch_ref.nn.attention import attention_from_config
 from torch_ref.nn.mlp import make_mlp
+from torch_ref.nn.moe import MoE
 from torch_ref.nn.norms import make_norm
 
 
 class Block(nn.Module):
     """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  x: (B, T, d_model)."""
 
-    def __init__(self, config: ModelConfig, causal: bool = True, cross: bool = False):
+    def __init__(self, config: ModelConfig, causal: bool = True, cross: bool = False, sparse: bool = False):
         super().__init__()
         cfg = self.config = config
         self.causal, self.cross = causal, cross
@@ -20,7 +21,7 @@ class Block(nn.Module):
         self.attn_norm, self.attn = norm(), attention_from_config(cfg)
         if cross:
             self.cross_norm, self.cross_attn = norm(), attention_from_config(cfg, rope=False)
-        self.mlp_norm, self.mlp = norm(), make_mlp(cfg)
+        self.mlp_norm, self.mlp = norm(), MoE(cfg) if sparse else make_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def _residual(self, x, f, norm):

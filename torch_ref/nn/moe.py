@@ -1,0 +1,72 @@
+"""Mixture-of-Experts feed-forward network mirroring jaxgpt/nn/moe.py (router, experts,
+shared_expert, shared_expert_gate). Expert weights are the same (E, in, out) arrays as jaxgpt's,
+not transposed; the computation is transformers' loop over the experts that were picked."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_ref.nn.mlp import SwiGLU, linear
+
+
+class Experts(nn.Module):
+    """gate_proj, up_proj (E, d, f) and down_proj (E, f, d)."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, init_std: float = 0.02, out_init_std: float = 0.02):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(n_experts, d_model, d_ff) * init_std)
+        self.up_proj = nn.Parameter(torch.randn(n_experts, d_model, d_ff) * init_std)
+        self.down_proj = nn.Parameter(torch.randn(n_experts, d_ff, d_model) * out_init_std)
+
+    def forward(self, x, weights, idx):
+        """x (N, d), weights/idx (N, k) -> (N, d): each picked expert on its tokens, weighted, summed."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            token, slot = torch.where(idx == e)
+            h = x[token]
+            h = F.silu(h @ self.gate_proj[e]) * (h @ self.up_proj[e])
+            out.index_add_(0, token, (h @ self.down_proj[e]) * weights[token, slot, None].to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Sparse feed-forward network of a ModelConfig with ``moe`` set. x: (..., d) -> (..., d).
+    After each forward, ``self.stats`` holds the router statistics jaxgpt sows (router_losses)."""
+
+    def __init__(self, config):
+        super().__init__()
+        cfg, moe = config, config.moe
+        self.top_k, self.norm_topk, self.n_experts = moe.top_k, moe.norm_topk, moe.n_experts
+        self.router = linear(cfg.d_model, moe.n_experts, False, cfg.init_std)
+        self.experts = Experts(moe.n_experts, cfg.d_model, cfg.expert_dim, cfg.init_std, cfg.out_init_std)
+        if moe.shared_d_ff:
+            self.shared_expert = SwiGLU(cfg.d_model, moe.shared_d_ff, False, cfg.init_std, cfg.out_init_std)
+            self.shared_expert_gate = linear(cfg.d_model, 1, False, cfg.init_std)
+        self.stats = None
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x)  # (N, E)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        y = self.experts(x, weights, idx)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        self.stats = {"counts": F.one_hot(idx, self.n_experts).float().sum((0, 1)), "probs": probs.sum(0),
+                      "z": (torch.logsumexp(logits.float(), -1) ** 2).sum(), "rows": float(x.shape[0])}
+        return y.reshape(shape)
+
+
+def router_losses(model: nn.Module):
+    """(load-balancing loss, z-loss) of the model's last forward, as jaxgpt.nn.moe.router_losses."""
+    stats = [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
+    if not stats:
+        return torch.zeros(()), torch.zeros(())
+    e = stats[0]["counts"].shape[0]
+    rows = sum(s["rows"] for s in stats)
+    counts, probs = sum(s["counts"] for s in stats), sum(s["probs"] for s in stats)
+    return e * torch.sum(counts / rows * probs / rows), sum(s["z"] for s in stats) / rows
