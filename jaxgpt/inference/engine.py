@@ -203,7 +203,7 @@ class Engine:
     # -- running ------------------------------------------------------------------------------------
     def _run(self, kind: str, rows):
         t = 1 if kind == "decode" else bucket(max(n for _, n in rows), 16, next_pow2(self.budget))
-        b = bucket(len(rows), 1, next_pow2(self.max_seqs))
+        b = bucket(len(rows), 4, next_pow2(self.max_seqs))  # a few padded rows cost less than a compilation
         p = bucket(max(self._pages_for(r.computed + n) for r, n in rows), 4, next_pow2(self.max_pages_per_seq))
         self.shapes.add((kind, b, t, p))
         arrays = batch_arrays([(r.tokens[r.computed:r.computed + n], r.computed, r.pages) for r, n in rows],
