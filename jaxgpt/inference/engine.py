@@ -30,13 +30,14 @@ from jaxgpt.nn.kernels.paged import PagedKVCache
 
 @partial(jax.jit, static_argnames=("config",), donate_argnums=(1,))
 def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, temperature, top_k, top_p, seeds,
-                  counters, *, config):
+                  counters, want_logprobs, *, config):
     """One engine call: tokens (B, T) at positions q_pos (-1 = padding) -> (pools, next tokens (B,),
     their logprobs (B,), last-token logits (B, V)). The pools are donated: updated in place."""
     caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype) for k, v, ks, vs in pools)
-    out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches)
-    logits = out.logits[jnp.arange(tokens.shape[0]), last]  # (B, V)
-    tok, logp = select_tokens(logits, temperature, top_k, top_p, seeds, counters)
+    out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
+                                  logits_at=last)
+    logits = out.logits[:, 0]  # (B, V)
+    tok, logp = select_tokens(logits, temperature, top_k, top_p, seeds, counters, want_logprobs)
     return tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache), tok, logp, logits
 
 
@@ -214,8 +215,9 @@ class Engine:
         top_p = np.array([s.top_p for s in sp], np.float32)
         seeds = np.array([s.seed for s in sp], np.uint32)
         counters = np.array([len(r.output) for r, _ in rows] + [0] * (b - len(rows)), np.int32)
+        want = np.bool_(any(s.logprobs for s in sp))
         self.pools, tok, logp, _ = paged_forward(self.params, self.pools, *arrays, temperature, top_k, top_p, seeds,
-                                                 counters, config=self.config)
+                                                 counters, want, config=self.config)
         self.stats["calls"] += 1
         return np.asarray(tok), np.asarray(logp)
 

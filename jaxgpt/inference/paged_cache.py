@@ -1,6 +1,6 @@
 """Host side of the paged KV cache: the device page pools, the free list, and the shape buckets.
 
-Pools: per layer (num_pages, page_size, H_kv, D) keys and values (kernels/paged.py reads them),
+Pools: per layer (num_pages, H_kv, page_size, D) keys and values (kernels/paged.py reads them),
 in the compute dtype or int8 with float32 scales per token and head. Page 0 is scratch (padding
 writes land there), so ``num_pages - 1`` pages are allocatable.
 """
@@ -51,7 +51,7 @@ def init_pools(config, num_pages: int, page_size: int, kv_dtype: str = "auto"):
     """Per layer (k, v, k_scale, v_scale): zeros; scales None unless kv_dtype == 'int8'."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype={kv_dtype!r} is not one of {KV_DTYPES}")
-    shape = (num_pages, page_size, config.kv_heads, config.head_dim)
+    shape = (num_pages, config.kv_heads, page_size, config.head_dim)
     dtype = config.dtype if kv_dtype == "auto" else kv_dtype
     pools = []
     for _ in range(config.n_layer):

@@ -56,14 +56,18 @@ def _sample_rows(logits, temperature, top_k, top_p, seeds, counters):
     return jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, x).astype(jnp.int32)
 
 
-def select_tokens(logits, temperature, top_k, top_p, seeds, counters):
+def select_tokens(logits, temperature, top_k, top_p, seeds, counters, want_logprobs=True):
     """Next token and its log-probability under the model (B,), (B,): greedy rows take the argmax;
-    the sort and draw run only when some row samples."""
+    the sort and draw run only when some row samples, the log-probabilities only when asked for
+    (zeros otherwise)."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tok = jax.lax.cond(jnp.any(temperature > 0),
                        lambda: jnp.where(temperature > 0, _sample_rows(logits, temperature, top_k, top_p, seeds,
                                                                        counters), greedy),
                        lambda: greedy)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
+    logp = jax.lax.cond(jnp.asarray(want_logprobs),
+                        lambda: jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
+                        - jax.nn.logsumexp(logits, axis=-1),
+                        lambda: jnp.zeros(tok.shape, jnp.float32))
     return tok, logp

@@ -154,7 +154,7 @@ class Attention(nn.Module):
             if mask is not None:
                 raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
             cache, k, v, mask = cache.update(k, v)
-            is_causal = False
+            is_causal, kv_layout = False, "rows"
         elif cache is not None:
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
