@@ -32,13 +32,10 @@ def build_engine(args):
     kw = dict(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
               max_tokens_per_step=args.max_tokens_per_step, kv_dtype=args.kv_dtype, eos_ids=eos,
               decode=tok.decode if tok is not None else None)
-    if args.draft:
-        from jaxgpt.inference.speculative import SpeculativeEngine
-
-        dconfig, dparams, _, _ = _load_for_inference(args.draft, None)
-        engine = SpeculativeEngine(config, params, dconfig, dparams, k=args.num_speculative_tokens, **kw)
-    else:
-        engine = Engine(config, params, **kw)
+    if args.draft:  # speculative decoding runs per request (jaxgpt.inference.speculative), not in the batch yet
+        raise ValueError("--draft: speculative decoding is available offline (jaxgpt.inference.speculative."
+                         "speculative_generate, docs/serving.md); the batched server does not run it yet")
+    engine = Engine(config, params, **kw)
     name = args.served_model_name or Path(args.model.rstrip("/")).name
     return engine, tok, name
 

@@ -104,7 +104,7 @@ def run_hf_batch(path, prompts, outs):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.set_grad_enabled(False)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa_paged").eval()
+    model = AutoModelForCausalLM.from_pretrained(path).eval()  # the manager switches to paged attention
     gc = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
 
     def once():
@@ -188,9 +188,7 @@ def run_serve(path, prompts, outs):
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-
-    async def one(p, n):
+    async def one(client, p, n):
         start, first, ids = time.perf_counter(), None, []
         stream = await client.completions.create(model="bench", prompt=p, max_tokens=n, temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -203,8 +201,10 @@ def run_serve(path, prompts, outs):
         return ids, start, first, time.perf_counter()
 
     async def once():
+        # one client per event loop (its connection pool belongs to the loop); connections for all 32 streams
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         t0 = time.perf_counter()
-        res = await asyncio.gather(*[one(p, n) for p, n in zip(prompts, outs)])
+        res = await asyncio.gather(*[one(client, p, n) for p, n in zip(prompts, outs)])
         wall = time.perf_counter() - t0
         tokens = [r[0] for r in res]
         return tokens, _stats([r[1] for r in res], [r[2] for r in res], [r[3] for r in res],
