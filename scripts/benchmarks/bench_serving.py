@@ -11,7 +11,7 @@ mean 48, capped at 160 (at least 1). Arms, each in its own subprocess (``harness
 - hf-batch: transformers' continuous batching (``init_continuous_batching``, paged attention;
             what ``generate_batch`` runs), each request with its own ``max_new_tokens``
 - engine:   jaxgpt's Engine in-process (paged KV cache, continuous batching)
-- serve:    ``jaxgpt serve``'s app on uvicorn, 32 concurrent streams through the ``openai`` client
+- serve:    ``python -m jaxgpt serve`` in its own process, 32 concurrent streams through the ``openai`` client
 Reported: requests/s, output tok/s, time to first token and time per output token (p50/p99),
 compile/warm-up excluded (every arm first runs the workload once untimed), and whether each
 arm's tokens equal hf-one's (``identical``: requests whose tokens all match; ``prefix``: requests
@@ -170,50 +170,59 @@ def run_engine(path, prompts, outs):
 
 
 def run_serve(path, prompts, outs):
+    """``python -m jaxgpt serve`` in its own process (as a deployment runs it), 32 concurrent streams."""
     import asyncio
     import socket
-    import threading
+    import subprocess
+    import urllib.request
 
     import openai
-    import uvicorn
 
-    from jaxgpt.inference.server import create_app
+    from scripts.harness import ROOT
 
-    engine = _engine(path, len(prompts))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name="bench"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    async def one(client, p, n):
-        start, first, ids = time.perf_counter(), None, []
-        stream = await client.completions.create(model="bench", prompt=p, max_tokens=n, temperature=0, stream=True,
-                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
-        async for chunk in stream:
-            for c in chunk.choices:
-                got = (c.model_extra or {}).get("token_ids") or []
-                if got and first is None:
-                    first = time.perf_counter()
-                ids += got
-        return ids, start, first, time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", str(path), "--port", str(port),
+                             "--max-seqs", str(len(prompts)), "--served-model-name", "bench"], cwd=ROOT)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"jaxgpt serve exited with {proc.returncode}") from None
+                time.sleep(0.2)
 
-    async def once():
-        # one client per event loop (its connection pool belongs to the loop); connections for all 32 streams
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*[one(client, p, n) for p, n in zip(prompts, outs)])
-        wall = time.perf_counter() - t0
-        tokens = [r[0] for r in res]
-        return tokens, _stats([r[1] for r in res], [r[2] for r in res], [r[3] for r in res],
-                              [len(t) for t in tokens], wall)
+        async def one(client, p, n):
+            start, first, ids = time.perf_counter(), None, []
+            stream = await client.completions.create(model="bench", prompt=p, max_tokens=n, temperature=0,
+                                                     stream=True,
+                                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            async for chunk in stream:
+                for c in chunk.choices:
+                    got = (c.model_extra or {}).get("token_ids") or []
+                    if got and first is None:
+                        first = time.perf_counter()
+                    ids += got
+            return ids, start, first, time.perf_counter()
 
-    asyncio.run(once())  # warm-up
-    tokens, stats = asyncio.run(once())
-    server.should_exit = True
-    return tokens, stats
+        async def once():
+            # one client per event loop (its connection pool belongs to the loop)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*[one(client, p, n) for p, n in zip(prompts, outs)])
+            wall = time.perf_counter() - t0
+            tokens = [r[0] for r in res]
+            return tokens, _stats([r[1] for r in res], [r[2] for r in res], [r[3] for r in res],
+                                  [len(t) for t in tokens], wall)
+
+        asyncio.run(once())  # warm-up: the server compiles its buckets
+        return asyncio.run(once())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def worker(arm, path, n, quick):
