@@ -1,10 +1,10 @@
-"""``jaxgpt train | sample | eval | prepare | convert | bench | parity`` (also ``python -m jaxgpt``).
+"""``jaxgpt train | sample | eval | prepare | convert | bench | parity | serve`` (also ``python -m jaxgpt``).
 
 Expected failures (missing file, unknown preset, bad ``--set``, invalid config) print one line
 on stderr and exit with 2; ``--debug`` shows the traceback instead. Heavy imports (JAX, orbax)
 happen inside the commands, so argument errors are reported at once.
 
-One module per command (train, sample, eval, prepare, convert, parity, bench); ``common`` holds what they share.
+One module per command (train, sample, eval, prepare, convert, parity, bench, serve); ``common`` holds what they share.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from jaxgpt.cli.eval import cmd_eval
 from jaxgpt.cli.parity import cmd_parity
 from jaxgpt.cli.prepare import add_parser as add_prepare_parser
 from jaxgpt.cli.sample import cmd_sample
+from jaxgpt.cli.serve import add_parser as add_serve_parser
 from jaxgpt.cli.train import cmd_train
 from jaxgpt.config import PRESETS
 
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--generate", type=int, default=8, metavar="N", help="greedy tokens to compare (0: skip)")
     q.add_argument("--json", help="also write the full report here")
     q.set_defaults(fn=cmd_parity)
+
+    add_serve_parser(sub)
     return p
 
 

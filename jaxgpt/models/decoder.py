@@ -237,11 +237,14 @@ class DecoderLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, *, positions=None, cache: KVCache | None = None, mask=None,
-                 return_weights: bool = False, return_depth_weights: bool = False, deterministic: bool = True):
+                 return_weights: bool = False, return_depth_weights: bool = False, deterministic: bool = True,
+                 logits_at=None):
         """tokens: (B, T) int ids. positions: (T,) or (B, T) (default: cache index + arange(T)).
         cache: from ``init_cache``; the call writes this chunk's keys/values and returns it.
         mask: optional (B, 1, 1, S) key mask (True = attend), e.g. left padding of prompts.
 
+        logits_at: optional (B,) positions: logits only there, (B, 1, vocab) (the vocabulary projection
+        of the other positions is skipped).
         Returns logits (B, T, vocab), or a DecoderOutput when a cache is passed or
         ``return_weights`` (per-layer attention weights) or ``return_depth_weights`` (AttnRes
         models: the depth-attention weights, ``DecoderOutput.depth_weights``) is set.
@@ -277,6 +280,8 @@ class DecoderLM(nn.Module):
                 x, mask=mask, positions=positions, return_weights=return_weights,
                 return_depth_weights=return_depth_weights, deterministic=deterministic)
             depth = depth[0] if depth else None
+        if logits_at is not None:  # (B,) one position per row: the engine's prefill skips the other rows' head
+            x = x[jnp.arange(x.shape[0]), logits_at][:, None]  # (B, 1, d)
         if cfg.final_norm:
             x = norm_from_config(cfg, "norm")(x)
         # Logits are float32 whatever the compute dtype: the matmul reads compute-dtype inputs but

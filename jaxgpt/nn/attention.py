@@ -150,7 +150,12 @@ class Attention(nn.Module):
             k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
 
         kv_layout = "tokens"
-        if cache is not None:
+        if getattr(cache, "paged", False):  # kernels/paged.py: ragged rows gather their pages; mask = causal
+            if mask is not None:
+                raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
+            cache, k, v, mask = cache.update(k, v)
+            is_causal, kv_layout = False, "rows"
+        elif cache is not None:
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
             if mask is not None:  # checked before `& written`, whose broadcast could hide a bad shape

@@ -1,0 +1,71 @@
+"""``jaxgpt serve MODEL``: an OpenAI-compatible server (docs/serving.md)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxgpt.cli.common import _load_for_inference
+
+
+def chat_template_of(model: str) -> str | None:
+    """An HF directory's chat template: chat_template.jinja, or tokenizer_config.json's 'chat_template'."""
+    d = Path(model)
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text(encoding="utf-8")
+    cfg = d / "tokenizer_config.json"
+    if cfg.is_file():
+        t = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        return t if isinstance(t, str) else None
+    return None
+
+
+def build_engine(args):
+    """(engine, tokenizer, model name) from the parsed arguments."""
+    from jaxgpt.config import ModelConfig
+    from jaxgpt.inference.engine import Engine
+
+    config, params, meta, tok = _load_for_inference(args.model, None)
+    if not isinstance(config, ModelConfig) or meta.get("kind", "lm") not in ("lm",):
+        raise ValueError(f"{args.model} is not a decoder language model; `jaxgpt serve` serves GPT-2/LLaMA-style "
+                         "models")
+    eos = getattr(tok, "eos_ids", None) or ([tok.eos_id] if getattr(tok, "eos_id", None) is not None else [])
+    kw = dict(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+              max_tokens_per_step=args.max_tokens_per_step, kv_dtype=args.kv_dtype, eos_ids=eos,
+              decode=tok.decode if tok is not None else None)
+    if args.draft:  # speculative decoding runs per request (jaxgpt.inference.speculative), not in the batch yet
+        raise ValueError("--draft: speculative decoding is available offline (jaxgpt.inference.speculative."
+                         "speculative_generate, docs/serving.md); the batched server does not run it yet")
+    engine = Engine(config, params, **kw)
+    name = args.served_model_name or Path(args.model.rstrip("/")).name
+    return engine, tok, name
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise ValueError("jaxgpt serve needs FastAPI and uvicorn: pip install 'jaxgpt[serve]'") from None
+    from jaxgpt.inference.server import create_app
+
+    engine, tok, name = build_engine(args)
+    app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(args.model),
+                     max_waiting=args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible server (paged KV cache, continuous batching)")
+    s.add_argument("model", help="HF model directory or jaxgpt run/checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-seqs", type=int, default=32, help="requests decoded together")
+    s.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    s.add_argument("--num-pages", type=int, help="KV pages (default: max-seqs full contexts)")
+    s.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one engine step")
+    s.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
+    s.add_argument("--kv-dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto")
+    s.add_argument("--draft", help="draft model for speculative decoding (same vocabulary)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4)
+    s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    s.set_defaults(fn=cmd_serve)

@@ -1,0 +1,87 @@
+"""Host side of the paged KV cache: the device page pools, the free list, and the shape buckets.
+
+Pools: per layer (num_pages, H_kv, page_size, D) keys and values (kernels/paged.py reads them),
+in the compute dtype or int8 with float32 scales per token and head. Page 0 is scratch (padding
+writes land there), so ``num_pages - 1`` pages are allocatable.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def bucket(n: int, lo: int, hi: int) -> int:
+    """The smallest power of two >= n, at least lo, at most hi (hi itself when n is above it)."""
+    return min(max(next_pow2(n), lo), hi)
+
+
+class PageAllocator:
+    """The free list. Pages are ints in [1, num_pages); page 0 is never handed out."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first
+
+    @property
+    def total(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+def init_pools(config, num_pages: int, page_size: int, kv_dtype: str = "auto"):
+    """Per layer (k, v, k_scale, v_scale): zeros; scales None unless kv_dtype == 'int8'."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not one of {KV_DTYPES}")
+    shape = (num_pages, config.kv_heads, page_size, config.head_dim)
+    dtype = config.dtype if kv_dtype == "auto" else kv_dtype
+    pools = []
+    for _ in range(config.n_layer):
+        if dtype == "int8":
+            scale = jnp.zeros(shape[:-1], jnp.float32)
+            pools.append((jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scale, scale.copy()))
+        else:
+            pools.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, None))
+    return tuple(pools)
+
+
+def pool_bytes(pools) -> int:
+    return int(sum(a.nbytes for layer in pools for a in layer if a is not None))
+
+
+def batch_arrays(rows, page_size: int, b: int, t: int, p: int):
+    """Host arrays for one call: rows are (tokens, start_pos, pages). Returns tokens, q_pos, slots,
+    page_table, last (index of each row's last real token), all int32 numpy."""
+    tokens = np.zeros((b, t), np.int32)
+    q_pos = np.full((b, t), -1, np.int32)
+    slots = np.zeros((b, t), np.int32)
+    table = np.zeros((b, p), np.int32)
+    last = np.zeros((b,), np.int32)
+    for i, (toks, start, pages) in enumerate(rows):
+        n = len(toks)
+        tokens[i, :n] = toks
+        pos = np.arange(start, start + n)
+        q_pos[i, :n] = pos
+        pg = np.asarray(pages, np.int32)
+        table[i, :len(pg)] = pg[:p]
+        slots[i, :n] = pg[pos // page_size] * page_size + pos % page_size
+        last[i] = n - 1
+    return tokens, q_pos, slots, table, last

@@ -1,0 +1,300 @@
+"""Serving throughput: 32 ragged requests, all arriving at t=0, greedy, EOS ignored.
+
+    .venv/bin/python -m scripts.benchmarks.bench_serving            # all arms -> results/engine/serving.{json,md}
+    .venv/bin/python -m scripts.benchmarks.bench_serving --quick    # smoke: 8 requests, a tiny model
+    .venv/bin/python -m scripts.benchmarks.bench_serving --arms engine serve
+
+Workload (issue 22): a random 4-layer, 256-wide LLaMA in HF format (vocab 32000, 4 heads, context
+256), saved locally; prompts of 8-96 tokens (uniform), output lengths from an exponential with
+mean 48, capped at 160 (at least 1). Arms, each in its own subprocess (``harness.spawn``):
+- hf-one:   transformers ``generate`` one request after another
+- hf-batch: transformers' continuous batching (``init_continuous_batching``, paged attention;
+            what ``generate_batch`` runs), each request with its own ``max_new_tokens``
+- engine:   jaxgpt's Engine in-process (paged KV cache, continuous batching)
+- serve:    ``python -m jaxgpt serve`` in its own process, 32 concurrent streams through the ``openai`` client
+Reported: requests/s, output tok/s, time to first token and time per output token (p50/p99),
+compile/warm-up excluded (every arm first runs the workload once untimed), and whether each
+arm's tokens equal hf-one's (``identical``: requests whose tokens all match; ``prefix``: requests
+whose shorter output is a prefix of the other's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from scripts.harness import RESULTS, LoadSampler, report, spawn, timing_note, write_result
+
+ARMS = ("hf-one", "hf-batch", "engine", "serve")
+
+
+def workload(n: int, seed: int = 0, vocab: int = 32000):
+    rng = np.random.default_rng(seed)
+    prompts = [[int(x) for x in rng.integers(3, vocab, int(rng.integers(8, 97)))] for _ in range(n)]
+    outs = [int(min(160, max(1, round(rng.exponential(48))))) for _ in range(n)]
+    return prompts, outs
+
+
+def build_model(path: Path, quick: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = (LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256) if quick else
+           LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256))
+    cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id = 2, 1, 0
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+
+
+def _stats(starts, firsts, ends, counts, wall) -> dict:
+    ttft = np.array(firsts) - np.array(starts)
+    tpot = np.array([(e - f) / (c - 1) for f, e, c in zip(firsts, ends, counts) if c > 1])
+    q = lambda a, p: float(np.percentile(a, p)) * 1000 if len(a) else None  # noqa: E731
+    return dict(wall_s=wall, requests_per_s=len(counts) / wall, output_tok_per_s=sum(counts) / wall,
+                ttft_ms_p50=q(ttft, 50), ttft_ms_p99=q(ttft, 99), tpot_ms_p50=q(tpot, 50), tpot_ms_p99=q(tpot, 99))
+
+
+# ---------------------------------------------------------------- workers
+def run_hf_one(path, prompts, outs):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_grad_enabled(False)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def once():
+        tokens, firsts, ends = [], [], []
+        t0 = time.perf_counter()
+        for p, n in zip(prompts, outs):
+            clock = Clock()
+            out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, streamer=clock)
+            tokens.append(out[0, len(p):].tolist())
+            firsts.append(clock.times[1])  # times[0] is the prompt
+            ends.append(time.perf_counter())
+        return tokens, [t0] * len(prompts), firsts, ends, time.perf_counter() - t0
+
+    once_small = (prompts[:2], outs[:2])  # warm-up: allocator and kernels
+    model.generate(torch.tensor([once_small[0][0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    tokens, starts, firsts, ends, wall = once()
+    return tokens, _stats(starts, firsts, ends, [len(t) for t in tokens], wall)
+
+
+def run_hf_batch(path, prompts, outs):
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.set_grad_enabled(False)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()  # the manager switches to paged attention
+    gc = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def once():
+        manager = model.init_continuous_batching(generation_config=gc)
+        manager.start()
+        t0 = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True) for p, n in zip(prompts, outs)]
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                results[r.request_id] = r
+        wall = time.perf_counter() - t0
+        manager.stop(block=True)
+        model.destroy_cached_continuous_batching_manager() if hasattr(
+            model, "destroy_cached_continuous_batching_manager") else None
+        tokens = [list(results[i].generated_tokens) for i in ids]
+        stamps = [getattr(results[i], "timestamps", None) or [] for i in ids]
+        firsts = [s[0] if s else t0 + wall for s in stamps]
+        ends = [s[-1] if s else t0 + wall for s in stamps]
+        if firsts and firsts[0] > 1e12:  # timestamps in another clock: report throughput only
+            firsts = ends = [t0 + wall] * len(ids)
+        return tokens, _stats([t0] * len(ids), firsts, ends, [len(t) for t in tokens], wall)
+
+    once()  # warm-up
+    return once()
+
+
+def _engine(path, max_seqs):
+    from jaxgpt.convert.hf import load_hf
+    from jaxgpt.inference.engine import Engine
+
+    config, params = load_hf(path)
+    return Engine(config, params, max_seqs=max_seqs, page_size=16, max_tokens_per_step=512)
+
+
+def run_engine(path, prompts, outs):
+    from jaxgpt.inference.sampling import SamplingParams
+
+    engine = _engine(path, len(prompts))
+
+    def once():
+        t0 = time.perf_counter()
+        ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, outs)]
+        toks = {i: [] for i in ids}
+        firsts, ends = {}, {}
+        while engine.has_unfinished():
+            outs_ = engine.step()
+            now = time.perf_counter()
+            for o in outs_:
+                toks[o.id] += o.new_token_ids
+                firsts.setdefault(o.id, now)
+                if o.finished:
+                    ends[o.id] = now
+        wall = time.perf_counter() - t0
+        tokens = [toks[i] for i in ids]
+        return tokens, _stats([t0] * len(ids), [firsts[i] for i in ids], [ends[i] for i in ids],
+                              [len(t) for t in tokens], wall)
+
+    once()  # warm-up: compiles every bucket the workload reaches
+    tokens, stats = once()
+    return tokens, dict(stats, compiled_shapes=engine.compilations, preemptions=engine.stats["preemptions"])
+
+
+def run_serve(path, prompts, outs):
+    """``python -m jaxgpt serve`` in its own process (as a deployment runs it), 32 concurrent streams."""
+    import asyncio
+    import socket
+    import subprocess
+    import urllib.request
+
+    import openai
+
+    from scripts.harness import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", str(path), "--port", str(port),
+                             "--max-seqs", str(len(prompts)), "--served-model-name", "bench"], cwd=ROOT)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"jaxgpt serve exited with {proc.returncode}") from None
+                time.sleep(0.2)
+
+        async def one(client, p, n):
+            start, first, ids = time.perf_counter(), None, []
+            stream = await client.completions.create(model="bench", prompt=p, max_tokens=n, temperature=0,
+                                                     stream=True,
+                                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+            async for chunk in stream:
+                for c in chunk.choices:
+                    got = (c.model_extra or {}).get("token_ids") or []
+                    if got and first is None:
+                        first = time.perf_counter()
+                    ids += got
+            return ids, start, first, time.perf_counter()
+
+        async def once():
+            # one client per event loop (its connection pool belongs to the loop)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*[one(client, p, n) for p, n in zip(prompts, outs)])
+            wall = time.perf_counter() - t0
+            tokens = [r[0] for r in res]
+            return tokens, _stats([r[1] for r in res], [r[2] for r in res], [r[3] for r in res],
+                                  [len(t) for t in tokens], wall)
+
+        asyncio.run(once())  # warm-up: the server compiles its buckets
+        return asyncio.run(once())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def worker(arm, path, n, quick):
+    prompts, outs = workload(n, vocab=512 if quick else 32000)
+    fn = {"hf-one": run_hf_one, "hf-batch": run_hf_batch, "engine": run_engine, "serve": run_serve}[arm]
+    tokens, stats = fn(path, prompts, outs)
+    report({"arm": arm, "tokens": tokens, **stats})
+
+
+# ---------------------------------------------------------------- driver
+def compare(a, b) -> tuple[int, int]:
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = sum(x[:min(len(x), len(y))] == y[:min(len(x), len(y))] for x, y in zip(a, b))
+    return same, prefix
+
+
+def table(rows, ref, note) -> str:
+    lines = ["| arm | req/s | output tok/s | vs hf-one | vs hf-batch | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "tokens = hf-one |", "|---|---|---|---|---|---|---|---|"]
+    by = {r["arm"]: r for r in rows if "error" not in r}
+    f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r.get('arm', '?')} | error: {r['error'][:80]} | | | | | | |")
+            continue
+        rel = lambda k: f"{r['output_tok_per_s'] / by[k]['output_tok_per_s']:.2f}x" if k in by else "-"  # noqa: E731
+        same = r.get("identical", "-")
+        lines.append(f"| {r['arm']} | {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.0f} | {rel('hf-one')} | "
+                     f"{rel('hf-batch')} | {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} | "
+                     f"{f(r['tpot_ms_p50'])} / {f(r['tpot_ms_p99'])} | {same} |")
+    return "\n".join(lines) + f"\n\n{note}\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "engine" / "serving.json"))
+    ap.add_argument("--worker", nargs=2, metavar=("ARM", "MODEL"))
+    a = ap.parse_args(argv)
+    n = 8 if a.quick and a.requests == 32 else a.requests
+    if a.worker:
+        return worker(a.worker[0], a.worker[1], n, a.quick)
+    load = LoadSampler()
+    load.start()
+    uptime_before = os.popen("uptime").read().strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "llama"
+        build_model(path, a.quick)
+        rows = []
+        for arm in a.arms:
+            args = ["--worker", arm, path, "--requests", n] + (["--quick"] if a.quick else [])
+            r = spawn("scripts.benchmarks.bench_serving", *args, timeout=1800)
+            r.setdefault("arm", arm)
+            rows.append(r)
+            print(arm, {k: v for k, v in r.items() if k != "tokens"}, file=sys.stderr, flush=True)
+    ref = next((r["tokens"] for r in rows if r.get("arm") == "hf-one" and "tokens" in r), None)
+    for r in rows:
+        if ref is not None and "tokens" in r:
+            same, prefix = compare(r["tokens"], ref)
+            r["identical"], r["prefix"] = f"{same}/{len(ref)}", f"{prefix}/{len(ref)}"
+    note = (f"{n} requests; {timing_note(load.record())}. uptime before: `{uptime_before}`; after: "
+            f"`{os.popen('uptime').read().strip()}`.")
+    result = {"rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows], "load": load.record(),
+              "note": note}
+    if not a.quick or a.out != str(RESULTS / "engine" / "serving.json"):
+        write_result(a.out, result, table(rows, ref, note))
+    else:
+        print(table(rows, ref, note))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
