@@ -33,7 +33,10 @@ MODELS = {  # tiny, so the 8 compilations per model stay a few seconds each
                        moe=MoEConfig(n_experts=8, top_k=2, d_ff=16)),
 }
 MODELS["moe-grouped"] = MODELS["moe"].replace(moe=MODELS["moe"].moe.replace(impl="grouped"))
-TC = TrainConfig(steps=10, batch_size=8, seq_len=8)  # default AdamW lr 3e-4, clipping 1.0
+# Rolled layer scans (not the CPU's 'auto' unrolling), so FSDP's per-layer gathers sit in the while body
+MODELS = {name: cfg.replace(scan_unroll=1) for name, cfg in MODELS.items()}
+# default AdamW lr 3e-4, clipping 1.0; mesh='': the reference step runs on one device, not TrainConfig's 'auto'
+TC = TrainConfig(steps=10, batch_size=8, seq_len=8, mesh="")
 
 
 def batch(step: int = 0) -> dict:

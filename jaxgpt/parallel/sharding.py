@@ -65,7 +65,7 @@ PARAM_RULES: dict[str, dict[str, tuple]] = {
     "router": {"kernel": ("embed", "router")}, "shared_expert_gate": {"kernel": ("embed", "router")},
 }
 _NORM_MODULE = re.compile(r"(^|_)norm$")  # norm, attn_norm, mlp_norm, cross_norm, key_norm, embed_norm
-_LEAF_RULES = {"w_attn": ("norm",), "w_mlp": ("norm",)}  # Attention Residuals queries: (d_model,)
+_LEAF_RULES = {"w_attn": ("norm",), "w_mlp": ("norm",), "w_out": ("norm",)}  # Attention Residuals queries: (d_model,)
 
 
 def auto_mesh(micro_batch: int | None = None) -> Mesh | None:
