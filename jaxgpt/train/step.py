@@ -94,11 +94,12 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
     including its update count, stay as they were).
     """
     optimizer, lr = make_optimizer(tc), schedule(tc)
-    auto = isinstance(mesh, str)
-    if auto:
+    # TrainConfig.mesh='auto': the batch comes as it is (any row count) and is split in the step, if it divides
+    auto = isinstance(mesh, str) and tc.mesh == "auto"
+    if isinstance(mesh, str):
         from jaxgpt.parallel.sharding import train_mesh
 
-        auto, mesh = tc.mesh == "auto", train_mesh(tc, mesh)
+        mesh = train_mesh(tc, mesh)
 
     def micro_grads(params, micro, rng):
         def f(p):
