@@ -3,7 +3,8 @@
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
 #               every parity and unit test, in parallel (pytest-xdist), under 10 min on 2 CPU cores
 #   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
-#                      SIGKILL tests (-m multiprocess), -m slow; CI (.ci/run) runs make test, then this
+#                      SIGKILL tests (-m multiprocess), whole command-line runs and the server (-m e2e),
+#                      -m slow; CI (.ci/run) runs make test, then this
 #   make parity-margins   regenerate docs/parity-margins.md (float32 errors against a float64 reference)
 #   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
 #                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2 h), the committed results
@@ -16,7 +17,7 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # pytest-xdist workers: one per CPU core ('auto'); 0 runs in this process.
 TEST_WORKERS ?= auto
-SLOW_TIERS := slow or smoke or multiprocess
+SLOW_TIERS := slow or smoke or multiprocess or e2e
 XDIST := -n $(TEST_WORKERS) --dist loadscope
 # The tests with a float64 reference (parity_tests/conftest.py: check_module, assert_as_accurate_as_torch).
 MARGIN_TESTS := $(addprefix parity_tests/,test_norms.py test_mlp.py test_attention.py test_block.py \

@@ -19,6 +19,7 @@ def result():
     return bench(TINY, batch_size=2, seq_len=32, steps=2, new_tokens=8, torch=True)
 
 
+@pytest.mark.e2e  # runs the benchmark harness: make test-slow
 def test_keys_and_numbers(result):
     for key in ("config", "backend", "device", "params", "batch_size", "seq_len") + RATES:
         assert key in result, key
@@ -36,11 +37,13 @@ def test_preset_names():
     assert _preset_name(TINY) is None
 
 
+@pytest.mark.e2e  # runs the benchmark harness: make test-slow
 def test_table_without_torch(result):
     table = format_table({k: v for k, v in result.items() if not k.startswith("torch_")})
     assert "decode (no cache)" in table and "torch" not in table
 
 
+@pytest.mark.e2e  # runs the benchmark harness: make test-slow
 def test_table(result):
     table = format_table(result)
     for row in ("train step", "decode (KV cache)", "decode (no cache)"):

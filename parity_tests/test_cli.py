@@ -38,6 +38,7 @@ def trained(tmp_path_factory):
     return run
 
 
+@pytest.mark.e2e  # the command line end to end: make test-slow
 def test_train_writes_metrics_checkpoints_and_plot(trained):
     losses = _losses(trained)
     assert sorted(losses) == list(range(1, 31))
@@ -48,6 +49,7 @@ def test_train_writes_metrics_checkpoints_and_plot(trained):
     assert [v["step"] for v in vals] == [10, 20, 30]
 
 
+@pytest.mark.e2e  # the command line end to end: make test-slow
 def test_sample_eval_and_convert(trained, tmp_path, capsys):
     assert main(["sample", "--ckpt", str(trained), "--prompt", "abc", "--temperature", "0", "1.0",
                  "--max-new-tokens", "12", "--top-k", "5"]) == 0
@@ -80,6 +82,7 @@ def test_sample_eval_and_convert(trained, tmp_path, capsys):
     assert capsys.readouterr().out.split("--- greedy ---\n")[1].splitlines()[0] == greedy
 
 
+@pytest.mark.e2e  # the command line end to end: make test-slow
 def test_convert_to_hugging_face(tmp_path):
     require_module("transformers")
     run = tmp_path / "llama"
@@ -99,6 +102,7 @@ def test_convert_to_hugging_face(tmp_path):
 # (and after it) and reruns the same command, comparing every logged loss with an uninterrupted run.
 
 
+@pytest.mark.e2e  # the command line end to end: make test-slow
 def test_resume_refuses_changed_settings(trained):
     config, tc = apply_sets(get_preset("seed-minigpt"), ["n_layer=2", "batch_size=8", "seq_len=32", "eval_batches=2",
                                                          "steps=30", "ckpt_every=10", "keep=2", "eval_every=10",
@@ -124,6 +128,7 @@ def test_set_values_and_targets():
     assert gpt.pos == "none" and tc.on_nonfinite == "skip" and tc.grad_clip is None
 
 
+@pytest.mark.e2e  # the command line end to end: make test-slow
 def test_nonfinite_loss_stops_training_with_exit_2(tmp_path, capsys):
     run = tmp_path / "nan"
     argv = ["train", "--preset", "seed-minigpt", "--corpus", "seed-synthetic", "--set", "n_layer=1", "--set",
@@ -165,12 +170,14 @@ def test_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeyp
         main(["--debug", *argv])
 
 
+@pytest.mark.e2e  # the command line end to end: make test-slow
 def test_console_entry_point_exit_code():
     proc = subprocess.run([sys.executable, "-m", "jaxgpt", "train", "--preset", "nope", "--corpus", "zh-en",
                            "--out", "x"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2 and proc.stderr.startswith("jaxgpt train: error: unknown preset 'nope'")
 
 
+@pytest.mark.e2e  # the command line end to end: make test-slow
 def test_bpe_tokenizer_run_and_bench_json(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200, encoding="utf-8")

@@ -141,6 +141,7 @@ def _trained_pairs_model(residual="standard"):
     return cfg, state.params, task.tokenizer, pairs
 
 
+@pytest.mark.slow  # greedy decoding of whole batches, 6-15 s: make test-slow
 def test_translate_all_equals_per_sentence_greedy_generate():
     """Reference: jaxgpt.inference.generate (cached, one sentence at a time, its own code path) on each
     prompt; translate_all decodes all prompts together in one padded window."""
@@ -156,6 +157,7 @@ def test_translate_all_equals_per_sentence_greedy_generate():
     assert res["accuracy"] == res["exact"] / 8
 
 
+@pytest.mark.slow  # greedy decoding of whole batches, 6-15 s: make test-slow
 def test_translate_all_attnres_model_decodes_without_a_cache():
     cfg, params, tok, pairs = _trained_pairs_model("full_attnres")
     res = translate_all(cfg, params, tok, pairs)
@@ -164,6 +166,7 @@ def test_translate_all_attnres_model_decodes_without_a_cache():
     assert res["outputs"] == ref  # generate() falls back to the uncached path for AttnRes
 
 
+@pytest.mark.slow  # greedy decoding of whole batches, 6-15 s: make test-slow
 def test_translate_all_seq2seq_is_independent_of_batch_composition():
     """Self-consistency: an encoder-decoder's outputs do not depend on which other sources share the
     padded batch (the source padding mask works)."""

@@ -80,6 +80,7 @@ def test_sample_stops_at_generation_config_eos(hf_dir, tmp_path, capsys):
     assert got == tok.decode([*tok.encode(PROMPT), *new[:new.index(stop) + 1]])
 
 
+@pytest.mark.e2e  # convert, eval and fine-tune runs through the command line: make test-slow
 def test_convert_eval_and_finetune_from_hf_dir(hf_dir, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     assert main(["convert", str(hf_dir), str(ckpt)]) == 0

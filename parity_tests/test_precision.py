@@ -227,6 +227,7 @@ def _curve(cfg, seed=0):
     return np.array(losses), state
 
 
+@pytest.mark.slow  # two 20-step training runs, ~18 s: make test-slow
 def test_bf16_training_curve_tracks_f32():
     """20 AdamW steps (train_step, clip 1.0) of gpt2-style: bf16 compute with f32 masters tracks f32."""
     name, cfg = "gpt2", DECODERS["gpt2"]

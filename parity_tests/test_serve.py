@@ -106,6 +106,7 @@ def _hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.e2e  # a real uvicorn server: make test-slow
 def test_32_ragged_requests_in_flight_identical_to_hf(model_dir, server):
     url, _ = server
     model = model_dir[1]
@@ -137,6 +138,7 @@ def test_32_ragged_requests_in_flight_identical_to_hf(model_dir, server):
     assert got == want
 
 
+@pytest.mark.e2e  # a real uvicorn server: make test-slow
 def test_text_chat_models_health_metrics(server):
     url, engine = server
     c = _client(url)
@@ -171,6 +173,7 @@ BAD = [
 ]
 
 
+@pytest.mark.e2e  # a real uvicorn server: make test-slow
 def test_overload_cancel_and_bad_requests_leave_every_page_free(server):
     """48 concurrent streams, 10 of them cancelled mid-stream, and the six bad requests: every bad
     answer is a 4xx with OpenAI's error body, every page is free afterwards, and the server still answers."""

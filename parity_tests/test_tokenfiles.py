@@ -68,6 +68,7 @@ def test_nanogpt_dir_opens_memory_mapped_with_its_vocabulary(shakespeare_char):
     np.testing.assert_array_equal(y, want[:, 1:])
 
 
+@pytest.mark.e2e  # train, eval and sample through the command line: make test-slow
 def test_train_eval_sample_on_nanogpt_shakespeare_char(shakespeare_char, tmp_path, capsys):
     d, text, ref = shakespeare_char
     run = tmp_path / "run"
@@ -211,6 +212,7 @@ def test_prefetch_keeps_order_and_raises_at_the_failing_step():
     assert calls == [2, 3, 4]  # nothing built after the failure
 
 
+@pytest.mark.e2e  # two training runs through the command line: make test-slow
 def test_token_file_run_resumes_bit_exact(shakespeare_char, tmp_path):
     """Stopped after 3 of 6 updates (checkpoint on the stop) and resumed in a fresh prepare: the
     losses and the final weights equal an uninterrupted run's bit for bit."""
