@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close, assert_self_consistent, check_module, load_into, randomize
+from conftest import assert_close, assert_self_consistent, check_module, load_into, random_params
 from jaxgpt.nn.attention import Attention, KVCache, causal_mask, scaled_dot_product_attention as sdpa
 from torch_ref.nn import attention as tattn
 
@@ -137,7 +137,7 @@ def test_attention_matches_nn_multiheadattention(rng):
     d, h = 32, 4
     x = rng.standard_normal((3, 6, d)).astype(np.float32)
     ja = Attention(d_model=d, n_head=h, qkv_bias=True, o_bias=True)
-    p = randomize(ja.init(jax.random.PRNGKey(0), x)["params"])
+    p = random_params(ja, x)
     mha = torch.nn.MultiheadAttention(d, h, batch_first=True)
     with torch.no_grad():  # packed in-projection: rows [q; k; v], each (out, in)
         mha.in_proj_weight.copy_(torch.from_numpy(np.concatenate([np.asarray(p[n]["kernel"]).T for n in ("q_proj", "k_proj", "v_proj")])))
@@ -167,7 +167,7 @@ def test_kv_cache_decoding_equals_full_causal(h, h_kv, rope, rng):
     d, t, prompt, cap = 8 * h, 10, 4, 16
     x = rng.standard_normal((2, t, d)).astype(np.float32)
     ja, ta = _attention_pair(d, h, h_kv, rope=rope, qkv_bias=True)
-    p = randomize(ja.init(jax.random.PRNGKey(0), x)["params"])
+    p = random_params(ja, x)
     load_into(ta, p)
     full = np.asarray(ja.apply({"params": p}, x, is_causal=True)[0])
     tfull = ta(torch.from_numpy(x), is_causal=True)[0]
@@ -199,7 +199,7 @@ def test_kv_cache_layouts_and_kernels_equal_full_causal(impl, rng):
     h, h_kv, d, t = 4, 2, 16, 7
     x = rng.standard_normal((2, t, d)).astype(np.float32)
     ja = Attention(d_model=d, n_head=h, n_kv_head=h_kv, rope=True, attention_impl=impl, attention_block=3)
-    p = randomize(ja.init(jax.random.PRNGKey(0), x)["params"])
+    p = random_params(ja, x)
     full = Attention(d_model=d, n_head=h, n_kv_head=h_kv, rope=True).apply({"params": p}, x, is_causal=True)[0]
     caches = {}
     for layout in ("heads", "rows"):

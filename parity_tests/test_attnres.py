@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import (SHARED, assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module,
-                      float64_torch, load_into, random_params, randomize, require_shared, torch_grads)
+                      float64_torch, load_into, random_params, require_shared, torch_grads)
 from jaxgpt.nn.attnres import AttnResLayers
 from jaxgpt.config import ModelConfig, get_preset
 from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params
@@ -96,7 +96,7 @@ def test_depth_weights_match_torch_ref(variant):
     mask = np.ones((2, 1, 1, 7), bool)
     mask[1, ..., :2] = False  # left padding in the second row
     x = np.random.default_rng(1).standard_normal((2, 7, 32)).astype(np.float32)
-    p = randomize(AttnResLayers(cfg).init(jax.random.PRNGKey(0), x)["params"])
+    p = random_params(AttnResLayers(cfg), x)
     h, w, d = AttnResLayers(cfg).apply({"params": p}, x, mask=mask, return_weights=True, return_depth_weights=True)
     tlayers = load_into(TLayers(cfg), p)
     kw = dict(mask=torch.from_numpy(mask), return_weights=True, return_depth_weights=True)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, check_module, load_into, randomize
+from conftest import assert_close, check_module, load_into, random_params
 from jaxgpt.nn.block import Block
 from jaxgpt.config import ModelConfig
 from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params, to_numpy
@@ -43,7 +43,7 @@ def test_block_with_cross_attention_matches_torch_ref(placement, rng):
 def test_pre_and_post_ln_differ(rng):
     x = rng.standard_normal((1, 4, 16)).astype(np.float32)
     pre, post = ModelConfig(d_model=16, n_head=2), ModelConfig(d_model=16, n_head=2, norm_placement="post")
-    p = randomize(Block(pre).init(jax.random.PRNGKey(0), x)["params"])
+    p = random_params(Block(pre), x)
     a = np.asarray(Block(pre).apply({"params": p}, x)[0])
     b = np.asarray(Block(post).apply({"params": p}, x)[0])
     assert np.abs(a - b).max() > 1e-2
@@ -77,7 +77,7 @@ def test_half_precision_torch_weights_upcast_exactly(dtype):
     weights (bf16 tensors have no .numpy(); the converter upcasts explicitly, which is exact)."""
     cfg = ModelConfig(d_model=16, n_head=2, n_kv_head=1, norm="layernorm", mlp="gelu", qkv_bias=True)
     x = np.zeros((1, 3, 16), np.float32)
-    template = randomize(Block(cfg).init(jax.random.PRNGKey(0), x)["params"])
+    template = random_params(Block(cfg), x)
     tb = load_into(TBlock(cfg), template).to(dtype)
     sd = tb.state_dict()
     want = {k: v.float().numpy() for k, v in sd.items()}  # torch's own upcast, the reference

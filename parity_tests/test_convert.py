@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import randomize
+from conftest import random_params
 from jaxgpt.nn.block import Block
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import params_to_state_dict, state_dict_to_params
@@ -17,7 +17,7 @@ CFG = ModelConfig(d_model=16, n_head=4, n_kv_head=2, norm="layernorm", mlp="gelu
 
 def _params(cfg=CFG, cross=False):
     x = jnp.zeros((1, 3, cfg.d_model))
-    return randomize(Block(cfg, cross=cross).init(jax.random.PRNGKey(0), x, x if cross else None)["params"])
+    return random_params(Block(cfg, cross=cross), x, x if cross else None)
 
 
 def test_key_rule_matches_torch_ref_names():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module,
-                      float64_torch, load_into, randomize, seed_classes, torch_grads)
+from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module, float64_torch,
+                      load_into, random_params, seed_classes, torch_grads)
 from jaxgpt import PRESETS, build
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import (abstract_params, from_hf, from_nanogpt, from_seed_gpt, from_seed_minigpt,
@@ -35,7 +35,7 @@ def _tokens(cfg, b=2, t=11, seed=0):
 
 
 def _params(cfg, seed=0):
-    return randomize(build(cfg).init(jax.random.PRNGKey(0), _tokens(cfg, 1, 1))["params"], seed)
+    return random_params(build(cfg), _tokens(cfg, 1, 1), seed=seed)
 
 
 def _torch_loss(t, x, y):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module, float64_torch,
-                      load_into, randomize)
+                      load_into, random_params, randomize)
 from jaxgpt.config import apply_sets
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset
 from jaxgpt.data import builtin_pairs
@@ -87,7 +87,7 @@ def test_per_epoch_cosine_matches_torch_cosine_annealing_stepped_per_epoch():
 def test_lm_head_bias_matches_torch_ref():
     cfg = ModelConfig(vocab_size=37, d_model=32, n_layer=2, n_head=4, max_len=16, lm_head_bias=True)
     x = tokens(cfg)
-    p = randomize(DecoderLM(cfg).init(jax.random.PRNGKey(0), x)["params"], seed=1)  # a non-zero bias
+    p = random_params(DecoderLM(cfg), x, seed=1)  # a non-zero bias
     assert p["lm_head"]["bias"].shape == (37,) and np.abs(p["lm_head"]["bias"]).max() > 0
     t = load_into(TDecoderLM(cfg), p, stacked=("layers",))
     assert t.lm_head.bias is not None
@@ -104,7 +104,7 @@ def test_decoder_output_depth_weights_match_torch_ref(residual, variant):
     cfg = ModelConfig(vocab_size=29, d_model=32, n_layer=4, n_head=4, max_len=16, residual=residual,
                       attnres_variant=variant, attnres_blocks=2)
     x = tokens(cfg)
-    p = randomize(DecoderLM(cfg).init(jax.random.PRNGKey(0), x)["params"], seed=2)
+    p = random_params(DecoderLM(cfg), x, seed=2)
     out = DecoderLM(cfg).apply({"params": p}, x, return_depth_weights=True)
     t = load_into(TDecoderLM(cfg), p)
     with torch.no_grad():
@@ -121,8 +121,8 @@ def test_decoder_output_depth_weights_match_torch_ref(residual, variant):
                                 direct=False)
     np.testing.assert_allclose(np.asarray(out.depth_weights).sum(-1), 1.0, atol=1e-5)  # softmax over sources
     with pytest.raises(ValueError, match="no depth attention"):
-        DecoderLM(cfg.replace(residual="standard")).apply({"params": DecoderLM(cfg.replace(residual="standard")).init(
-            jax.random.PRNGKey(0), x)["params"]}, x, return_depth_weights=True)
+        standard = DecoderLM(cfg.replace(residual="standard"))
+        standard.apply({"params": random_params(standard, x)}, x, return_depth_weights=True)
 
 
 # translate_all ------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import torch_ref
-from conftest import assert_close, assert_self_consistent, check_module, load_into, randomize, torch_grads
+from conftest import (assert_close, assert_self_consistent, check_module, load_into, random_params, randomize,
+                      torch_grads)
 from jaxgpt import build
 from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
 from jaxgpt.nn.moe import MoE, route, router_losses
@@ -63,7 +64,7 @@ def test_moe_layer_matches_torch_ref(impl):
     """The MoE layer with a shared expert, unrenormalised weights: forward and every gradient."""
     cfg = QWEN.replace(moe=QWEN.moe.replace(impl=impl))
     x = np.random.default_rng(2).standard_normal((2, 7, 16)).astype(np.float32)
-    p = randomize(MoE(cfg).init(jax.random.PRNGKey(0), x)["params"], 2)
+    p = random_params(MoE(cfg), x, seed=2)
     assert_no_ties(x @ np.asarray(p["router"]["kernel"]), 2)
     check_module(f"MoE layer ({impl})", MoE(cfg), TMoE(cfg), [x], params=p)
 
@@ -72,7 +73,7 @@ def test_dense_and_grouped_layers_agree_forward_and_backward():
     """Self-consistency (fast tier): the two implementations on one layer, output and every gradient."""
     cfg = QWEN
     x = np.random.default_rng(3).standard_normal((2, 7, 16)).astype(np.float32)
-    p = randomize(MoE(cfg).init(jax.random.PRNGKey(0), x)["params"], 3)
+    p = random_params(MoE(cfg), x, seed=3)
     assert_no_ties(x @ np.asarray(p["router"]["kernel"]), 2)
     cot = np.random.default_rng(4).standard_normal(x.shape).astype(np.float32)
     out = {}
@@ -144,7 +145,7 @@ def test_router_losses_match_transformers_load_balancing_loss():
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     cfg = MIXTRAL
-    p = randomize(build(cfg).init(jax.random.PRNGKey(0), TOKENS[:1, :1])["params"], 6)
+    p = random_params(build(cfg), TOKENS[:1, :1], seed=6)
     _, state = build(cfg).apply({"params": p}, TOKENS, mutable=["router"])
     lb, _ = router_losses(state["router"], 4)
     # the router logits of each layer, recomputed by torch_ref's forward hooks

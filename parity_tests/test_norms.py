@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, check_module, randomize
+from conftest import assert_close, check_module, random_params
 from jaxgpt.nn import norms
 from jaxgpt.config import FLOAT32_EPS
 from torch_ref.nn import norms as tnorms
@@ -41,7 +41,7 @@ def test_layernorm_matches_nn_layernorm(eps, rng):
     # A large mean on purpose: one-pass (fast) variance would lose digits here.
     x = (rng.standard_normal((4, 9, 32)) + 30.0).astype(np.float32)
     mod = norms.LayerNorm(eps=eps)
-    params = randomize(mod.init(jax.random.PRNGKey(0), x)["params"])
+    params = random_params(mod, x)
     ref = _into_builtin(torch.nn.LayerNorm(32, eps=eps), params)
     assert_close(mod.apply({"params": params}, x), ref(torch.from_numpy(x)), "LayerNorm vs nn.LayerNorm")
 
@@ -51,7 +51,7 @@ def test_rmsnorm_matches_nn_rmsnorm(eps, rng):
     x = rng.standard_normal((4, 9, 32)).astype(np.float32)
     # nn.RMSNorm(eps=None) means float32 machine epsilon: the value seed 002 depends on.
     mod = norms.RMSNorm(eps=FLOAT32_EPS if eps is None else eps)
-    params = randomize(mod.init(jax.random.PRNGKey(0), x)["params"])
+    params = random_params(mod, x)
     ref = _into_builtin(torch.nn.RMSNorm(32, eps=eps), params)
     assert_close(mod.apply({"params": params}, x), ref(torch.from_numpy(x)), "RMSNorm vs nn.RMSNorm")
 

@@ -66,7 +66,7 @@ def experts_grouped(x, gate, up, down, weights, idx):
     order = jnp.argsort(flat, stable=True)
     token = order // k  # (N k,) token of each sorted pair
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # (E,) pairs per expert
-    xs = x[token]  # (N k, d)
+    xs = jnp.asarray(x)[token]  # (N k, d); a NumPy x indexed by a tracer would fail under jit
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)  # (N k, f)
     y = jax.lax.ragged_dot(h, down, sizes) * weights.reshape(-1)[order, None].astype(x.dtype)  # (N k, d)
     return jnp.zeros_like(x).at[token].add(y)
