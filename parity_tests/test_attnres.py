@@ -14,7 +14,7 @@ from conftest import (SHARED, assert_as_accurate_as_torch, assert_close, assert_
                       float64_torch, load_into, random_params, require_shared, torch_grads)
 from jaxgpt.nn.attnres import AttnResLayers
 from jaxgpt.config import ModelConfig, get_preset
-from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params
+from jaxgpt.core.layout import params_to_state_dict
 from jaxgpt.convert import from_seed_attnres
 from jaxgpt.models.decoder import DecoderLM
 from torch_ref.nn.attnres import AttnResLayers as TLayers

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module, float64_torch,
-                      load_into, random_params, randomize)
+                      load_into, random_params)
 from jaxgpt.config import apply_sets
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset
 from jaxgpt.data import builtin_pairs
@@ -177,8 +177,7 @@ def test_translate_all_seq2seq_is_independent_of_batch_composition():
     task = pairs_task(PAIRS, tc, seq2seq=True)
     cfg = fit_config(cfg, task)
     t = task.batch(tc, 0)
-    params = EncoderDecoder(cfg).init(jax.random.PRNGKey(0), t["src"][0], t["tgt"][0], t["src_mask"][0])["params"]
-    params = randomize(params, seed=3)
+    params = random_params(EncoderDecoder(cfg), t["src"][0], t["tgt"][0], t["src_mask"][0], seed=3)
     whole = translate_all(cfg, params, task.tokenizer, PAIRS[:6], max_new_tokens=8)
     alone = [translate_all(cfg, params, task.tokenizer, [p], max_new_tokens=8)["outputs"][0] for p in PAIRS[:6]]
     assert whole["outputs"] == alone

@@ -104,7 +104,7 @@ _JITTED: dict = {}
 @pytest.fixture(scope="module", params=["mixtral", pytest.param("qwen2-moe-mixed", marks=pytest.mark.slow)])
 def model_case(request):
     cfg = MIXTRAL if request.param == "mixtral" else QWEN
-    p = randomize(jax.jit(build(cfg).init)(jax.random.PRNGKey(0), TOKENS[:1, :1])["params"], 5)
+    p = random_params(build(cfg), TOKENS[:1, :1], seed=5)
     return request.param, cfg, p
 
 

@@ -1,5 +1,4 @@
 """Norms: jaxgpt vs torch_ref vs torch built-ins (nn.LayerNorm, nn.RMSNorm)."""
-import jax
 import numpy as np
 import pytest
 import torch
