@@ -184,6 +184,7 @@ def test_unroll_and_scan_layers_change_the_lowered_loop():
                      "remat-dots": 1, "no-scan-remat": 0}  # 'auto' with remat: rolled, which keeps its saving
 
 
+@pytest.mark.slow  # five compiled programs, ~9 s: make test-slow
 def test_remat_policies_reach_the_program_and_save_memory():
     """Each policy is the one in the jaxpr, and XLA's temporary memory for the gradient shrinks from none
     (every activation kept) through the dots policies to full (recompute everything)."""

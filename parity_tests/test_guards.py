@@ -233,6 +233,7 @@ def test_loop_and_eval_check_batches_on_the_host(lm_task, tmp_path):
         make_eval_step(small, checked=True)(params, task.eval_batches(TC)[0])
 
 
+@pytest.mark.slow  # a checkified train step compiles for ~17 s: make test-slow
 def test_checked_train_step(lm_task):
     config, task = lm_task
     batch = task.batch(TC, 0)  # (grad_accum=2, micro_batch=2, T): the micro-batches are a lax.scan

@@ -296,6 +296,7 @@ def test_parse_mesh():
 
 
 
+@pytest.mark.slow  # a checkified sharded step compiles for ~13 s: make test-slow
 def test_checked_step_on_the_host_mesh():
     """mesh=... with checked=True (a mesh over this process's devices: one per core): same loss as the
     plain step, and a bad target still raises instead of being scored as the last class."""

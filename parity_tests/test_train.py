@@ -191,6 +191,7 @@ def test_train_step_compiles_once_and_donates_the_state():
     assert math.isfinite(float(metrics["grad_norm"]))
 
 
+@pytest.mark.slow  # four dropout training runs, ~11 s: make test-slow
 def test_dropout_keys_depend_on_the_step_only():
     config = get_preset("seed-minigpt").replace(n_layer=1, dropout=0.3)
     tc = TrainConfig(steps=2, batch_size=4, seq_len=16)
