@@ -1,10 +1,10 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
-#               every parity and unit test, in parallel (pytest-xdist), under 10 min on 2 CPU cores
+#               every parity test and the unit tests, in parallel (pytest-xdist), under 10 min on 2 CPU cores
 #   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
 #                      SIGKILL tests (-m multiprocess), whole command-line runs and the server (-m e2e),
-#                      -m slow; CI (.ci/run) runs make test, then this
+#                      long unit tests (-m slow); CI (.ci/run) runs make test, then this
 #   make parity-margins   regenerate docs/parity-margins.md (float32 errors against a float64 reference)
 #   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
 #                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2 h), the committed results
