@@ -50,7 +50,8 @@ jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPU r
 # Persistent compilation cache (a second run loads the compiled programs instead of compiling them).
 # The defaults cache only programs that took >= 1 s to compile; the tests' small CPU programs take
 # less, so every program is cached. No size cap: with one, JAX takes a file lock and scans the whole
-# folder on every write, which made a cold `make test` 1.9x slower (1464 s against 787 s, measured).
+# folder on every write, which made a cold `make test` 1.9x slower (1464 s against 787 s with the cache
+# off; uncapped, a cold run costs what no cache costs).
 # Unlocked, two xdist workers may race on one entry; JAX then warns and compiles instead (a read
 # error is never fatal). JAXGPT_TEST_JAX_CACHE=off turns it off. Only this process uses it: the
 # subprocesses the tests start do not (JAX writes an entry in place, so a test that SIGKILLs a run
