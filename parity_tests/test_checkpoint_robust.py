@@ -27,6 +27,8 @@ from jaxgpt.config import apply_sets
 from jaxgpt.config import get_preset
 from jaxgpt.train.checkpoint import FILES, Checkpoints, DamagedCheckpoint
 
+pytestmark = pytest.mark.e2e  # training runs through the command line: make test-slow
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--set", "n_layer=1", "--set", "d_model=32", "--set", "d_ff=64", "--set", "batch_size=4", "--set", "seq_len=16",
         "--set", "steps=6", "--set", "ckpt_every=2", "--set", "keep=3", "--set", "eval_every=0", "--set", "log_every=1",
@@ -101,7 +103,6 @@ def _one_line(err: str) -> str:
                              r"params\['[\w\]\['\.]+\]\)"),
 ], ids=["truncated-params", "garbage-meta", "changed-params", "truncated-params-notable", "garbage-meta-notable",
         "changed-params-notable"])
-@pytest.mark.e2e  # training runs through the command line: make test-slow
 def test_damage_is_named_and_sample_eval_fall_back(run, tmp_path, capsys, damage, item, table, message):
     run = _copy(run, tmp_path)
     step6 = run / "checkpoints" / "6"
@@ -130,7 +131,6 @@ def test_damage_is_named_and_sample_eval_fall_back(run, tmp_path, capsys, damage
     assert (e.value.step, e.value.item) == (6, item)
 
 
-@pytest.mark.e2e  # training runs through the command line: make test-slow
 def test_nothing_intact_is_one_error(run, tmp_path, capsys):
     run = _copy(run, tmp_path)
     for s in (2, 4, 6):
@@ -141,7 +141,6 @@ def test_nothing_intact_is_one_error(run, tmp_path, capsys):
     assert all(f"step {s}: meta file metadata" in line for s in (2, 4, 6))
 
 
-@pytest.mark.e2e  # training runs through the command line: make test-slow
 def test_train_resumes_from_the_newest_intact_step(run, tmp_path, capsys):
     """Damaged train item (sampling would still work from step 6): train resumes from 4, says so
     in one line, moves step 6 aside (kept), and logs the original losses bit for bit."""
@@ -160,7 +159,6 @@ def test_train_resumes_from_the_newest_intact_step(run, tmp_path, capsys):
     assert _losses(run) == ref
 
 
-@pytest.mark.e2e  # training runs through the command line: make test-slow
 def test_prune_waits_until_the_newer_step_reads_back(tmp_path):
     """keep=1: step 1 survives until step 2 has been read back intact; a step 2 damaged before
     its read-back is reported and step 1 is kept."""

@@ -18,6 +18,8 @@ import pytest
 
 from conftest import require_module
 
+pytestmark = pytest.mark.e2e  # a real uvicorn server: make test-slow
+
 torch = pytest.importorskip("torch")
 openai = require_module("openai", allow_module_level=True)
 require_module("fastapi", allow_module_level=True)
@@ -106,7 +108,6 @@ def _hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.e2e  # a real uvicorn server: make test-slow
 def test_32_ragged_requests_in_flight_identical_to_hf(model_dir, server):
     url, _ = server
     model = model_dir[1]
@@ -138,7 +139,6 @@ def test_32_ragged_requests_in_flight_identical_to_hf(model_dir, server):
     assert got == want
 
 
-@pytest.mark.e2e  # a real uvicorn server: make test-slow
 def test_text_chat_models_health_metrics(server):
     url, engine = server
     c = _client(url)
@@ -173,7 +173,6 @@ BAD = [
 ]
 
 
-@pytest.mark.e2e  # a real uvicorn server: make test-slow
 def test_overload_cancel_and_bad_requests_leave_every_page_free(server):
     """48 concurrent streams, 10 of them cancelled mid-stream, and the six bad requests: every bad
     answer is a 4xx with OpenAI's error body, every page is free afterwards, and the server still answers."""

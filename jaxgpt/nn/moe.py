@@ -66,7 +66,7 @@ def experts_grouped(x, gate, up, down, weights, idx):
     order = jnp.argsort(flat, stable=True)
     token = order // k  # (N k,) token of each sorted pair
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # (E,) pairs per expert
-    xs = jnp.asarray(x)[token]  # (N k, d); a NumPy x indexed by a tracer would fail under jit
+    xs = x[token]  # (N k, d)
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)  # (N k, f)
     y = jax.lax.ragged_dot(h, down, sizes) * weights.reshape(-1)[order, None].astype(x.dtype)  # (N k, d)
     return jnp.zeros_like(x).at[token].add(y)
@@ -104,7 +104,7 @@ class MoE(nn.Module):
         cfg, moe = self.config, self.config.moe
         dt = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (N, d)
+        x = jnp.asarray(x).reshape(-1, shape[-1])  # (N, d); a jax array: the experts index it with tracers
         logits = dense(moe.n_experts, False, cfg.init_std, "router", **dt)(x)  # (N, E)
         probs, weights, idx = route(logits, moe.top_k, moe.norm_topk)
         gate, up, down = Experts(moe.n_experts, cfg.d_model, cfg.expert_dim, cfg.init_std, cfg.out_init_std,
