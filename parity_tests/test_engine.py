@@ -17,7 +17,7 @@ import pytest
 from jaxgpt.inference import engine as engine_module
 from jaxgpt.inference.engine import Engine
 from jaxgpt.inference.generate import generate
-from jaxgpt.inference.paged_cache import pool_bytes
+from jaxgpt.inference.paged_cache import plan_prefill, pool_bytes
 from jaxgpt.inference.sampling import SamplingParams, select_tokens
 
 torch = pytest.importorskip("torch")
@@ -99,19 +99,46 @@ def test_greedy_identical_to_hf_and_generate(llama, references, kw):
 
 
 def test_compilations_bounded(llama):
-    """Shapes come from buckets: rows, tokens per row and pages per row are powers of two, so a
-    long ragged workload compiles at most (row buckets) x (token buckets + 1) x (page buckets) programs."""
+    """Shapes come from buckets: rows, tokens per row and pages per row are powers of two and a
+    prefill call holds at most max(budget, 64) padded slots, so a long ragged workload compiles
+    at most (row buckets) x (token buckets + 1) x (page buckets) programs: here T is 16 (4 x 16 = 64)."""
     _, config, params = llama
     before = engine_module.paged_forward._cache_size()
     eng = Engine(config, params, max_seqs=4, page_size=8, max_tokens_per_step=64, num_pages=40)
     prompts, news = _workload(seed=1, n=16)
     eng.generate(prompts, [SamplingParams(max_tokens=n) for n in news])
-    rows, toks, pages = 1, 3, 2  # {4}, {1} + {16,32,64}, {4,8}
-    assert eng.compilations <= rows * (toks + 1) * pages
+    rows, toks, pages = 1, 1, 2  # {4}, {1} + {16}, {4, 8}
+    assert eng.compilations <= rows * (toks + 1) * pages == len(eng.buckets())
     assert engine_module.paged_forward._cache_size() - before <= eng.compilations
     again = engine_module.paged_forward._cache_size()
     eng.generate(prompts[:4], [SamplingParams(max_tokens=n) for n in news[:4]])
     assert engine_module.paged_forward._cache_size() == again  # the same shapes: nothing new compiled
+
+
+def test_precompile_compiles_every_bucket_and_leaves_the_pools_alone(llama, references):
+    """After precompile() a staggered, preempting workload compiles nothing, and its greedy tokens
+    are still transformers' (precompile's padding rows wrote only the scratch page)."""
+    _, config, params = llama
+    prompts, news, hf, _ = references
+    eng = Engine(config, params, max_seqs=4, page_size=8, max_tokens_per_step=32, num_pages=9)
+    assert eng.precompile() == len(eng.buckets()) == eng.compilations
+    compiled = engine_module.paged_forward._cache_size()
+    assert _run_staggered(eng, prompts, news) == hf
+    assert engine_module.paged_forward._cache_size() == compiled and eng.compilations == len(eng.buckets())
+    assert eng.precompile() == 0
+
+
+def test_plan_prefill_wastes_few_slots():
+    """Unit rows of the planner: chunk length T and row count for prompts left (oldest first)."""
+    # one long prompt: the longest T under the slot cap (4 rows x 128 = 512 slots)
+    assert plan_prefill([500], 512, 16, 128, 32, 512) == (128, 1)
+    # 32 prompts of 8-96 tokens: 16-token chunks for all 32 rows (512 slots) beat 128-token
+    # chunks for 8 rows, whose short prompts would leave most of the 16 x 128 slots padding
+    rem = list(np.random.default_rng(0).integers(8, 97, 32))
+    assert plan_prefill(rem, 512, 16, 128, 32, 512) == (16, 32)
+    # a budget under 16 tokens still plans (T is clipped to the budget's bucket, not lost)
+    assert plan_prefill([40, 40], 8, 16, 8, 4, 64) == (8, 1)
+    assert plan_prefill([], 512, 16, 128, 32, 512) == (16, 0)
 
 
 def test_sampling_depends_on_own_seed(llama):
@@ -180,3 +207,26 @@ def test_int8_pool_is_a_quarter_of_float32(llama):
     i8 = Engine(config, params, max_seqs=4, page_size=8, num_pages=40, kv_dtype="int8")
     # int8 values + one float32 scale per token and head (head_dim 8 here: 8 + 4 bytes vs 32)
     assert pool_bytes(i8.pools) / pool_bytes(f32.pools) == pytest.approx((8 + 4) / 32)
+
+
+def test_engine_keeps_params_on_the_device(llama):
+    """NumPy params (what load_hf returns) are put on the device once, not copied into every step:
+    on the bench_serving model that copy was 45 MB a call and made a step 2-4x slower."""
+    _, config, params = llama
+    host = jax.tree.map(np.asarray, params)
+    eng = Engine(config, host, max_seqs=4, page_size=8, num_pages=40)
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(eng.params))
+
+
+def test_argmax_is_jnp_argmax():
+    """sampling.argmax (max + min of indices, faster on XLA:CPU) against jnp.argmax: ties go to the
+    first index, a NaN wins (the first one), an all -inf row gives 0."""
+    from jaxgpt.inference.sampling import argmax
+
+    x = np.random.default_rng(0).standard_normal((6, 300)).astype(np.float32)
+    x[1, [7, 9]] = 100.0
+    x[2, [3, 5]] = np.nan
+    x[3] = -np.inf
+    x[4, -1] = np.inf
+    x[5, [0, 299]] = 50.0
+    assert np.asarray(jax.jit(argmax)(x)).tolist() == np.asarray(jnp.argmax(x, axis=-1)).tolist()

@@ -48,6 +48,14 @@ def cmd_serve(args) -> int:
     from jaxgpt.inference.server import create_app
 
     engine, tok, name = build_engine(args)
+    if args.precompile:  # every shape the engine can run, before the first request waits on one
+        import sys
+        import time
+
+        t0 = time.perf_counter()
+        print(f"jaxgpt serve: compiling {len(engine.buckets())} engine shapes ...", file=sys.stderr, flush=True)
+        engine.precompile()
+        print(f"jaxgpt serve: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(args.model),
                      max_waiting=args.max_waiting)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -64,6 +72,8 @@ def add_parser(sub) -> None:
     s.add_argument("--num-pages", type=int, help="KV pages (default: max-seqs full contexts)")
     s.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one engine step")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
+    s.add_argument("--no-precompile", dest="precompile", action="store_false",
+                   help="start at once and compile each shape on its first use (requests then wait on it)")
     s.add_argument("--kv-dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto")
     s.add_argument("--draft", help="draft model for speculative decoding (same vocabulary)")
     s.add_argument("--num-speculative-tokens", type=int, default=4)

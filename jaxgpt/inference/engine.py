@@ -2,13 +2,16 @@
 
 Each ``step()``: admit waiting requests while pages and ``max_seqs`` allow; give every running
 request that is decoding one token of the ``max_tokens_per_step`` budget, and the rest of it to
-prefill chunks (chunked prefill); allocate pages, preempting the latest admitted request when
+prefill chunks (chunked prefill, the chunk length chosen by ``paged_cache.plan_prefill`` to waste
+few padded slots); allocate pages, preempting the latest admitted request when
 they run out (its pages are freed and it is recomputed from its prompt and outputs later);
 run one jitted call for all decode rows and one for the prefill chunks; sample per request;
 finish on EOS, stop ids, stop strings, ``max_tokens`` or the context window, freeing pages.
 
-Shapes come from power-of-two buckets (rows, tokens per row, pages per row), so the number of
-compilations is bounded by the product of the bucket counts (``Engine.compilations``).
+Shapes come from power-of-two buckets (rows, tokens per row, pages per row; a prefill call at
+most ``max(max_tokens_per_step, 64)`` padded token slots), so the programs form a fixed set
+(``Engine.buckets()``); ``Engine.precompile()`` compiles them all ahead of time (``jaxgpt serve``
+does at start), and ``Engine.compilations`` counts the ones compiled or run.
 """
 from __future__ import annotations
 
@@ -22,23 +25,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.inference.paged_cache import PageAllocator, batch_arrays, bucket, init_pools, next_pow2
-from jaxgpt.inference.sampling import SamplingParams, select_tokens
+from jaxgpt.inference.paged_cache import PageAllocator, batch_arrays, bucket, init_pools, next_pow2, plan_prefill
+from jaxgpt.inference.sampling import SamplingParams, argmax, select_tokens
 from jaxgpt.models.decoder import DecoderLM, unstack_layers
 from jaxgpt.nn.kernels.paged import PagedKVCache
 
 
 @partial(jax.jit, static_argnames=("config",), donate_argnums=(1,))
-def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, temperature, top_k, top_p, seeds,
-                  counters, want_logprobs, *, config):
-    """One engine call: tokens (B, T) at positions q_pos (-1 = padding) -> (pools, next tokens (B,),
-    their logprobs (B,), last-token logits (B, V)). The pools are donated: updated in place."""
+def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, config):
+    """One engine call: tokens (B, T) at positions q_pos (-1 = padding) -> (pools, greedy next
+    tokens (B,), last-token logits (B, V)). The pools are donated: updated in place.
+
+    Sampling is a second program (``sample``), run only when a row samples or wants logprobs: its
+    sort doubled the compile time of every (B, T, P) shape, and it depends on B alone.
+    """
     caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype) for k, v, ks, vs in pools)
     out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
                                   logits_at=last)
     logits = out.logits[:, 0]  # (B, V)
-    tok, logp = select_tokens(logits, temperature, top_k, top_p, seeds, counters, want_logprobs)
-    return tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache), tok, logp, logits
+    return tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache), argmax(logits), logits
+
+
+sample = jax.jit(select_tokens)  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)
 
 
 @dataclass
@@ -85,7 +93,9 @@ class Engine:
                                                                              max_tokens_per_step)):
             if val < 1:
                 raise ValueError(f"{name} must be >= 1, got {val}")
-        self.config, self.params = unstack_layers(config, params)
+        self.config, params = unstack_layers(config, params)
+        # on the device once: host (NumPy) params would be copied into every step's call
+        self.params = jax.device_put(params)
         self.page_size = page_size
         self.max_pages_per_seq = -(-config.max_len // page_size)
         if num_pages is None:
@@ -94,6 +104,8 @@ class Engine:
             raise ValueError(f"num_pages={num_pages} cannot hold one full context ({config.max_len} tokens = "
                              f"{self.max_pages_per_seq} pages of {page_size}, plus the scratch page)")
         self.max_seqs, self.budget = max_seqs, max_tokens_per_step
+        self._rows_hi, self._pages_hi = next_pow2(max_seqs), next_pow2(self.max_pages_per_seq)
+        self._slots = max(next_pow2(max_tokens_per_step), 4 * 16)  # a prefill call's padded tokens, at most
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
         self.allocator = PageAllocator(num_pages)
@@ -187,39 +199,81 @@ class Engine:
         budget = self.budget
         decode, prefill = [], []
         # decoding rows first (one token each keeps every stream moving), then prefill chunks, oldest first
-        for req in sorted(self.running, key=lambda r: (len(r.tokens) - r.computed != 1, r.arrival)):
+        ready = sorted(self.running, key=lambda r: r.arrival)
+        for req in [r for r in ready if len(r.tokens) - r.computed == 1]:
             if budget <= 0:
                 break
-            remaining = len(req.tokens) - req.computed
-            n = 1 if remaining == 1 else min(remaining, budget)
-            while req in self.running and not self._grow(req, req.computed + n):
-                self._preempt()
-            if req not in self.running:
-                continue
-            (decode if remaining == 1 else prefill).append((req, n))
-            budget -= n
+            if self._take(req, 1):
+                decode.append((req, 1))
+                budget -= 1
+        waiting = [r for r in ready if len(r.tokens) - r.computed > 1 and r in self.running]
+        t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, 16, self._slots // 4,
+                               self._rows_hi, self._slots)
+        for req in waiting[:rows]:
+            n = min(len(req.tokens) - req.computed, t, budget)
+            if n > 0 and self._take(req, n):
+                prefill.append((req, n))
+                budget -= n
         live = set(id(r) for r in self.running)  # a later preemption may have hit an earlier row
         return [x for x in decode if id(x[0]) in live], [x for x in prefill if id(x[0]) in live]
 
+    def _take(self, req: Request, n: int) -> bool:
+        """Pages for req's next n tokens, preempting the latest admitted requests while they run out;
+        False when req itself was preempted."""
+        while req in self.running and not self._grow(req, req.computed + n):
+            self._preempt()
+        return req in self.running
+
     # -- running ------------------------------------------------------------------------------------
-    def _run(self, kind: str, rows):
-        t = 1 if kind == "decode" else bucket(max(n for _, n in rows), 16, next_pow2(self.budget))
-        b = bucket(len(rows), 4, next_pow2(self.max_seqs))  # a few padded rows cost less than a compilation
-        p = bucket(max(self._pages_for(r.computed + n) for r, n in rows), 4, next_pow2(self.max_pages_per_seq))
+    def _shape(self, kind: str, n_rows: int, n_tokens: int, n_pages: int) -> tuple[str, int, int, int]:
+        """(kind, B, T, P) of a call: a few padded rows, tokens or pages cost less than a compilation."""
+        t = 1 if kind == "decode" else bucket(n_tokens, 16, self._slots // 4)  # <= the plan's T
+        return kind, bucket(n_rows, 4, self._rows_hi), t, bucket(n_pages, 4, self._pages_hi)
+
+    def buckets(self) -> list[tuple[str, int, int, int]]:
+        """Every (kind, B, T, P) shape ``step()`` can run: the programs it may compile."""
+        rows = {self._shape("decode", n, 1, 1)[1] for n in range(1, self.max_seqs + 1)}
+        pages = {self._shape("decode", 1, 1, n)[3] for n in range(1, self.max_pages_per_seq + 1)}
+        tokens = {self._shape("prefill", 1, n, 1)[2] for n in range(1, self._slots // 4 + 1)}
+        return sorted([("decode", b, 1, p) for b in rows for p in pages]
+                      + [("prefill", b, t, p) for b in rows for t in tokens for p in pages if b * t <= self._slots])
+
+    def precompile(self) -> int:
+        """Compile every shape of ``buckets()`` now, so no request waits on a compilation; returns
+        how many were compiled. Each runs once on padding rows, whose writes land on the scratch
+        page, so the pools' contents are untouched (that run also fills jit's dispatch cache, which
+        ahead-of-time ``lower().compile()`` leaves to a later trace)."""
+        todo = [s for s in self.buckets() if s not in self.shapes]
+        for kind, b, t, p in todo:
+            self._call(kind, b, t, p, [])
+        for b in sorted({b for _, b, _, _ in self.buckets()}):
+            zeros = np.zeros((b, self.config.vocab_size), np.float32)
+            np.asarray(sample(zeros, *self._sampling([], b), np.bool_(True))[0])
+        return len(todo)
+
+    def _sampling(self, rows, b: int):
+        """Per-row sampling arrays (B,) for ``sample``: temperature, top_k, top_p, seed, counter."""
+        sp = [r.params for r, _ in rows] + [SamplingParams()] * (b - len(rows))
+        return (np.array([s.temperature for s in sp], np.float32), np.array([s.top_k for s in sp], np.int32),
+                np.array([s.top_p for s in sp], np.float32), np.array([s.seed for s in sp], np.uint32),
+                np.array([len(r.output) for r, _ in rows] + [0] * (b - len(rows)), np.int32))
+
+    def _call(self, kind: str, b: int, t: int, p: int, rows):
+        """Run shape (kind, B, T, P) on rows (req, n_tokens) -> (tokens (B,), logprobs (B,)) numpy."""
         self.shapes.add((kind, b, t, p))
         arrays = batch_arrays([(r.tokens[r.computed:r.computed + n], r.computed, r.pages) for r, n in rows],
                               self.page_size, b, t, p)
-        sp = [r.params for r, _ in rows] + [SamplingParams()] * (b - len(rows))
-        temperature = np.array([s.temperature for s in sp], np.float32)
-        top_k = np.array([s.top_k for s in sp], np.int32)
-        top_p = np.array([s.top_p for s in sp], np.float32)
-        seeds = np.array([s.seed for s in sp], np.uint32)
-        counters = np.array([len(r.output) for r, _ in rows] + [0] * (b - len(rows)), np.int32)
-        want = np.bool_(any(s.logprobs for s in sp))
-        self.pools, tok, logp, _ = paged_forward(self.params, self.pools, *arrays, temperature, top_k, top_p, seeds,
-                                                 counters, want, config=self.config)
-        self.stats["calls"] += 1
+        self.pools, tok, logits = paged_forward(self.params, self.pools, *arrays, config=self.config)
+        want = any(r.params.logprobs for r, _ in rows)
+        if not want and all(r.params.temperature == 0 for r, _ in rows):
+            return np.asarray(tok), np.zeros(b, np.float32)
+        tok, logp = sample(logits, *self._sampling(rows, b), np.bool_(want))
         return np.asarray(tok), np.asarray(logp)
+
+    def _run(self, kind: str, rows):
+        self.stats["calls"] += 1
+        return self._call(*self._shape(kind, len(rows), max(n for _, n in rows),
+                                       max(self._pages_for(r.computed + n) for r, n in rows)), rows)
 
     def step(self) -> list[RequestOutput]:
         """One scheduling round; returns what each request produced in it (streaming)."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxgpt.core import validate
 from jaxgpt.config import ModelConfig, check_sampling
+from jaxgpt.inference.sampling import argmax
 from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
 
 
@@ -29,7 +30,7 @@ def sample_logits(logits, rng, *, temperature: float = 1.0, top_k: int | None = 
     """
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     logits = logits.astype(jnp.float32) / temperature
     neg = jnp.finfo(jnp.float32).min
     if top_k is not None:

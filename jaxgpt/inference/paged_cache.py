@@ -21,6 +21,43 @@ def bucket(n: int, lo: int, hi: int) -> int:
     return min(max(next_pow2(n), lo), hi)
 
 
+# A step's fixed cost (reading every weight once, launching the program) in token slots: the
+# 4-layer 256-wide LLaMA of bench_serving on a 2-core CPU runs a 4-row decode step in 3.3 ms and
+# prefills at 0.04 ms a slot (measured), so about 80 slots; 64 keeps the planner leaning to fewer steps.
+STEP_COST_SLOTS = 64
+
+
+def plan_prefill(remaining: list[int], budget: int, lo: int, hi: int, max_rows: int,
+                 max_slots: int) -> tuple[int, int]:
+    """How to run one step's prefill: -> (T, rows), the first ``rows`` of ``remaining`` (prompt
+    tokens left per request, oldest first) each taking min(left, T) tokens of ``budget``.
+
+    The call's cost follows its padded slots, bucket(rows) x T, so a long chunk length wastes slots
+    on short prompts and a short one splits long prompts over more steps. The plan maximises
+    tokens / (slots + STEP_COST_SLOTS) over the T buckets [lo, hi] and row prefixes whose slots are
+    at most ``max_slots`` (so the prefill shapes are a small fixed set); ties go to more tokens.
+    Rows past the budget or ``max_rows`` wait for a later step (chunked prefill).
+    """
+    if not remaining or budget < 1:
+        return lo, 0
+    t = min(lo, hi)
+    best = (-1.0, 0, -t, 0)  # (score, tokens, -T, rows)
+    while t <= hi:
+        left, tokens = budget, 0
+        for r, rem in enumerate(remaining[:max_rows], 1):
+            n = min(rem, t, left)
+            tokens, left = tokens + n, left - n
+            slots = bucket(r, 4, max_rows) * t
+            if slots > max_slots:
+                break
+            score = tokens / (slots + STEP_COST_SLOTS)
+            best = max(best, (score, tokens, -t, r))  # equal score and tokens: the shorter T
+            if left == 0:
+                break
+        t *= 2
+    return -best[2], best[3]
+
+
 class PageAllocator:
     """The free list. Pages are ints in [1, num_pages); page 0 is never handed out."""
 

@@ -37,6 +37,16 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
 
 
+def argmax(logits):
+    """jnp.argmax over the last axis (the first maximum; the first NaN if any), as two plain
+    reductions: XLA:CPU runs argmax's (value, index) reduce unvectorised, 1.9 ms for a (32, 32000)
+    batch of logits against 0.8 ms for this max + min (measured)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)  # a NaN max equals nothing; argmax returns the first NaN
+    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+
+
 def _sample_rows(logits, temperature, top_k, top_p, seeds, counters):
     """logits (B, V) float32 -> tokens (B,) by each row's own settings (temperature > 0 rows)."""
     v = logits.shape[-1]
@@ -61,7 +71,7 @@ def select_tokens(logits, temperature, top_k, top_p, seeds, counters, want_logpr
     the sort and draw run only when some row samples, the log-probabilities only when asked for
     (zeros otherwise)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     tok = jax.lax.cond(jnp.any(temperature > 0),
                        lambda: jnp.where(temperature > 0, _sample_rows(logits, temperature, top_k, top_p, seeds,
                                                                        counters), greedy),

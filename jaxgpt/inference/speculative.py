@@ -93,6 +93,7 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
     rng = jax.random.PRNGKey(0) if rng is None else rng
     tc, tp = unstack_layers(target_config, target_params)
     dc, dp = unstack_layers(draft_config, draft_params)
+    tp, dp = jax.device_put((tp, dp))  # once: host (NumPy) params would be copied into every call
     cap = t0 + max_new_tokens + k
     tcache = init_cache(tc, 1, cap, per_layer=True)
     dcache = init_cache(dc, 1, cap, per_layer=True)
