@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 from jaxgpt.cli.common import _load_for_inference
@@ -49,9 +51,6 @@ def cmd_serve(args) -> int:
 
     engine, tok, name = build_engine(args)
     if args.precompile:  # every shape the engine can run, before the first request waits on one
-        import sys
-        import time
-
         t0 = time.perf_counter()
         print(f"jaxgpt serve: compiling {len(engine.buckets())} engine shapes ...", file=sys.stderr, flush=True)
         engine.precompile()

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.inference.paged_cache import PageAllocator, batch_arrays, bucket, init_pools, next_pow2, plan_prefill
+from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAllocator, batch_arrays, bucket,
+                                         init_pools, next_pow2, plan_prefill)
 from jaxgpt.inference.sampling import SamplingParams, argmax, select_tokens
 from jaxgpt.models.decoder import DecoderLM, unstack_layers
 from jaxgpt.nn.kernels.paged import PagedKVCache
@@ -105,7 +106,8 @@ class Engine:
                              f"{self.max_pages_per_seq} pages of {page_size}, plus the scratch page)")
         self.max_seqs, self.budget = max_seqs, max_tokens_per_step
         self._rows_hi, self._pages_hi = next_pow2(max_seqs), next_pow2(self.max_pages_per_seq)
-        self._slots = max(next_pow2(max_tokens_per_step), 4 * 16)  # a prefill call's padded tokens, at most
+        self._slots = max(next_pow2(max_tokens_per_step), MIN_ROWS * MIN_CHUNK)  # a prefill call's padded tokens
+        self._chunk_hi = self._slots // MIN_ROWS  # the longest prefill chunk: MIN_ROWS rows of it fill the slots
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
         self.allocator = PageAllocator(num_pages)
@@ -207,7 +209,7 @@ class Engine:
                 decode.append((req, 1))
                 budget -= 1
         waiting = [r for r in ready if len(r.tokens) - r.computed > 1 and r in self.running]
-        t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, 16, self._slots // 4,
+        t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, MIN_CHUNK, self._chunk_hi,
                                self._rows_hi, self._slots)
         for req in waiting[:rows]:
             n = min(len(req.tokens) - req.computed, t, budget)
@@ -227,14 +229,14 @@ class Engine:
     # -- running ------------------------------------------------------------------------------------
     def _shape(self, kind: str, n_rows: int, n_tokens: int, n_pages: int) -> tuple[str, int, int, int]:
         """(kind, B, T, P) of a call: a few padded rows, tokens or pages cost less than a compilation."""
-        t = 1 if kind == "decode" else bucket(n_tokens, 16, self._slots // 4)  # <= the plan's T
-        return kind, bucket(n_rows, 4, self._rows_hi), t, bucket(n_pages, 4, self._pages_hi)
+        t = 1 if kind == "decode" else bucket(n_tokens, MIN_CHUNK, self._chunk_hi)  # <= the plan's T
+        return kind, bucket(n_rows, MIN_ROWS, self._rows_hi), t, bucket(n_pages, MIN_PAGES, self._pages_hi)
 
     def buckets(self) -> list[tuple[str, int, int, int]]:
         """Every (kind, B, T, P) shape ``step()`` can run: the programs it may compile."""
         rows = {self._shape("decode", n, 1, 1)[1] for n in range(1, self.max_seqs + 1)}
         pages = {self._shape("decode", 1, 1, n)[3] for n in range(1, self.max_pages_per_seq + 1)}
-        tokens = {self._shape("prefill", 1, n, 1)[2] for n in range(1, self._slots // 4 + 1)}
+        tokens = {self._shape("prefill", 1, n, 1)[2] for n in range(1, self._chunk_hi + 1)}
         return sorted([("decode", b, 1, p) for b in rows for p in pages]
                       + [("prefill", b, t, p) for b in rows for t in tokens for p in pages if b * t <= self._slots])
 
@@ -243,10 +245,11 @@ class Engine:
         how many were compiled. Each runs once on padding rows, whose writes land on the scratch
         page, so the pools' contents are untouched (that run also fills jit's dispatch cache, which
         ahead-of-time ``lower().compile()`` leaves to a later trace)."""
-        todo = [s for s in self.buckets() if s not in self.shapes]
+        shapes = self.buckets()
+        todo = [s for s in shapes if s not in self.shapes]
         for kind, b, t, p in todo:
             self._call(kind, b, t, p, [])
-        for b in sorted({b for _, b, _, _ in self.buckets()}):
+        for b in sorted({b for _, b, _, _ in shapes}):
             zeros = np.zeros((b, self.config.vocab_size), np.float32)
             np.asarray(sample(zeros, *self._sampling([], b), np.bool_(True))[0])
         return len(todo)

@@ -21,6 +21,10 @@ def bucket(n: int, lo: int, hi: int) -> int:
     return min(max(next_pow2(n), lo), hi)
 
 
+# The smallest buckets of an engine call's rows, prefill tokens per row and pages per row: a few
+# padded rows, tokens or pages cost less than another compilation.
+MIN_ROWS, MIN_CHUNK, MIN_PAGES = 4, 16, 4
+
 # A step's fixed cost (reading every weight once, launching the program) in token slots: the
 # 4-layer 256-wide LLaMA of bench_serving on a 2-core CPU runs a 4-row decode step in 3.3 ms and
 # prefills at 0.04 ms a slot (measured), so about 80 slots; 64 keeps the planner leaning to fewer steps.
@@ -47,7 +51,7 @@ def plan_prefill(remaining: list[int], budget: int, lo: int, hi: int, max_rows: 
         for r, rem in enumerate(remaining[:max_rows], 1):
             n = min(rem, t, left)
             tokens, left = tokens + n, left - n
-            slots = bucket(r, 4, max_rows) * t
+            slots = bucket(r, MIN_ROWS, max_rows) * t
             if slots > max_slots:
                 break
             score = tokens / (slots + STEP_COST_SLOTS)
