@@ -270,6 +270,31 @@ def test_checks_compile_away_outside_checked_mode(params, monkeypatch):
     assert ops(forward, *args) == with_checks and sum(with_checks.values()) > 20
 
 
+def test_checks_leave_no_effect_outside_checked_mode(params):
+    """A check traced outside checkify compiles away but leaves an error effect on the jaxpr, and
+    an effect turns off jit's C++ dispatch (about 1 ms of Python per call): outside ``checked``
+    the checks are not traced at all, and the jitted call takes the fast path."""
+    import jax._src.pjit as pjit_internals
+
+    m, tok = build(CFG), jnp.ones((2, 3), jnp.int32)
+    forward = lambda p, c, t: m.apply({"params": p}, t, cache=c).logits  # noqa: E731
+    args = (params, init_cache(CFG, 2, 8), tok)
+    assert jax.make_jaxpr(forward)(*args).effects == set()
+    with checks.checking():  # a new function object: no trace cached from the call above
+        assert jax.make_jaxpr(lambda *a: forward(*a))(*args).effects  # checked mode carries them
+    fast = jax.jit(forward)
+    fast(*args)
+    slow_calls = []
+    orig = pjit_internals._run_python_pjit
+    pjit_internals._run_python_pjit = lambda *a, **k: slow_calls.append(1) or orig(*a, **k)
+    try:
+        for _ in range(3):
+            fast(*args)
+    finally:
+        pjit_internals._run_python_pjit = orig
+    assert slow_calls == []
+
+
 # 5. Masks ---------------------------------------------------------------------------------------
 def test_bad_masks_are_errors_in_both_frameworks(rng):
     q, k = rng.standard_normal((2, 3, 2, 4)).astype(np.float32), rng.standard_normal((2, 5, 2, 4)).astype(np.float32)

@@ -13,7 +13,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from jaxgpt.nn import checks
 from jaxgpt.core import validate
@@ -76,7 +75,7 @@ def check_tokens(tokens, vocab_size: int, max_len: int, offset: int = 0) -> None
     """Raise ValueError for ids outside [0, vocab_size) or sequences past the context window.
 
     JAX gathers clamp bad indices silently, so concrete (eager) inputs are checked here on the
-    host; traced inputs (under jit) get the same checks as checkify debug checks, reported in
+    host; traced inputs (under jit) get the same checks as checkify debug checks (checks.debug_check), reported in
     checked mode (``jaxgpt.nn.checks.checked``) and compiled away otherwise.
     """
     t = tokens.shape[-1]
@@ -87,7 +86,7 @@ def check_tokens(tokens, vocab_size: int, max_len: int, offset: int = 0) -> None
     elif t > max_len:
         raise ValueError(f"{t} tokens exceed max_len={max_len}")
     else:
-        checkify.debug_check(offset + t <= max_len, f"{t} tokens after {{offset}} cached positions exceed "
+        checks.debug_check(offset + t <= max_len, f"{t} tokens after {{offset}} cached positions exceed "
                              f"max_len={max_len}", offset=offset)
     if checks.is_traced(tokens):
         checks.check_in_range(tokens, vocab_size, "token id")
