@@ -86,11 +86,12 @@ def _run_staggered(eng, prompts, news):
 @pytest.mark.parametrize("kw", [dict(max_seqs=4, max_tokens_per_step=64, num_pages=40),
                                 dict(max_seqs=4, max_tokens_per_step=16, num_pages=9)],
                          ids=["roomy", "chunked+preempting"])
-def test_greedy_identical_to_hf_and_generate(llama, references, kw):
+@pytest.mark.parametrize("paged_kernel", ["auto", "gather"])  # auto: the CPU kernel where it builds
+def test_greedy_identical_to_hf_and_generate(llama, references, kw, paged_kernel):
     _, config, params = llama
     prompts, news, hf, own = references
     assert hf[:3] == own  # the two references agree (test_generate.py's parity, here on this model)
-    eng = Engine(config, params, page_size=8, **kw)
+    eng = Engine(config, params, page_size=8, paged_kernel=paged_kernel, **kw)
     got = _run_staggered(eng, prompts, news)
     assert got == hf
     assert eng.allocator.free == eng.allocator.total  # every page back on the free list

@@ -29,25 +29,46 @@ from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAl
                                          init_pools, next_pow2, plan_prefill)
 from jaxgpt.inference.sampling import SamplingParams, argmax, select_tokens
 from jaxgpt.models.decoder import DecoderLM, unstack_layers
-from jaxgpt.nn.kernels.paged import PagedKVCache
+from jaxgpt.nn.kernels import paged_ffi
+from jaxgpt.nn.kernels.paged import PAGED_KERNELS, PagedKVCache
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnums=(1,))
-def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, config):
+@partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
+def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, config, kernel="gather"):
     """One engine call: tokens (B, T) at positions q_pos (-1 = padding) -> (pools, greedy next
     tokens (B,), last-token logits (B, V)). The pools are donated: updated in place.
 
     Sampling is a second program (``sample``), run only when a row samples or wants logprobs: its
     sort doubled the compile time of every (B, T, P) shape, and it depends on B alone.
     """
-    caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype) for k, v, ks, vs in pools)
+    caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype, kernel=kernel)
+                   for k, v, ks, vs in pools)
     out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
                                   logits_at=last)
     logits = out.logits[:, 0]  # (B, V)
     return tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache), argmax(logits), logits
 
 
-sample = jax.jit(select_tokens)  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)
+sample = jax.jit(select_tokens)
+
+
+def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
+    """'auto' -> 'ffi' where the CPU kernel runs (CPU backend, float32 compute and pages, built),
+    else 'gather'; an explicit 'ffi' that cannot run is an error, not a silent fallback."""
+    if kernel not in PAGED_KERNELS:
+        raise ValueError(f"paged_kernel={kernel!r} is not one of {PAGED_KERNELS}")
+    if kernel == "gather":
+        return kernel
+    why = None
+    if compute_dtype != "float32" or jnp.dtype(pool_dtype) != jnp.float32:
+        why = f"it reads float32 pages in a float32 model (dtype={compute_dtype}, pages {jnp.dtype(pool_dtype)})"
+    elif not paged_ffi.available():
+        why = f"it is unavailable on this {jax.default_backend()} backend (see the warning)"
+    if why is None:
+        return "ffi"
+    if kernel == "ffi":
+        raise ValueError(f"paged_kernel='ffi' cannot run: {why}; use 'gather' or 'auto'")
+    return "gather"  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)
 
 
 @dataclass
@@ -84,10 +105,13 @@ class Engine:
 
     ``eos_ids``: tokens that end a request (unless its ``ignore_eos``); ``decode``: ids -> text,
     needed for stop strings. ``kv_dtype``: 'auto' (the compute dtype), 'float32', 'bfloat16', 'int8'.
+    ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the CPU kernel
+    (kernels/paged_ffi.py, float32 pages), 'gather' pure JAX, 'auto' the first where it can run.
     """
 
     def __init__(self, config, params, *, max_seqs: int = 32, page_size: int = 16, num_pages: int | None = None,
-                 max_tokens_per_step: int = 512, kv_dtype: str = "auto", eos_ids=(), decode=None):
+                 max_tokens_per_step: int = 512, kv_dtype: str = "auto", paged_kernel: str = "auto", eos_ids=(),
+                 decode=None):
         if config.residual != "standard":
             raise ValueError(f"the engine needs a KV cache; residual={config.residual!r} models have none")
         for name, val in (("max_seqs", max_seqs), ("page_size", page_size), ("max_tokens_per_step",
@@ -110,6 +134,7 @@ class Engine:
         self._chunk_hi = self._slots // MIN_ROWS  # the longest prefill chunk: MIN_ROWS rows of it fill the slots
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
+        self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype)
         self.allocator = PageAllocator(num_pages)
         self.eos_ids = set(int(i) for i in eos_ids)
         self.decode = decode
@@ -266,7 +291,8 @@ class Engine:
         self.shapes.add((kind, b, t, p))
         arrays = batch_arrays([(r.tokens[r.computed:r.computed + n], r.computed, r.pages) for r, n in rows],
                               self.page_size, b, t, p)
-        self.pools, tok, logits = paged_forward(self.params, self.pools, *arrays, config=self.config)
+        self.pools, tok, logits = paged_forward(self.params, self.pools, *arrays, config=self.config,
+                                                kernel=self.paged_kernel)
         want = any(r.params.logprobs for r, _ in rows)
         if not want and all(r.params.temperature == 0 for r, _ in rows):
             return np.asarray(tok), np.zeros(b, np.float32)

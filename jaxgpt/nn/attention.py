@@ -13,7 +13,7 @@ from flax import struct
 
 from jaxgpt.core import validate
 from jaxgpt.nn import checks
-from jaxgpt.nn.kernels import attend, keys_before
+from jaxgpt.nn.kernels import attend, keys_before, paged_ffi
 from jaxgpt.nn.kernels import causal_mask, scaled_dot_product_attention  # noqa: F401  (public names)
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.positions import apply_rope
@@ -150,11 +150,15 @@ class Attention(nn.Module):
             k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
 
         kv_layout = "tokens"
-        if getattr(cache, "paged", False):  # kernels/paged.py: ragged rows gather their pages; mask = causal
+        paged = getattr(cache, "paged", False)
+        in_place = paged and cache.kernel == "ffi" and not return_weights  # kernels/paged_ffi.py reads the pages
+        if paged:  # kernels/paged.py: ragged rows read their pages; mask = causal
             if mask is not None:
                 raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
-            cache, k, v, mask = cache.update(k, v)
-            is_causal, kv_layout = False, "rows"
+            cache = cache.write(k, v)
+            if not in_place:
+                k, v, mask = cache.gather()
+                is_causal, kv_layout = False, "rows"
         elif cache is not None:
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
@@ -166,10 +170,13 @@ class Attention(nn.Module):
             mask = written if mask is None else mask & written
 
         rate = 0.0 if deterministic else self.attn_dropout
-        out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,
-                     q_offset=offset, return_weights=return_weights, kv_layout=kv_layout, dropout_rate=rate,
-                     dropout_rng=self.make_rng("dropout") if rate > 0.0 else None)
-        out, weights = out if return_weights else (out, None)
+        if in_place:
+            out, weights = paged_ffi.paged_attention(q, cache.k, cache.v, cache.page_table, cache.q_pos), None
+        else:
+            out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask,
+                         is_causal=is_causal, q_offset=offset, return_weights=return_weights, kv_layout=kv_layout,
+                         dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None)
+            out, weights = out if return_weights else (out, None)
         y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
         return y, cache, weights
 

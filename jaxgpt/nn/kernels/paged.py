@@ -11,7 +11,8 @@ A batch is (B, T) ragged rows: row b's query t sits at absolute position q_pos[b
 padding) and writes its key/value to flat slot ``slots[b, t]`` = page * page_size + offset.
 Key j of the gathered row is the token at position j (page table entry j // page_size), so
 "written and causal" is one mask: key position <= query position. The attention itself goes
-through ``kernels.attend`` (layout 'tokens'), the kernel every other call uses.
+through ``kernels.attend`` (layout 'rows'), the kernel every other call uses; on the CPU the engine
+reads float32 pages in place instead (``kernel='ffi'``, kernels/paged_ffi.py), with the same results.
 
 kv 'int8': the pools hold int8 with a float32 absmax scale per token and head (k_scale, v_scale
 (num_pages, H_kv, page_size)); gathered pages are dequantised before attention.
@@ -21,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+PAGED_KERNELS = ("auto", "gather", "ffi")  # the engine's paged_kernel: 'auto' is 'ffi' where it can run
 
 
 def quantize_int8(x):
@@ -49,6 +52,9 @@ class PagedKVCache:
     compute_dtype: str = struct.field(pytree_node=False, default="float32")
     layout: str = struct.field(pytree_node=False, default="paged")
     paged: bool = struct.field(pytree_node=False, default=True)
+    # 'gather': pure JAX, pages gathered then kernels.attend; 'ffi': kernels/paged_ffi.py reads them
+    # in place (CPU, float32 pools; PAGED_KERNELS, chosen by the engine)
+    kernel: str = struct.field(pytree_node=False, default="gather")
 
     @property
     def index(self):
@@ -59,13 +65,9 @@ class PagedKVCache:
     def capacity(self) -> int:
         return self.page_table.shape[1] * self.k.shape[2]
 
-    def update(self, k, v):
-        """Write k, v (B, T, H_kv, D) into their slots, gather each row's pages.
-
-        Returns (cache after the write, keys, values in kv_layout 'rows' (B * H_kv, P * page_size, D),
-        mask (B, 1, T, S)). One gather indexed by (row, head, page) builds the 'rows' layout the
-        decode kernel reads in place: no transpose of the gathered keys.
-        """
+    def write(self, k, v):
+        """The cache after writing k, v (B, T, H_kv, D) into their slots (the pools are updated in
+        place when the caller donates them)."""
         n, h_kv, ps, d = self.k.shape
         page = (self.slots // ps).reshape(-1)  # (B*T,)
         off = (self.slots % ps).reshape(-1)
@@ -79,6 +81,13 @@ class PagedKVCache:
 
         kp, ks = put(self.k, self.k_scale, k)
         vp, vs = put(self.v, self.v_scale, v)
+        return self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
+
+    def gather(self):
+        """Each row's pages, logically contiguous: keys, values in kv_layout 'rows'
+        (B * H_kv, P * page_size, D) and the mask (B, 1, T, S). One gather indexed by (row, head,
+        page) builds the 'rows' layout the decode kernel reads in place: no transpose."""
+        n, h_kv, ps, d = self.k.shape
         b, p = self.page_table.shape
         rows = self.page_table[:, None, :]  # (B, 1, P)
         heads = jnp.arange(h_kv)[None, :, None]  # (1, H_kv, 1)
@@ -89,7 +98,10 @@ class PagedKVCache:
                 return g
             return dequantize_int8(g, scale[rows, heads].reshape(b * h_kv, p * ps), self.compute_dtype)
 
-        keys, values = gather(kp, ks), gather(vp, vs)
         mask = jnp.arange(p * ps)[None, None, :] <= self.q_pos[:, :, None]  # (B, T, S): written and causal
-        new = self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
-        return new, keys, values, mask[:, None]
+        return gather(self.k, self.k_scale), gather(self.v, self.v_scale), mask[:, None]
+
+    def update(self, k, v):
+        """write, then gather: (cache after the write, keys, values, mask)."""
+        new = self.write(k, v)
+        return (new, *new.gather())

@@ -1,0 +1,103 @@
+"""The CPU PagedAttention kernel (jaxgpt/nn/kernels/paged_ffi.py, cpu/paged_attention.cc).
+
+References the test did not compute itself: causal softmax attention per query in float64 NumPy
+over each row's keys, laid out contiguously by the test, and the pure-JAX path (gather, then
+kernels.attend). Tolerance: 1e-6 absolute in float32 (the kernel sums in another order).
+The engine's greedy tokens with the kernel are checked against transformers in test_engine.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.inference.engine import resolve_paged_kernel
+from jaxgpt.nn.kernels import attend, paged_ffi
+from jaxgpt.nn.kernels.paged import PagedKVCache
+
+pytestmark = pytest.mark.skipif(not paged_ffi.available(), reason="the CPU kernel cannot be built here")
+
+
+def _case(seed, b, t, h, h_kv, d, ps=4, p=5):
+    """Random pools, a page table of distinct pages per row, ragged query positions (-1: padding)."""
+    rng = np.random.default_rng(seed)
+    n_pages = b * p + 4  # page 0 is scratch, and a few pages belong to no row
+    k_pool, v_pool = (rng.standard_normal((n_pages, h_kv, ps, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(np.arange(1, n_pages))[:b * p].reshape(b, p).astype(np.int32)
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    start = rng.integers(0, p * ps - t + 1, b)
+    q_pos = (start[:, None] + np.arange(t)[None]).astype(np.int32)
+    q_pos[-1, t // 2:] = -1  # a padded tail
+    if b > 2:
+        q_pos[1] = -1  # a padding row
+    return q, k_pool, v_pool, table, q_pos
+
+
+def _numpy_reference(q, k_pool, v_pool, table, q_pos):
+    b, t, h, d = q.shape
+    h_kv = k_pool.shape[1]
+    out = np.zeros((b, t, h, d))
+    for i in range(b):
+        keys = k_pool[table[i]].transpose(1, 0, 2, 3).reshape(h_kv, -1, d).astype(np.float64)  # (H_kv, S, D)
+        vals = v_pool[table[i]].transpose(1, 0, 2, 3).reshape(h_kv, -1, d).astype(np.float64)
+        for j in range(t):
+            n = q_pos[i, j] + 1
+            for hh in range(h):
+                kv = hh // (h // h_kv)
+                s = keys[kv, :n] @ q[i, j, hh] / np.sqrt(d)
+                w = np.exp(s - s.max()) if n else s
+                out[i, j, hh] = (w / w.sum()) @ vals[kv, :n] if n else 0.0
+    return out
+
+
+@pytest.mark.parametrize("shape", [dict(b=5, t=1, h=4, h_kv=2, d=24),    # decode, GQA, D not a multiple of 16
+                                   dict(b=3, t=6, h=4, h_kv=4, d=32),    # a prefill chunk, MHA
+                                   dict(b=2, t=3, h=6, h_kv=1, d=8)],    # MQA, D below one 16-lane block
+                         ids=["decode-gqa", "prefill-mha", "mqa"])
+def test_kernel_matches_numpy_and_the_gather_path(shape):
+    q, k_pool, v_pool, table, q_pos = _case(0, **shape)
+    got = np.asarray(jax.jit(paged_ffi.paged_attention)(q, k_pool, v_pool, table, q_pos))
+    np.testing.assert_allclose(got, _numpy_reference(q, k_pool, v_pool, table, q_pos), atol=1e-6, rtol=0)
+
+    cache = PagedKVCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(table),
+                         jnp.zeros(q_pos.shape, jnp.int32), jnp.asarray(q_pos))
+    keys, values, mask = cache.gather()
+    gathered = np.asarray(attend(jnp.asarray(q), keys, values, impl="xla", mask=mask, kv_layout="rows"))
+    np.testing.assert_allclose(got, gathered, atol=1e-6, rtol=0)
+
+
+def test_kernel_refuses_a_position_past_the_page_table():
+    q, k_pool, v_pool, table, q_pos = _case(1, b=2, t=1, h=2, h_kv=2, d=8)
+    q_pos[0, 0] = table.shape[1] * k_pool.shape[2]  # one past the row's last slot
+    with pytest.raises(Exception, match="past its page table"):
+        np.asarray(paged_ffi.paged_attention(q, k_pool, v_pool, table, q_pos))
+
+
+def test_resolve_paged_kernel():
+    assert resolve_paged_kernel("auto", "float32", jnp.float32) == "ffi"
+    assert resolve_paged_kernel("auto", "float32", jnp.int8) == "gather"  # int8 pages: the JAX path dequantises
+    assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "gather"
+    assert resolve_paged_kernel("gather", "float32", jnp.float32) == "gather"
+    with pytest.raises(ValueError, match="float32 pages"):
+        resolve_paged_kernel("ffi", "bfloat16", jnp.bfloat16)
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_paged_kernel("pallas", "float32", jnp.float32)
+
+
+def test_without_a_compiler_the_engine_gathers(tmp_path):
+    """A fresh interpreter with no compiler and an empty cache: one warning, 'auto' -> 'gather'."""
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from jaxgpt.nn.kernels import paged_ffi\n"
+            "from jaxgpt.inference.engine import resolve_paged_kernel\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    print(paged_ffi.available(), resolve_paged_kernel('auto', 'float32', 'float32'))\n"
+            "print(any('unavailable' in str(x.message) for x in w))\n")
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), JAXGPT_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "gather", "True"]
