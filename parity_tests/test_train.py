@@ -375,6 +375,32 @@ def test_fit_without_checkpoints_returns_its_history(monkeypatch, tmp_path):
         fit(config, tc, task, progress=False)
 
 
+def test_fit_times_the_device_wait_of_asynchronous_updates(monkeypatch):
+    """Dispatch returns before the device finishes, so fit's windows must end after the metrics
+    fetch, which waits for the pending updates. A fake clock that advances 1 s only while metrics
+    are fetched (all device time, none on the host): every timed window holds its fetch's second."""
+    import types
+
+    from jaxgpt.train import loop
+
+    clock = [0.0]
+    real_get = jax.device_get
+
+    def waiting_get(x):
+        clock[0] += 1.0
+        return real_get(x)
+
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(loop.jax, "device_get", waiting_get)
+    config = get_preset("seed-minigpt").replace(n_layer=1, d_model=32, d_ff=64)
+    tc = TrainConfig(steps=9, batch_size=4, seq_len=16, log_every=4, eval_every=0, val_fraction=0.0)
+    task = load_task(config, tc, corpus="seed-synthetic")
+    config = fit_config(config, task)
+    r = loop.fit(config, tc, task, progress=False, checkpoints=False)
+    assert r["train_s"] == 3.0  # the fetches after updates 2-4, 5-8 and 9 (update 1 is the compile window)
+    assert r["ms_per_step"] == pytest.approx(1000 / 3)  # the median of 1 s / 3, 1 s / 4, 1 s / 1
+
+
 def test_fit_without_checkpoints_stops_at_a_nonfinite_loss(monkeypatch):
     from jaxgpt.train.loop import NonFiniteLoss, fit
 

@@ -250,14 +250,17 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     def flush(step: int, timed: bool = True) -> None:
         """Fetch the pending metrics (a NaN stops here); timed: the window since the last fetch is steady state."""
         nonlocal t_flush, skipped, train_s, stop_requested
+        steps, metrics = zip(*pending)
+        # the fetch waits for the pending updates: dispatch runs ahead of the device, so their compute
+        # belongs to the window (timed before the fetch, a 1-device run on the CPU read 2x too fast)
+        metrics = jax.device_get(metrics)
         now = time.perf_counter()
         if timed:
             train_s += now - t_flush
             windows.append((now - t_flush) / len(pending))
         tok_s = tokens * len(pending) / max(now - t_flush, 1e-9)
-        steps, metrics = zip(*pending)
         rows = [{"step": s, **{k: float(v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
-                for s, m in zip(steps, jax.device_get(metrics))]
+                for s, m in zip(steps, metrics)]
         pending.clear()
         bad = [r for r in rows if r["nonfinite"]]
         for r in rows:  # written only where it happened
