@@ -8,6 +8,7 @@ Same model config, same batches (random tokens from one seed), same optimizer (T
 defaults: AdamW, cosine schedule, clipping at 1.0), float32, for:
   torch eager     torch_ref.train.train_step / make_optimizer as written;
   torch.compile   the same step with the model wrapped in torch.compile (inductor; needs a C++ compiler);
+  nanogpt-eager   nanoGPT's own model.py and iteration (--nanogpt PATH, a checkout; issue #19's reference);
   jaxgpt-default  jaxgpt.train.step.make_train_step on ModelConfig defaults;
   jaxgpt-...      the same step with the engine settings of JAX_SETTINGS (ModelConfig values a user can
                   set, and the batch split over host CPU devices with jaxgpt.parallel.sharding.use_host_devices).
@@ -63,7 +64,7 @@ JAX_SETTINGS = {
     "jaxgpt-jaxattn": {"config": {"attention_impl": "jax"}},
     "jaxgpt-jaxattn-unrolled-dp2": {"config": {"attention_impl": "jax", "scan_layers": False}, "host_devices": 2},
 }
-RUNNERS = ("torch-eager", "torch-compile") + tuple(JAX_SETTINGS)
+RUNNERS = ("torch-eager", "torch-compile", "nanogpt-eager") + tuple(JAX_SETTINGS)
 QUICK_RUNNERS = ("torch-eager", "jaxgpt-default", "jaxgpt-unrolled-dp2")
 
 
@@ -136,22 +137,51 @@ def _worker_torch(shape: str, setting: str, steps: int) -> dict:
     config, batch, seq_len, _ = SHAPES[shape]
     tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=steps + 2)
     torch.manual_seed(0)
-    model = torch_ref.build(config).float()
+    if setting == "nanogpt":
+        model, step = _nanogpt_model(config, tc)
+    else:
+        model = torch_ref.build(config).float()
+        opt, sched = make_optimizer(model, tc)
+        if setting == "compile":
+            model = torch.compile(model)
+        step = lambda b: train_step(model, opt, sched, tc, b)  # noqa: E731  (syncs: returns Python floats)
     n_params = sum(p.numel() for p in model.parameters())
-    opt, sched = make_optimizer(model, tc)
-    if setting == "compile":
-        model = torch.compile(model)
     batches = random_batches(config, batch, seq_len, steps + 1)
     t = time.perf_counter()
-    metrics = train_step(model, opt, sched, tc, batches[0])  # warm-up (and inductor compile)
+    metrics = step(batches[0])  # warm-up (and inductor compile)
     compile_s = time.perf_counter() - t
     times = []
     for b in batches[1:]:
         t = time.perf_counter()
-        metrics = train_step(model, opt, sched, tc, b)  # syncs: it returns Python floats
+        metrics = step(b)
         times.append(time.perf_counter() - t)
     return {"times_s": times, "compile_s": compile_s, "params": n_params, "loss": metrics["loss"],
             "torch_version": torch.__version__, "threads": torch.get_num_threads(), "setting": {"mode": setting}}
+
+
+def _nanogpt_model(config, tc):
+    """nanoGPT's own model.py and its training iteration (AdamW groups, clip, ``loss.item()``), from
+    the checkout in $NANOGPT_DIR (``--nanogpt``): issue #19's torch reference, faster than torch_ref."""
+    import contextlib
+
+    import torch
+    sys.path.insert(0, os.environ["NANOGPT_DIR"])
+    from model import GPT, GPTConfig  # noqa: PLC0415  (nanoGPT's, not shipped here)
+
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter count; stdout is the report
+        model = GPT(GPTConfig(block_size=tc.seq_len, vocab_size=config.vocab_size, n_layer=config.n_layer,
+                              n_head=config.n_head, n_embd=config.d_model, dropout=0.0, bias=False))
+        opt = model.configure_optimizers(tc.weight_decay, tc.lr, (tc.beta1, tc.beta2), "cpu")
+
+    def step(b):
+        _, loss = model(torch.from_numpy(b["x"][0]).long(), torch.from_numpy(b["y"][0]).long())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"loss": loss.item()}
+
+    return model, step
 
 
 def _worker_compile_time(preset: str) -> dict:
@@ -187,7 +217,8 @@ def _worker(args) -> None:
 
 # ---------------------------------------------------------------- driver
 
-_WORKER_OF = {"torch-eager": "torch:eager", "torch-compile": "torch:compile", **{k: f"jax:{k}" for k in JAX_SETTINGS}}
+_WORKER_OF = {"torch-eager": "torch:eager", "torch-compile": "torch:compile", "nanogpt-eager": "torch:nanogpt",
+              **{k: f"jax:{k}" for k in JAX_SETTINGS}}
 
 
 def _spawn(worker: str, shape: str = "quick", steps: int = 1, peak_n: int = 2048, timeout: float = 1800) -> dict:
@@ -291,19 +322,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-time", action="store_true", help="only the gpt2-small train-step compile time")
     ap.add_argument("--no-compile-time", action="store_true", help="skip it in the full run")
     ap.add_argument("--peak-n", type=int, default=2048)
+    ap.add_argument("--nanogpt", help="a karpathy/nanoGPT checkout: runner nanogpt-eager trains its model.py")
     ap.add_argument("--out", default=str(RESULTS / "engine" / "bench_train.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shape", default="quick", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
+    if args.nanogpt:
+        os.environ["NANOGPT_DIR"] = str(Path(args.nanogpt).resolve())  # the workers inherit it
     if args.compile_time:
         ct = _spawn("compile:gpt2-small", timeout=600)
         print(json.dumps(ct, indent=1))
         return ct
     shapes = ["quick"] if args.quick else args.shapes.split(",")
     # torch.compile spends ~1 min in inductor per process: not part of the CI smoke run unless asked for
-    runners = tuple(args.runners.split(",")) if args.runners else QUICK_RUNNERS if args.quick else RUNNERS
+    runners = tuple(args.runners.split(",")) if args.runners else QUICK_RUNNERS if args.quick else \
+        tuple(r for r in RUNNERS if r != "nanogpt-eager" or args.nanogpt)
+    if "nanogpt-eager" in runners and not args.nanogpt:
+        raise SystemExit("runner nanogpt-eager trains nanoGPT's own model.py: give its checkout with --nanogpt PATH")
     for name, allowed, given in (("shape", SHAPES, shapes), ("runner", RUNNERS, runners)):
         bad = [g for g in given if g not in allowed]
         if bad:
