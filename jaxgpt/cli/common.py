@@ -21,7 +21,6 @@ def _init_from(args, **train_sets):
     ``train_sets``: TrainConfig fields set by flags (``--mesh``)."""
     import jax
 
-    from jaxgpt.config import ModelConfig
     from jaxgpt.models import abstract_params
     from jaxgpt.convert.files import detect_format, load_weights
     from jaxgpt.train.loop import prepare

@@ -11,7 +11,6 @@ Three tokenizers share ``encode``/``decode``/``vocab_size``/``to_dict``/``from_d
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np

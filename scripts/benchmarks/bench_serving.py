@@ -20,7 +20,6 @@ whose shorter output is a prefix of the other's).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
