@@ -49,7 +49,7 @@ def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, conf
     return tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache), argmax(logits), logits
 
 
-sample = jax.jit(select_tokens)
+sample = jax.jit(select_tokens)  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)
 
 
 def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
@@ -68,7 +68,7 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
         return "ffi"
     if kernel == "ffi":
         raise ValueError(f"paged_kernel='ffi' cannot run: {why}; use 'gather' or 'auto'")
-    return "gather"  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)
+    return "gather"
 
 
 @dataclass

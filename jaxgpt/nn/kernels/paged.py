@@ -100,8 +100,3 @@ class PagedKVCache:
 
         mask = jnp.arange(p * ps)[None, None, :] <= self.q_pos[:, :, None]  # (B, T, S): written and causal
         return gather(self.k, self.k_scale), gather(self.v, self.v_scale), mask[:, None]
-
-    def update(self, k, v):
-        """write, then gather: (cache after the write, keys, values, mask)."""
-        new = self.write(k, v)
-        return (new, *new.gather())
