@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.inference.engine import resolve_paged_kernel
+from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 from jaxgpt.nn.kernels import attend, paged_ffi
 from jaxgpt.nn.kernels.paged import PagedKVCache
 
@@ -93,7 +93,7 @@ def test_without_a_compiler_the_engine_gathers(tmp_path):
     """A fresh interpreter with no compiler and an empty cache: one warning, 'auto' -> 'gather'."""
     code = ("import warnings; warnings.simplefilter('always')\n"
             "from jaxgpt.nn.kernels import paged_ffi\n"
-            "from jaxgpt.inference.engine import resolve_paged_kernel\n"
+            "from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    print(paged_ffi.available(), resolve_paged_kernel('auto', 'float32', 'float32'))\n"
             "print(any('unavailable' in str(x.message) for x in w))\n")

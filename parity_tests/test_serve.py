@@ -61,7 +61,7 @@ def _serve(path, **kw):
     from jaxgpt.inference.server import create_app
 
     args = Namespace(model=str(path), max_seqs=kw.get("max_seqs", 8), page_size=16, num_pages=kw.get("num_pages"),
-                     max_tokens_per_step=32, kv_dtype="auto", draft=None, num_speculative_tokens=4,
+                     max_tokens_per_step=32, kv_dtype="auto", draft=kw.get("draft"), num_speculative_tokens=3,
                      served_model_name=None)
     engine, tok, name = build_engine(args)
     app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(str(path)),
@@ -108,11 +108,9 @@ def _hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def test_32_ragged_requests_in_flight_identical_to_hf(model_dir, server):
-    url, _ = server
-    model = model_dir[1]
+def _ragged_greedy_matches_hf(url, model, n_requests):
     rng = np.random.default_rng(0)
-    prompts = [[int(x) for x in rng.integers(3, VOCAB, int(rng.integers(1, 24)))] for _ in range(32)]
+    prompts = [[int(x) for x in rng.integers(3, VOCAB, int(rng.integers(1, 24)))] for _ in range(n_requests)]
     news = [int(rng.integers(1, 30)) for _ in prompts]
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     name = _client(url).models.list().data[0].id
@@ -137,6 +135,31 @@ def test_32_ragged_requests_in_flight_identical_to_hf(model_dir, server):
     got = asyncio.run(all_())
     want = [_hf_greedy(model, p, n) for p, n in zip(prompts, news)]
     assert got == want
+
+
+def test_32_ragged_requests_in_flight_identical_to_hf(model_dir, server):
+    _ragged_greedy_matches_hf(server[0], model_dir[1], 32)
+
+
+@pytest.mark.slow  # a second server, with a draft model
+def test_serve_with_a_draft_is_identical_to_hf_and_reports_acceptance(model_dir, tmp_path):
+    """``--draft``: the target's first layer alone as the draft (the same vocabulary, a different
+    model), so proposals are sometimes accepted; greedy tokens stay transformers'."""
+    from transformers import LlamaForCausalLM
+
+    draft_dir = tmp_path / "draft"
+    draft = LlamaForCausalLM.from_pretrained(model_dir[0], num_hidden_layers=1)
+    draft.save_pretrained(draft_dir)
+    server, thread, engine, url = _serve(model_dir[0], draft=str(draft_dir))
+    try:
+        _ragged_greedy_matches_hf(url, model_dir[1], 12)
+        m = _metrics(url)
+        assert engine.draft is not None and engine.stats["spec_proposed"] > 0
+        assert 0 < m["jaxgpt_spec_acceptance_rate"] < 1
+        assert m["jaxgpt_kv_pages_free"] == m["jaxgpt_kv_pages_total"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_text_chat_models_health_metrics(server):

@@ -34,9 +34,11 @@ def build_engine(args):
     kw = dict(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
               max_tokens_per_step=args.max_tokens_per_step, kv_dtype=args.kv_dtype, eos_ids=eos,
               decode=tok.decode if tok is not None else None)
-    if args.draft:  # speculative decoding runs per request (jaxgpt.inference.speculative), not in the batch yet
-        raise ValueError("--draft: speculative decoding is available offline (jaxgpt.inference.speculative."
-                         "speculative_generate, docs/serving.md); the batched server does not run it yet")
+    if args.draft:
+        dconfig, dparams, dmeta, _ = _load_for_inference(args.draft, None)
+        if not isinstance(dconfig, ModelConfig) or dmeta.get("kind", "lm") != "lm":
+            raise ValueError(f"--draft {args.draft} is not a decoder language model")
+        kw.update(draft=(dconfig, dparams), num_speculative_tokens=args.num_speculative_tokens)
     engine = Engine(config, params, **kw)
     name = args.served_model_name or Path(args.model.rstrip("/")).name
     return engine, tok, name
@@ -75,6 +77,6 @@ def add_parser(sub) -> None:
                    help="start at once and compile each shape on its first use (requests then wait on it)")
     s.add_argument("--kv-dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto")
     s.add_argument("--draft", help="draft model for speculative decoding (same vocabulary)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4)
+    s.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed a round")
     s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     s.set_defaults(fn=cmd_serve)

@@ -8,6 +8,13 @@ they run out (its pages are freed and it is recomputed from its prompt and outpu
 run one jitted call for all decode rows and one for the prefill chunks; sample per request;
 finish on EOS, stop ids, stop strings, ``max_tokens`` or the context window, freeing pages.
 
+With a ``draft`` model (speculative decoding) every decoding row takes k + 1 tokens of the budget
+instead, and one program (``speculative.speculate``) runs the round for all of them: the draft
+proposes k tokens a row, the target scores them, and each row emits its accepted drafts plus one
+token. The draft keeps its own pools under the same page ids, filled by the same prefill chunks;
+a rejected tail needs no rewind, since ``computed`` moves past the accepted tokens only and later
+writes overwrite the rest.
+
 Shapes come from power-of-two buckets (rows, tokens per row, pages per row; a prefill call at
 most ``max(max_tokens_per_step, 64)`` padded token slots), so the programs form a fixed set
 (``Engine.buckets()``); ``Engine.precompile()`` compiles them all ahead of time (``jaxgpt serve``
@@ -18,19 +25,20 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.inference import speculative
 from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAllocator, batch_arrays, bucket,
                                          init_pools, next_pow2, plan_prefill)
+from jaxgpt.inference.requests import Request, RequestOutput
 from jaxgpt.inference.sampling import SamplingParams, argmax, select_tokens
 from jaxgpt.models.decoder import DecoderLM, unstack_layers
-from jaxgpt.nn.kernels import paged_ffi
-from jaxgpt.nn.kernels.paged import PAGED_KERNELS, PagedKVCache
+from jaxgpt.nn.kernels.paged import PagedKVCache
+from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 
 @partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
@@ -52,66 +60,20 @@ def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, conf
 sample = jax.jit(select_tokens)  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)
 
 
-def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
-    """'auto' -> 'ffi' where the CPU kernel runs (CPU backend, float32 compute and pages, built),
-    else 'gather'; an explicit 'ffi' that cannot run is an error, not a silent fallback."""
-    if kernel not in PAGED_KERNELS:
-        raise ValueError(f"paged_kernel={kernel!r} is not one of {PAGED_KERNELS}")
-    if kernel == "gather":
-        return kernel
-    why = None
-    if compute_dtype != "float32" or jnp.dtype(pool_dtype) != jnp.float32:
-        why = f"it reads float32 pages in a float32 model (dtype={compute_dtype}, pages {jnp.dtype(pool_dtype)})"
-    elif not paged_ffi.available():
-        why = f"it is unavailable on this {jax.default_backend()} backend (see the warning)"
-    if why is None:
-        return "ffi"
-    if kernel == "ffi":
-        raise ValueError(f"paged_kernel='ffi' cannot run: {why}; use 'gather' or 'auto'")
-    return "gather"
-
-
-@dataclass
-class Request:
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    arrival: int
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
-    computed: int = 0  # tokens whose keys/values are in the pages
-    finish_reason: str | None = None
-    error: str | None = None
-    first_token_time: float | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-
-@dataclass
-class RequestOutput:
-    id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None
-
-
 class Engine:
     """Engine(config, params, max_seqs=, page_size=, num_pages=, max_tokens_per_step=).
 
     ``eos_ids``: tokens that end a request (unless its ``ignore_eos``); ``decode``: ids -> text,
     needed for stop strings. ``kv_dtype``: 'auto' (the compute dtype), 'float32', 'bfloat16', 'int8'.
+    ``draft``: (config, params) of a smaller model with the same vocabulary, for speculative
+    decoding with ``num_speculative_tokens`` proposals a round.
     ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the CPU kernel
     (kernels/paged_ffi.py, float32 pages), 'gather' pure JAX, 'auto' the first where it can run.
     """
 
     def __init__(self, config, params, *, max_seqs: int = 32, page_size: int = 16, num_pages: int | None = None,
                  max_tokens_per_step: int = 512, kv_dtype: str = "auto", paged_kernel: str = "auto", eos_ids=(),
-                 decode=None):
+                 decode=None, draft=None, num_speculative_tokens: int = 4):
         if config.residual != "standard":
             raise ValueError(f"the engine needs a KV cache; residual={config.residual!r} models have none")
         for name, val in (("max_seqs", max_seqs), ("page_size", page_size), ("max_tokens_per_step",
@@ -145,6 +107,29 @@ class Engine:
         self._arrival = itertools.count()
         self.stats = dict(steps=0, preemptions=0, prompt_tokens=0, generated_tokens=0, calls=0)
         self.shapes: set[tuple] = set()  # every (kind, B, T, P) shape run: the compilations
+        self.draft = None if draft is None else self._init_draft(*draft, k=num_speculative_tokens, kv_dtype=kv_dtype,
+                                                                 paged_kernel=paged_kernel, num_pages=num_pages)
+
+    def _init_draft(self, config, params, *, k, kv_dtype, paged_kernel, num_pages):
+        if config.vocab_size != self.config.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({config.vocab_size}) differs from the target's "
+                             f"({self.config.vocab_size}); speculative decoding needs the same one")
+        if config.residual != "standard":
+            raise ValueError(f"the draft needs a KV cache; residual={config.residual!r} models have none")
+        if config.max_len < self.config.max_len:  # it prefills every prompt the target takes
+            raise ValueError(f"the draft's context ({config.max_len}) is shorter than the target's "
+                             f"({self.config.max_len})")
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        if k + 1 > self.budget:
+            raise ValueError(f"a speculative row takes num_speculative_tokens + 1 = {k + 1} tokens of "
+                             f"max_tokens_per_step={self.budget}; raise it or lower num_speculative_tokens")
+        config, params = unstack_layers(config, params)
+        pools = init_pools(config, num_pages, self.page_size, kv_dtype)
+        self.k = k
+        self.stats.update(spec_proposed=0, spec_accepted=0)
+        return dict(config=config, params=jax.device_put(params), pools=pools,
+                    kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -189,7 +174,7 @@ class Engine:
     # -- scheduling ---------------------------------------------------------------------------------
     def _free(self, req: Request) -> None:
         self.allocator.release(req.pages)
-        req.pages, req.computed = [], 0
+        req.pages, req.computed, req.draft_stale = [], 0, False
 
     def _pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
@@ -221,18 +206,24 @@ class Engine:
             self.waiting.popleft()
             self.running.append(req)
 
+    def _speculates(self, req: Request) -> bool:
+        return (self.draft is not None and not req.draft_stale
+                and req.computed + self.k + 1 <= self.config.max_len)  # a round writes computed .. computed + k
+
     def _schedule(self):
-        """-> (decode rows, prefill rows) of (req, n_tokens); pages allocated for them."""
+        """-> (speculative rows, decode rows, prefill rows) of (req, n_tokens); pages allocated for them."""
         budget = self.budget
-        decode, prefill = [], []
-        # decoding rows first (one token each keeps every stream moving), then prefill chunks, oldest first
+        spec, decode, prefill = [], [], []
+        # decoding rows first (a token or a round each keeps every stream moving), then prefill chunks, oldest first
         ready = sorted(self.running, key=lambda r: r.arrival)
         for req in [r for r in ready if len(r.tokens) - r.computed == 1]:
-            if budget <= 0:
+            n = self.k + 1 if self._speculates(req) else 1
+            if budget < n:
                 break
-            if self._take(req, 1):
-                decode.append((req, 1))
-                budget -= 1
+            if self._take(req, n):
+                (spec if n > 1 else decode).append((req, n))
+                req.draft_stale = self.draft is not None and n == 1
+                budget -= n
         waiting = [r for r in ready if len(r.tokens) - r.computed > 1 and r in self.running]
         t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, MIN_CHUNK, self._chunk_hi,
                                self._rows_hi, self._slots)
@@ -242,7 +233,7 @@ class Engine:
                 prefill.append((req, n))
                 budget -= n
         live = set(id(r) for r in self.running)  # a later preemption may have hit an earlier row
-        return [x for x in decode if id(x[0]) in live], [x for x in prefill if id(x[0]) in live]
+        return tuple([x for x in rows if id(x[0]) in live] for rows in (spec, decode, prefill))
 
     def _take(self, req: Request, n: int) -> bool:
         """Pages for req's next n tokens, preempting the latest admitted requests while they run out;
@@ -253,16 +244,21 @@ class Engine:
 
     # -- running ------------------------------------------------------------------------------------
     def _shape(self, kind: str, n_rows: int, n_tokens: int, n_pages: int) -> tuple[str, int, int, int]:
-        """(kind, B, T, P) of a call: a few padded rows, tokens or pages cost less than a compilation."""
-        t = 1 if kind == "decode" else bucket(n_tokens, MIN_CHUNK, self._chunk_hi)  # <= the plan's T
-        return kind, bucket(n_rows, MIN_ROWS, self._rows_hi), t, bucket(n_pages, MIN_PAGES, self._pages_hi)
+        """(kind, B, T, P) of a call: a few padded rows, tokens or pages cost less than a compilation.
+        A speculative row is k + 1 tokens, so its rows start at 1: at batch 1, where speculation pays,
+        three padding rows would cost three rows of target work."""
+        t = {"decode": 1, "spec": n_tokens}.get(kind) or bucket(n_tokens, MIN_CHUNK, self._chunk_hi)  # <= the plan's T
+        b = bucket(n_rows, 1 if kind == "spec" else MIN_ROWS, self._rows_hi)
+        return kind, b, t, bucket(n_pages, MIN_PAGES, self._pages_hi)
 
     def buckets(self) -> list[tuple[str, int, int, int]]:
         """Every (kind, B, T, P) shape ``step()`` can run: the programs it may compile."""
         rows = {self._shape("decode", n, 1, 1)[1] for n in range(1, self.max_seqs + 1)}
         pages = {self._shape("decode", 1, 1, n)[3] for n in range(1, self.max_pages_per_seq + 1)}
         tokens = {self._shape("prefill", 1, n, 1)[2] for n in range(1, self._chunk_hi + 1)}
-        return sorted([("decode", b, 1, p) for b in rows for p in pages]
+        spec_rows = {self._shape("spec", n, 1, 1)[1] for n in range(1, self.max_seqs + 1)}
+        spec = [("spec", b, self.k + 1, p) for b in spec_rows for p in pages] if self.draft is not None else []
+        return sorted([("decode", b, 1, p) for b in rows for p in pages] + spec
                       + [("prefill", b, t, p) for b in rows for t in tokens for p in pages if b * t <= self._slots])
 
     def precompile(self) -> int:
@@ -289,15 +285,35 @@ class Engine:
     def _call(self, kind: str, b: int, t: int, p: int, rows):
         """Run shape (kind, B, T, P) on rows (req, n_tokens) -> (tokens (B,), logprobs (B,)) numpy."""
         self.shapes.add((kind, b, t, p))
+        if kind == "spec":
+            return self._spec_call(b, p, rows)
         arrays = batch_arrays([(r.tokens[r.computed:r.computed + n], r.computed, r.pages) for r, n in rows],
                               self.page_size, b, t, p)
         self.pools, tok, logits = paged_forward(self.params, self.pools, *arrays, config=self.config,
                                                 kernel=self.paged_kernel)
+        if kind == "prefill" and self.draft is not None:  # the draft's pages follow the same chunks
+            d = self.draft
+            d["pools"] = paged_forward(d["params"], d["pools"], *arrays, config=d["config"], kernel=d["kernel"])[0]
         want = any(r.params.logprobs for r, _ in rows)
         if not want and all(r.params.temperature == 0 for r, _ in rows):
             return np.asarray(tok), np.zeros(b, np.float32)
         tok, logp = sample(logits, *self._sampling(rows, b), np.bool_(want))
         return np.asarray(tok), np.asarray(logp)
+
+    def _spec_call(self, b: int, p: int, rows):
+        """One speculative round for rows (req, k+1) -> (n accepted (B,), emitted (B, k+1), logprobs (B, k+1))."""
+        last = np.zeros(b, np.int32)
+        pos = np.full(b, -1, np.int32)
+        table = np.zeros((b, p), np.int32)
+        for i, (r, _) in enumerate(rows):
+            last[i], pos[i] = r.tokens[r.computed], r.computed
+            table[i, :len(r.pages)] = r.pages[:p]
+        d = self.draft
+        self.pools, d["pools"], n, emitted, logp = speculative.speculate(
+            self.params, self.pools, d["params"], d["pools"], last, pos, table, *self._sampling(rows, b),
+            config=self.config, draft_config=d["config"], k=self.k, kernel=self.paged_kernel,
+            draft_kernel=d["kernel"])
+        return np.asarray(n), np.asarray(emitted), np.asarray(logp)
 
     def _run(self, kind: str, rows):
         self.stats["calls"] += 1
@@ -307,8 +323,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling round; returns what each request produced in it (streaming)."""
         self._admit()
-        decode, prefill = self._schedule()
+        spec, decode, prefill = self._schedule()
         outs: list[RequestOutput] = []
+        if spec:
+            outs += self._accept(spec, *self._run("spec", spec))
         for kind, rows in (("decode", decode), ("prefill", prefill)):
             if not rows:
                 continue
@@ -319,6 +337,20 @@ class Engine:
                     continue
                 outs.append(self._append(req, int(tok[i]), float(logp[i])))
         self.stats["steps"] += 1
+        return outs
+
+    def _accept(self, rows, n, emitted, logp) -> list[RequestOutput]:
+        """Each row's accepted drafts and next token, one output per token, up to its finish."""
+        outs = []
+        for i, (req, _) in enumerate(rows):
+            m = int(n[i])
+            self.stats["spec_proposed"] += self.k
+            self.stats["spec_accepted"] += m
+            req.computed += m + 1  # the pending token and the m accepted drafts are in both models' pages
+            for j in range(m + 1):
+                outs.append(self._append(req, int(emitted[i, j]), float(logp[i, j])))
+                if outs[-1].finished:
+                    break
         return outs
 
     def _append(self, req: Request, tok: int, logp: float) -> RequestOutput:

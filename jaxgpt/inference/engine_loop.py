@@ -12,7 +12,8 @@ import threading
 import time
 from collections import deque
 
-from jaxgpt.inference.engine import Engine, RequestOutput
+from jaxgpt.inference.engine import Engine
+from jaxgpt.inference.requests import RequestOutput
 
 
 class QueueFull(Exception):

@@ -47,8 +47,10 @@ def argmax(logits):
     return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
 
 
-def _sample_rows(logits, temperature, top_k, top_p, seeds, counters):
-    """logits (B, V) float32 -> tokens (B,) by each row's own settings (temperature > 0 rows)."""
+def filter_logits(logits, temperature, top_k, top_p):
+    """logits (B, V) float32 -> each row's sampling logits: divided by its temperature, with the
+    tokens outside its top-k and top-p sets at float32's minimum (probability 0 after softmax).
+    Rows with temperature 0 are divided by 1 (callers take their argmax instead)."""
     v = logits.shape[-1]
     x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     srt = jnp.sort(x, axis=-1)[:, ::-1]  # (B, V) descending
@@ -61,8 +63,18 @@ def _sample_rows(logits, temperature, top_k, top_p, seeds, counters):
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
     keep = before < top_p[:, None]  # the token crossing p is kept, so one always survives
     cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x < cutoff, neg, x)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+    return jnp.where(x < cutoff, neg, x)
+
+
+def row_keys(seeds, counters):
+    """(B,) seeds and output counters -> (B,) PRNG keys: fold_in(PRNGKey(seed), counter)."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+
+
+def _sample_rows(logits, temperature, top_k, top_p, seeds, counters):
+    """logits (B, V) float32 -> tokens (B,) by each row's own settings (temperature > 0 rows)."""
+    x = filter_logits(logits, temperature, top_k, top_p)
+    keys = row_keys(seeds, counters)
     return jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, x).astype(jnp.int32)
 
 

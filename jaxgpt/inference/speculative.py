@@ -10,7 +10,10 @@ is the target's argmax, so the output is token-identical to the target decoding 
 
 Both models keep per-layer KV caches ('rows' layout, ``init_cache(per_layer=True)``); a
 rejection rewinds a cache by setting its index back (slots past the index are masked, then
-overwritten). One request at a time; the engine batches non-speculative requests.
+overwritten). ``speculative_generate`` decodes one request at a time; ``propose`` and
+``verify`` are the batched programs the engine runs (``Engine(draft=...)``, ``jaxgpt serve
+--draft``): every decoding row proposes and verifies in the same two calls, over the paged pools
+of both models, which share each request's page ids.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.inference.sampling import argmax, filter_logits, row_keys
 from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
+from jaxgpt.nn.kernels.paged import PagedKVCache
 
 
 def _probs(logits, temperature):
@@ -126,3 +131,106 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
         tcache, dcache = _rewind(tcache, pos), _rewind(dcache, pos)
         last = nxt
     return out[:max_new_tokens]
+
+
+# -- batched, over the engine's paged pools --------------------------------------------------------
+def _row_probs(logits, temperature, top_k, top_p):
+    """(B, V) -> each row's sampling distribution (its temperature, top-k, top-p; one-hot argmax
+    for greedy rows): the distribution a token is drawn from, so the rule compares the right p, q."""
+    probs = jax.nn.softmax(filter_logits(logits, temperature, top_k, top_p), axis=-1)
+    onehot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature > 0)[:, None], probs, onehot)
+
+
+def _write_slots(page_table, pos, page_size):
+    """(B, T) positions (-1 padding) -> flat write slots; padding writes the scratch page 0."""
+    page = jnp.take_along_axis(page_table, jnp.maximum(pos, 0) // page_size, axis=1)
+    return jnp.where(pos >= 0, page * page_size + pos % page_size, 0)
+
+
+def _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel):
+    """DecoderLM over the pools: tokens (B, T) at positions q_pos (-1 padding) -> (logits (B, T, V), pools)."""
+    slots = _write_slots(page_table, q_pos, pools[0][0].shape[2])
+    caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype, kernel=kernel)
+                   for k, v, ks, vs in pools)
+    out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches)
+    return out.logits, tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache)
+
+
+def _keys(seeds, counters, salt: int):
+    """A row's keys for one round: fold_in(fold_in(PRNGKey(seed), tokens out), salt); the salt
+    keeps the draft's draws and the rule's apart from each other and from plain sampling's."""
+    return jax.vmap(lambda key: jax.random.fold_in(key, salt))(row_keys(seeds, counters))
+
+
+def propose(params, pools, last, pos, page_table, temperature, top_k, top_p, seeds, counters, *, config, k, kernel):
+    """The draft's k proposals for every row, one decode step each: ``last`` (B,) pending tokens
+    at positions ``pos`` (B,) (-1: padding row) -> (pools, draft (B, k), q (B, k, V) the
+    distributions they were drawn from; zeros when no row samples, since greedy rows need none).
+    A (k+1)-th step writes the k-th proposal's keys and values, so that when all k are accepted
+    the draft's cache already holds them."""
+    keys = _keys(seeds, counters, 1)
+    sampled = jnp.any(temperature > 0)
+    tok, toks, qs = last, [], []
+    for i in range(k + 1):
+        p = jnp.where(pos >= 0, pos + i, -1)[:, None]  # (B, 1)
+        logits, pools = _paged_apply(config, params, pools, tok[:, None], p, page_table, kernel)
+        if i == k:
+            break
+        logits = logits[:, 0]  # (B, V)
+
+        def draw(logits=logits, i=i):
+            q = _row_probs(logits, temperature, top_k, top_p)
+            keys_i = jax.vmap(lambda key: jax.random.fold_in(key, i))(keys)
+            return q, jax.vmap(jax.random.categorical)(keys_i, jnp.log(q)).astype(jnp.int32)
+
+        # the sort and draws only when a row samples: a greedy batch skips them (vocabulary-sized work)
+        q, drawn = jax.lax.cond(sampled, draw, lambda: (jnp.zeros_like(logits), jnp.zeros(last.shape, jnp.int32)))
+        tok = jnp.where(temperature > 0, drawn, argmax(logits))
+        toks.append(tok)
+        qs.append(q)
+    return pools, jnp.stack(toks, 1), jnp.stack(qs, 1)
+
+
+def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, top_p, seeds, counters, *, config,
+           kernel):
+    """The target scores [last, draft] (B, k+1) in one call and each row takes the rule ->
+    (pools, n accepted (B,), emitted (B, k+1): draft[:n], then the next token at column n,
+    their log-probabilities under the target (B, k+1)). Greedy rows take the target's argmax
+    chain itself (the rule's one-hot limit, without a draw), so they match decoding it alone."""
+    b, k = draft.shape
+    q_pos = jnp.where(pos[:, None] >= 0, pos[:, None] + jnp.arange(k + 1)[None], -1)  # (B, k+1)
+    tokens = jnp.concatenate([last[:, None], draft], axis=1)
+    logits, pools = _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel)  # (B, k+1, V)
+    v = logits.shape[-1]
+
+    def rule():
+        rep = lambda x: jnp.repeat(x, k + 1)  # noqa: E731  per-row settings for each of its k+1 positions
+        p = _row_probs(logits.reshape(-1, v), rep(temperature), rep(top_k), rep(top_p)).reshape(b, k + 1, v)
+        return jax.vmap(accept_reject)(p, q, draft, _keys(seeds, counters, 2))
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    n, nxt = jax.lax.cond(jnp.any(temperature > 0), rule, lambda: (zeros, zeros))
+    top = argmax(logits)  # (B, k+1)
+    gn = jnp.argmin(jnp.concatenate([draft == top[:, :k], jnp.zeros((b, 1), bool)], axis=1), axis=1)
+    greedy = temperature == 0
+    n = jnp.where(greedy, gn, n).astype(jnp.int32)
+    nxt = jnp.where(greedy, jnp.take_along_axis(top, gn[:, None], axis=1)[:, 0], nxt)
+    emitted = jnp.concatenate([draft, zeros[:, None]], axis=1)
+    emitted = jnp.where(jnp.arange(k + 1)[None] == n[:, None], nxt[:, None], emitted)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[..., None], axis=-1)[..., 0]
+    return pools, n, emitted, logp
+
+
+@partial(jax.jit, static_argnames=("config", "draft_config", "k", "kernel", "draft_kernel"), donate_argnums=(1, 3))
+def speculate(params, pools, draft_params, draft_pools, last, pos, page_table, temperature, top_k, top_p, seeds,
+              counters, *, config, draft_config, k, kernel="gather", draft_kernel="gather"):
+    """One speculative round for a batch, in one program (the engine's): the draft proposes k
+    tokens a row (``propose``), the target verifies them (``verify``). Both pools are donated.
+    -> (pools, draft_pools, n accepted (B,), emitted (B, k+1), log-probabilities (B, k+1))."""
+    settings = (temperature, top_k, top_p, seeds, counters)
+    draft_pools, draft, q = propose(draft_params, draft_pools, last, pos, page_table, *settings, config=draft_config,
+                                    k=k, kernel=draft_kernel)
+    pools, n, emitted, logp = verify(params, pools, last, pos, page_table, draft, q, *settings, config=config,
+                                     kernel=kernel)
+    return pools, draft_pools, n, emitted, logp

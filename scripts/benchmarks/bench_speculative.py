@@ -1,18 +1,25 @@
-"""Speculative decoding speed-up: a trained 4x128 character target with a trained 1x64 draft.
+"""Speculative decoding speed-up: a trained character target (4x512) with a trained 1x64 draft.
 
     .venv/bin/python -m scripts.benchmarks.bench_speculative          # -> results/engine/speculative.{json,md}
-    .venv/bin/python -m scripts.benchmarks.bench_speculative --steps 50 --tokens 32   # quick
+    .venv/bin/python -m scripts.benchmarks.bench_speculative --steps 20 --tokens 16 --ks 2 --target 2x64 --rounds 1
 
 Both models are briefly trained on Tiny Shakespeare (scripts/experiments/int8_kv.py's
 ``train_char_model``; random models would agree on ~1/vocab of the tokens), then 8 held-out
-prompts of 32 characters are continued greedily by ``--tokens`` tokens: jaxgpt's ``generate``
-with the target alone, and ``speculative_generate`` with k = 2, 4, 6 proposed tokens. Reported:
-tokens/s (compile excluded: each arm runs once untimed first), speed-up, acceptance rate
-(accepted / proposed draft tokens), and whether the tokens equal the target's alone.
+prompts of 32 characters are continued greedily by ``--tokens`` tokens, in two settings:
+
+- the engine (``Engine``, what ``jaxgpt serve`` runs), with the 8 requests in flight together and
+  with one request at a time: the target alone against ``Engine(draft=...)`` with k proposals;
+- offline, one request at a time: ``generate()`` against ``speculative_generate`` (host-driven rounds).
+
+Reported: output tokens/s (every program compiled before timing: ``Engine.precompile()``, or an
+untimed first run), speed-up against the target alone in the same setting, acceptance rate
+(accepted / proposed draft tokens), and whether the tokens equal the target's alone. The arms
+alternate over ``--rounds`` and each reports its median.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -23,53 +30,91 @@ from scripts.harness import RESULTS, LoadSampler, timing_note, write_result
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ks", default="2,4,6", help="proposals a round, comma-separated")
+    ap.add_argument("--target", default="4x512", help="target layers x width (the draft is 1x64)")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "engine" / "speculative.json"))
     a = ap.parse_args(argv)
 
     from jaxgpt.config import ModelConfig
+    from jaxgpt.inference.engine import Engine
     from jaxgpt.inference.generate import generate
+    from jaxgpt.inference.sampling import SamplingParams
     from jaxgpt.inference.speculative import speculative_generate
 
     load = LoadSampler()
     load.start()
-    target_cfg = ModelConfig(vocab_size=65, d_model=128, n_layer=4, n_head=4, max_len=256, pos="rope",
-                             scan_layers=False)
-    draft_cfg = ModelConfig(vocab_size=65, d_model=64, n_layer=1, n_head=2, max_len=256, pos="rope",
+    layers, width = (int(x) for x in a.target.split("x"))
+    target_cfg = ModelConfig(vocab_size=65, d_model=width, n_layer=layers, n_head=max(1, width // 64), max_len=128,
+                             pos="rope", scan_layers=False)
+    draft_cfg = ModelConfig(vocab_size=65, d_model=64, n_layer=1, n_head=2, max_len=128, pos="rope",
                             scan_layers=False)
-    tp, tloss, val = train_char_model(target_cfg, a.steps)
-    dp, dloss, _ = train_char_model(draft_cfg, a.steps, seed=1)
-    prompts = [val[i * 131:i * 131 + 32] for i in range(8)]
+    tp, tloss, val = train_char_model(target_cfg, a.steps, batch=8)
+    dp, dloss, _ = train_char_model(draft_cfg, a.steps, seed=1, batch=8)
+    prompts = [val[i * 131:i * 131 + 32].tolist() for i in range(8)]
+    ks = [int(k) for k in a.ks.split(",")]
+    greedy = SamplingParams(max_tokens=a.tokens, ignore_eos=True)
 
-    def plain():
-        return [np.asarray(generate(target_cfg, tp, p[None], a.tokens))[0, 32:].tolist() for p in prompts]
+    def engine(k):
+        eng = Engine(target_cfg, tp, max_seqs=8, page_size=16, max_tokens_per_step=64,
+                     draft=None if k == 0 else (draft_cfg, dp), num_speculative_tokens=max(k, 1))
+        eng.precompile()
+        return eng
 
-    def spec(k, stats):
-        return [speculative_generate(target_cfg, tp, draft_cfg, dp, p, a.tokens, k=k, stats=stats) for p in prompts]
+    engines = {k: engine(k) for k in [0] + ks}
 
-    plain()  # compile
-    t0 = time.perf_counter()
-    ref = plain()
-    base = time.perf_counter() - t0
-    rows = [dict(arm="target alone (generate)", tok_per_s=len(prompts) * a.tokens / base, speedup=1.0,
-                 acceptance=None, identical="-")]
-    for k in (2, 4, 6):
-        spec(k, {})
+    def run_engine(k, together):
+        eng = engines[k]
+        before = dict(eng.stats)
+        if together:
+            out = eng.generate(prompts, greedy)
+        else:
+            out = [eng.generate([p], greedy)[0] for p in prompts]
+        acc = (eng.stats["spec_accepted"] - before["spec_accepted"], eng.stats["spec_proposed"] - before["spec_proposed"]) \
+            if k else None
+        return out, acc
+
+    def run_offline(k):
+        if k == 0:
+            return [np.asarray(generate(target_cfg, tp, np.array([p]), a.tokens))[0, 32:].tolist() for p in prompts], None
         stats = {}
-        t0 = time.perf_counter()
-        out = spec(k, stats)
-        wall = time.perf_counter() - t0
-        rows.append(dict(arm=f"speculative k={k}", tok_per_s=len(prompts) * a.tokens / wall, speedup=base / wall,
-                         acceptance=stats["accepted"] / stats["proposed"],
-                         identical=f"{sum(o == r for o, r in zip(out, ref))}/{len(ref)}"))
-    lines = ["| arm | tokens/s | speed-up | acceptance rate | greedy tokens = target alone |", "|---|---|---|---|---|"]
+        out = [speculative_generate(target_cfg, tp, draft_cfg, dp, np.array(p), a.tokens, k=k, stats=stats)
+               for p in prompts]
+        return out, (stats["accepted"], stats["proposed"])
+
+    arms = ([("engine, 8 in flight", k, lambda k=k: run_engine(k, True)) for k in [0] + ks]
+            + [("engine, one at a time", k, lambda k=k: run_engine(k, False)) for k in [0] + ks]
+            + [("offline, one at a time", k, lambda k=k: run_offline(k)) for k in [0] + ks])
+    for _, _, fn in arms:  # compile (offline arms) and warm
+        fn()
+    times: dict[int, list[float]] = {i: [] for i in range(len(arms))}
+    outs, accs = {}, {}
+    for _ in range(a.rounds):
+        for i, (_, _, fn) in enumerate(arms):
+            t0 = time.perf_counter()
+            outs[i], accs[i] = fn()
+            times[i].append(time.perf_counter() - t0)
+    ref = outs[0]
+    rows = []
+    for i, (setting, k, _) in enumerate(arms):
+        base = next(j for j, (s, kk, _) in enumerate(arms) if s == setting and kk == 0)
+        wall = statistics.median(times[i])
+        rows.append(dict(setting=setting, k=k, tok_per_s=len(prompts) * a.tokens / wall,
+                         speedup=statistics.median(times[base]) / wall,
+                         acceptance=None if accs[i] is None else accs[i][0] / accs[i][1],
+                         identical=f"{sum(o == r for o, r in zip(outs[i], ref))}/{len(ref)}"))
+    lines = ["| setting | draft k | output tokens/s | speed-up | acceptance rate | greedy tokens = target alone |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        lines.append(f"| {r['arm']} | {r['tok_per_s']:.0f} | {r['speedup']:.2f}x | {acc} | {r['identical']} |")
-    note = (f"Target 4x128 (train loss {tloss:.2f}), draft 1x64 (train loss {dloss:.2f}), {a.steps} AdamW steps each; "
-            f"8 prompts x {a.tokens} greedy tokens, one request at a time; {timing_note(load.record())}.")
-    write_result(a.out, {"rows": rows, "note": note}, "\n".join(lines) + f"\n\n{note}\n")
+        lines.append(f"| {r['setting']} | {r['k'] or 'none (target alone)'} | {r['tok_per_s']:.0f} | "
+                     f"{r['speedup']:.2f}x | {acc} | {r['identical']} |")
+    note = (f"Target {a.target} (train loss {tloss:.2f}), draft 1x64 (train loss {dloss:.2f}), {a.steps} AdamW steps "
+            f"each (batch 8 x 128 tokens); 8 prompts x {a.tokens} greedy tokens; medians of {a.rounds} alternating rounds; "
+            f"{timing_note(load.record())}.")
+    write_result(a.out, {"rows": rows, "note": note, "target": a.target}, "\n".join(lines) + f"\n\n{note}\n")
     return 0
 
 

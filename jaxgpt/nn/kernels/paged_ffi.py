@@ -26,6 +26,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxgpt.nn.kernels.paged import PAGED_KERNELS
+
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cc"
 TARGET = "jaxgpt_paged_attention"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
@@ -84,3 +86,22 @@ def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale: float | None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pool, v_pool, page_table, q_pos, scale=np.float32(scale))
+
+
+def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
+    """'auto' -> 'ffi' where the CPU kernel runs (CPU backend, float32 compute and pages, built),
+    else 'gather'; an explicit 'ffi' that cannot run is an error, not a silent fallback."""
+    if kernel not in PAGED_KERNELS:
+        raise ValueError(f"paged_kernel={kernel!r} is not one of {PAGED_KERNELS}")
+    if kernel == "gather":
+        return kernel
+    why = None
+    if compute_dtype != "float32" or np.dtype(pool_dtype) != np.float32:
+        why = f"it reads float32 pages in a float32 model (dtype={compute_dtype}, pages {np.dtype(pool_dtype)})"
+    elif not available():
+        why = f"it is unavailable on this {jax.default_backend()} backend (see the warning)"
+    if why is None:
+        return "ffi"
+    if kernel == "ffi":
+        raise ValueError(f"paged_kernel='ffi' cannot run: {why}; use 'gather' or 'auto'")
+    return "gather"

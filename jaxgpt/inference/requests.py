@@ -1,0 +1,36 @@
+"""A request's state inside the engine, and what a step streams back for it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxgpt.inference.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose keys/values are in the pages
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    draft_stale: bool = False  # a plain decode step left the draft's pages behind: no more speculation
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class RequestOutput:
+    id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None

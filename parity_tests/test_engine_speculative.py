@@ -1,0 +1,127 @@
+"""Speculative decoding inside the engine (``Engine(draft=...)``: speculative.speculate).
+
+Greedy: token-identical to transformers' ``generate`` on each request alone (the reference the
+test did not compute), with three drafts: one that always agrees (the target itself: every
+round emits k + 1 tokens), one that agrees often (the target with perturbed weights: accepted
+prefixes of every length), and a small random one (almost every proposal rejected); under
+ragged arrivals, chunked prefill and forced preemption. Sampling: the engine's second and
+third tokens are distributed as the target's own (temperature 0.8, top-k 4 of a 5-token
+vocabulary), the reference computed here from the target's logits in NumPy, within 4.5
+standard errors over 2000 requests.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.inference import speculative
+from jaxgpt.inference.engine import Engine
+from jaxgpt.inference.sampling import SamplingParams
+from jaxgpt.models import init_params
+from test_engine import _run_staggered, llama, references  # noqa: F401  (module fixtures, HF references)
+
+K = 3
+
+
+def _perturbed(params, scale, seed=0):
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree_util.tree_unflatten(tree, [x * (1 + scale * jax.random.normal(k, x.shape, x.dtype))
+                                               for x, k in zip(leaves, keys)])
+
+
+def _drafts(config, params):
+    small = ModelConfig(vocab_size=config.vocab_size, d_model=16, n_layer=1, n_head=2, max_len=config.max_len,
+                        pos="rope")
+    return {"itself": (config, params), "perturbed": (config, _perturbed(params, 0.1)),
+            "small": (small, init_params(small, jax.random.PRNGKey(3)))}
+
+
+@pytest.mark.parametrize("kw", [dict(max_seqs=4, max_tokens_per_step=64, num_pages=40),
+                                dict(max_seqs=4, max_tokens_per_step=16, num_pages=9)],
+                         ids=["roomy", "chunked+preempting"])
+@pytest.mark.parametrize("draft", ["itself", "perturbed", "small"])
+def test_greedy_with_a_draft_identical_to_hf(llama, references, kw, draft):  # noqa: F811
+    _, config, params = llama
+    prompts, news, hf, _ = references
+    eng = Engine(config, params, page_size=8, draft=_drafts(config, params)[draft], num_speculative_tokens=K, **kw)
+    assert _run_staggered(eng, prompts, news) == hf
+    assert eng.allocator.free == eng.allocator.total
+    s = eng.stats
+    rate = s["spec_accepted"] / s["spec_proposed"]
+    assert {"itself": rate == 1.0, "perturbed": 0.2 < rate < 1.0, "small": rate < 0.2}[draft], rate
+    if kw["num_pages"] == 9:
+        assert s["preemptions"] > 0
+
+
+def test_precompile_covers_the_speculative_shapes(llama, references):  # noqa: F811
+    _, config, params = llama
+    prompts, news, hf, _ = references
+    eng = Engine(config, params, max_seqs=4, page_size=8, max_tokens_per_step=32, num_pages=9,
+                 draft=_drafts(config, params)["perturbed"], num_speculative_tokens=K)
+    assert eng.precompile() == len(eng.buckets()) == eng.compilations
+    assert any(kind == "spec" for kind, *_ in eng.buckets())
+    size = speculative.speculate._cache_size()
+    assert _run_staggered(eng, prompts, news) == hf  # precompile's padding rows left both pools alone
+    assert speculative.speculate._cache_size() == size
+    assert eng.compilations == len(eng.buckets())
+
+
+def _exact_distributions(config, params, prompt, temperature, top_k):
+    """P(t2) and P(t3) of a 3-token continuation sampled from the target with these settings, by
+    enumerating every prefix through full (uncached) forward passes."""
+    from jaxgpt.models.decoder import DecoderLM
+
+    v = config.vocab_size
+    forward = jax.jit(lambda tokens: DecoderLM(config).apply({"params": params}, tokens)[:, -1])
+
+    def dist(prefixes):  # (N, T) -> (N, V) the filtered, tempered next-token distributions
+        logits = np.asarray(forward(np.asarray(prefixes, np.int32)))
+        x = logits.astype(np.float64) / temperature
+        kth = np.sort(x, axis=-1)[:, -top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p1 = dist([prompt])[0]
+    p2 = dist([prompt + [a] for a in range(v)])  # (V, V): p(t2 | t1)
+    p3 = dist([prompt + [a, b] for a in range(v) for b in range(v)]).reshape(v, v, v)
+    joint12 = p1[:, None] * p2
+    return joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))
+
+
+def test_sampling_with_a_draft_keeps_the_target_distribution():
+    target = ModelConfig(vocab_size=5, d_model=16, n_layer=2, n_head=2, max_len=32, pos="rope")
+    draft = ModelConfig(vocab_size=5, d_model=8, n_layer=1, n_head=1, max_len=32, pos="rope")
+    tp, dp = init_params(target, jax.random.PRNGKey(0)), init_params(draft, jax.random.PRNGKey(1))
+    tp = jax.tree_util.tree_map(lambda x: 3 * x, tp)  # sharper, so p and q differ and rejections happen
+    prompt, n, temperature, top_k = [1, 2, 3], 2000, 0.8, 4
+    eng = Engine(target, tp, max_seqs=128, page_size=8, max_tokens_per_step=512, draft=(draft, dp),
+                 num_speculative_tokens=2)
+    outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=s)
+                                       for s in range(n)])
+    rate = eng.stats["spec_accepted"] / eng.stats["spec_proposed"]
+    assert 0.1 < rate < 0.95, rate  # both paths of the rule are taken
+    want2, want3 = _exact_distributions(target, tp, prompt, temperature, top_k)
+    for col, want in ((1, want2), (2, want3)):
+        freq = np.bincount([o[col] for o in outs], minlength=5) / n
+        se = np.sqrt(want * (1 - want) / n) + 1e-12
+        assert np.all(np.abs(freq - want) <= 4.5 * se), (col, freq, want)
+
+
+def test_draft_errors_name_the_value(llama):  # noqa: F811
+    _, config, params = llama
+    small = ModelConfig(vocab_size=50, d_model=16, n_layer=1, n_head=2, max_len=64, pos="rope")
+    with pytest.raises(ValueError, match=r"draft's vocabulary \(50\) differs from the target's \(96\)"):
+        Engine(config, params, draft=(small, init_params(small, jax.random.PRNGKey(0))))
+    short = dataclasses.replace(config, max_len=32)
+    with pytest.raises(ValueError, match=r"draft's context \(32\) is shorter than the target's \(64\)"):
+        Engine(config, params, draft=(short, params))
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
+        Engine(config, params, draft=(config, params), num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="takes num_speculative_tokens \\+ 1 = 9 tokens of max_tokens_per_step=8"):
+        Engine(config, params, draft=(config, params), num_speculative_tokens=8, max_tokens_per_step=8)
