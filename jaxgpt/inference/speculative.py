@@ -10,10 +10,10 @@ is the target's argmax, so the output is token-identical to the target decoding 
 
 Both models keep per-layer KV caches ('rows' layout, ``init_cache(per_layer=True)``); a
 rejection rewinds a cache by setting its index back (slots past the index are masked, then
-overwritten). ``speculative_generate`` decodes one request at a time; ``propose`` and
-``verify`` are the batched programs the engine runs (``Engine(draft=...)``, ``jaxgpt serve
---draft``): every decoding row proposes and verifies in the same two calls, over the paged pools
-of both models, which share each request's page ids.
+overwritten). ``speculative_generate`` decodes one request at a time; ``speculate`` is the
+batched program the engine runs (``Engine(draft=...)``, ``jaxgpt serve --draft``): every
+decoding row proposes (``propose``) and is verified (``verify``) in one call, over the paged
+pools of both models, which share each request's page ids.
 """
 from __future__ import annotations
 
