@@ -225,12 +225,12 @@ def _decoder_run(cfg):
     return jax.jit(run)(p)
 
 
-@pytest.mark.parametrize("impl", ["jax", "blocked"])
-def test_decoder_matches_default(impl):
+@pytest.mark.parametrize("impl", ["jax", "blocked", "ffi", "auto"])
+def test_decoder_matches_xla(impl):
     cfg = TINY.replace(attention_impl=impl, attention_block=5)
     assert abstract_params(cfg) == abstract_params(TINY)  # the knob changes no parameter
     logits, grads, decoded = _decoder_run(cfg)
-    ref_logits, ref_grads, ref_decoded = _decoder_run(TINY)
+    ref_logits, ref_grads, ref_decoded = _decoder_run(TINY.replace(attention_impl="xla"))
     assert_self_consistent(logits, ref_logits, f"DecoderLM[{impl}] logits")
     assert_grads_close(grads, ref_grads, f"DecoderLM[{impl}] grads", kind="self")
     assert_self_consistent(decoded, ref_decoded, f"DecoderLM[{impl}] cached decode")
@@ -261,11 +261,14 @@ def test_configured_kernel_runs_in_training_prefill_and_decode(impl, monkeypatch
     spy(kernels.xla, "scaled_dot_product_attention", lambda kw: "xla")
     spy(kernels.jax_sdpa, "jax_attention", lambda kw: kw["implementation"] or "jax")
     spy(kernels.blocked, "blocked_attention", lambda kw: "blocked")
-    # 'auto': kernels.auto_impl's pick per call (here every key length exceeds the block of 4)
-    want = (lambda tq: kernels.auto_impl(tq, 12, 4)) if impl == "auto" else (lambda tq: impl)
+    spy(kernels.causal_ffi, "causal_attention", lambda kw: "ffi")
+    # 'auto': the C++ kernel where it runs (causal self-attention in training), else kernels.auto_impl's
+    # pick per call (here every key length exceeds the block of 4); 'ffi' runs the same way
+    ffi = kernels.causal_ffi.available()
+    want = (lambda tq: kernels.auto_impl(tq, 12, 4)) if impl in ("auto", "ffi") else (lambda tq: impl)
     x = jnp.asarray(np.random.default_rng(0).integers(0, 37, (2, 12)), jnp.int32)
     jax.grad(lambda p: build(cfg).apply({"params": p}, x, deterministic=False).sum())(p)
-    assert ran == {(want(12), 12)}, "training"
+    assert ran == {("ffi" if impl in ("auto", "ffi") and ffi else want(12), 12)}, "training"
     ran.clear()
     tokens = generate(cfg, p, x[:, :5], 4)
     assert ran == {(want(5), 5), (want(1), 1)}, "generate: prefill, decode"

@@ -29,7 +29,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # jax.nn.dot_product_attention (XLA implementation), 'cudnn' the same with cuDNN flash attention on GPU,
 # 'blocked' a flash-style online-softmax loop over key/value blocks (memory linear in sequence length),
 # 'auto' one of them per call, backend and shape (jaxgpt.nn.kernels.auto_impl).
-ATTENTION_IMPLS = ("auto", "xla", "jax", "cudnn", "blocked")
+ATTENTION_IMPLS = ("auto", "xla", "jax", "cudnn", "blocked", "ffi")
 
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07

@@ -8,6 +8,8 @@ same numbers (1e-5 in float32, forward and gradients); they differ in memory and
     'jax'      jax_sdpa.py  jax.nn.dot_product_attention (XLA implementation)
     'cudnn'    jax_sdpa.py  the same with cuDNN flash attention (GPU, bf16/fp16; else XLA + one warning)
     'blocked'  blocked.py   flash-style online softmax, memory linear in T
+    'ffi'      causal_ffi.py  a C++ kernel (CPU, float32): causal self-attention without a mask, cache
+                            or dropout; other calls (decode, masks) run what 'auto' picks among the rest
     'auto'     one of the above per call (auto_impl): the ModelConfig default
 
 Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at
@@ -20,18 +22,24 @@ import jax.numpy as jnp
 
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.core import validate
-from jaxgpt.nn.kernels import blocked, jax_sdpa, xla
+from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
 from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before
 from jaxgpt.nn.kernels.xla import KV_LAYOUTS, kv_shape, scaled_dot_product_attention
 
 __all__ = ["ATTENTION_IMPLS", "KV_LAYOUTS", "attend", "auto_impl", "blocked_attention", "causal_mask", "cudnn_unsupported",
-           "grouped_mask", "jax_attention", "keys_before", "scaled_dot_product_attention", "warn_once"]
+           "ffi_unsupported", "grouped_mask", "jax_attention", "keys_before", "scaled_dot_product_attention", "warn_once"]
+
+
+FFI_MAX_LEN = 4096
+FFI_AUTO_MAX_LEN = 1024  # 'auto' runs 'ffi' up to this length (it holds T x T scores per thread)
 
 
 def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0) -> str:
-    """The kernel attention_impl='auto' runs, by measurement (docs/performance.md). On the CPU:
+    """The kernel attention_impl='auto' runs where 'ffi' cannot (attend runs 'ffi' first: causal
+    float32 self-attention without a mask, cache or dropout, T <= FFI_AUTO_MAX_LEN, on the CPU;
+    it made the 4 x 128, T 64 train step 1.15x faster). By measurement (docs/performance.md). On the CPU:
     'blocked' for training and prefill over more than one key block (its causal block skipping and
     O(T) residuals made a 6 x 384, T 256 train step 1.3x faster than 'xla'), else 'xla' (decode
     steps, short sequences: equal or faster). Elsewhere 'xla' (no accelerator measured yet).
@@ -59,8 +67,12 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if mask is not None:
         mask = jnp.asarray(mask)
         validate.check_mask(mask.shape, mask.dtype, (b, h, tq, tk))
+    if impl == "ffi" and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is not None:
+        impl = auto_impl(tq, tk, block, dropout_rate)  # a KV cache, a mask, bf16: 'auto' without the kernel
     if impl == "auto":
-        impl = auto_impl(tq, tk, block, dropout_rate)
+        impl = "ffi" if (dropout_rate == 0.0 and not return_weights and tq <= FFI_AUTO_MAX_LEN
+                         and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None) \
+            else auto_impl(tq, tk, block, dropout_rate)
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
                          f"set attn_dropout=0.0 or attention_impl='xla'")
@@ -70,7 +82,26 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                                 dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
     if kv_layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
         k, v, kv_layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
+    if impl == "ffi":
+        return causal_ffi.causal_attention(q, k, v, scale=scale)
     if impl == "blocked":
         return blocked.blocked_attention(q, k, v, block=block, kv_layout=kv_layout, **kw)
     return jax_sdpa.jax_attention(q, k, v, kv_layout=kv_layout, implementation="cudnn" if impl == "cudnn" else None,
                                   **kw)
+
+
+
+
+def ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) -> str | None:
+    """Why the 'ffi' kernel cannot run this call (None: it can)."""
+    if not is_causal or mask is not None:
+        return "it computes causal attention without a mask"
+    if not (isinstance(q_offset, int) and q_offset == 0) or q.shape[1] != tk or kv_layout != "tokens":
+        return "it computes self-attention over the call's own keys (no KV cache)"
+    if q.dtype != jnp.float32:
+        return f"it computes in float32 (got {q.dtype})"
+    if q.shape[1] > FFI_MAX_LEN:
+        return f"it holds T x T scores per thread, so T must be <= {FFI_MAX_LEN} (got {q.shape[1]}); 'blocked' is O(T)"
+    if not causal_ffi.available():
+        return f"the kernel is unavailable on this {jax.default_backend()} backend (see the warning)"
+    return None

@@ -5,62 +5,22 @@ padded copy and reads it again. On the 2-core CPU that gather and read took 1.75
 32-row decode step at 256 positions; the kernel reads the pages in place, up to each query's own
 position, in 0.45 ms (docs/serving.md). Same float32 arithmetic: outputs agree to 1e-6.
 
-The source is compiled on first use with the host's C++ compiler against jaxlib's FFI headers
-(about 3 s, once), cached under ``$JAXGPT_CACHE`` (default ``~/.cache/jaxgpt``), keyed by the
-source, the flags, jax's version and the CPU. ``available()`` is False, with one warning saying
+The source is compiled on first use (about 3 s, once; kernels/native.py). ``available()`` is False, with one warning saying
 why, where that cannot be done (no compiler, another backend): the engine then gathers.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
-from pathlib import Path
 
 import jax
 import numpy as np
 
+from jaxgpt.nn.kernels import native
 from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cc"
+SOURCE = native.CPU / "paged_attention.cc"
 TARGET = "jaxgpt_paged_attention"
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
-
-
-def _cpu_id() -> str:
-    try:  # the instruction sets -march=native compiles for
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JAXGPT_CACHE", Path.home() / ".cache" / "jaxgpt")) / "kernels"
-
-
-def _build() -> Path:
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX)")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, cxx, jax.__version__, _cpu_id()]).encode())
-    out = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # then an atomic rename: parallel builds are safe
-        so = Path(tmp) / out.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(so)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-        os.replace(so, out)
-    return out
 
 
 @functools.cache
@@ -69,8 +29,7 @@ def available() -> bool:
     if jax.default_backend() != "cpu":
         return False
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxgptPagedAttention), platform="cpu")
+        native.register(SOURCE, {TARGET: "JaxgptPagedAttention"})
         return True
     except Exception as e:  # noqa: BLE001  any failure leaves the pure-JAX path, which is always there
         warnings.warn(f"the CPU PagedAttention kernel is unavailable, so paged attention gathers its pages "

@@ -1,0 +1,63 @@
+"""Build and load the C++ CPU kernels in ``kernels/cpu/`` as XLA FFI targets.
+
+A source is compiled on first use with the host's C++ compiler against jaxlib's FFI headers (a few
+seconds, once), cached under ``$JAXGPT_CACHE`` (default ``~/.cache/jaxgpt``), keyed by the source,
+the flags, jax's version and the CPU. Callers decide what to do when that cannot be done (no
+compiler, another backend): each kernel has a pure-JAX path with the same numbers.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+CPU = Path(__file__).with_name("cpu")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+
+
+def _cpu_id() -> str:
+    try:  # the instruction sets -march=native compiles for
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXGPT_CACHE", Path.home() / ".cache" / "jaxgpt")) / "kernels"
+
+
+def build(source: Path) -> Path:
+    """The shared library of ``source``, compiled now unless the cache holds it."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, cxx, jax.__version__, _cpu_id()]).encode())
+    out = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # then an atomic rename: parallel builds are safe
+        so = Path(tmp) / out.name
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(so)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        os.replace(so, out)
+    return out
+
+
+def register(source: Path, targets: dict[str, str]) -> None:
+    """Build ``source`` and register its handler symbols as CPU FFI targets: {target name: symbol}."""
+    lib = ctypes.cdll.LoadLibrary(str(build(source)))
+    for name, symbol in targets.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+
+__all__ = ["build", "cache_dir", "register"]
