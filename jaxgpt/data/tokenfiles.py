@@ -58,9 +58,11 @@ class Tokens:
         self.reads = 0  # windows read (tests check that a process reads only its own rows)
         self._fds = [os.open(p, os.O_RDONLY) for p in self.paths] if hasattr(os, "pread") else None
 
+    _close = staticmethod(os.close)  # bound now: at interpreter exit the module global `os` may be None already
+
     def __del__(self):
         for fd in getattr(self, "_fds", None) or ():
-            os.close(fd)
+            self._close(fd)
 
     def _part(self, i: int, lo: int, n: int) -> np.ndarray:
         """ids [lo, lo + n) of file i, as a new array."""
