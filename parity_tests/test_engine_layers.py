@@ -188,7 +188,9 @@ def test_unroll_and_scan_layers_change_the_lowered_loop():
 def test_remat_policies_reach_the_program_and_save_memory():
     """Each policy is the one in the jaxpr, and XLA's temporary memory for the gradient shrinks from none
     (every activation kept) through the dots policies to full (recompute everything)."""
-    cfg0 = BASE.replace(n_layer=2, max_len=32)
+    # 'xla' attention: its score and mix einsums are the batched dots the two dots policies tell apart
+    # (the CPU default, the C++ kernel, is one custom call that neither policy saves)
+    cfg0 = BASE.replace(n_layer=2, max_len=32, attention_impl="xla")
     tok = _tokens(cfg0, 2, 32)
     p = randomize(abstract_params(cfg0))
     temp, policy = {}, {}

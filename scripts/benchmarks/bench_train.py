@@ -109,6 +109,7 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
         batches = [jax.device_put(b) for b in batches]
         devices = jax.device_count()
     elif devices > 1:  # data parallel: params replicated, the batch axis (axis 1) split; jit propagates it
+        tc = tc.replace(mesh="")  # this mesh only: the train step's own ('auto') mesh would be a second one
         mesh = Mesh(jax.devices()[:devices], ("data",))
         state = jax.device_put(state, NamedSharding(mesh, P()))
         batches = [jax.device_put(b, NamedSharding(mesh, P(None, "data"))) for b in batches]
