@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_close, assert_self_consistent
-from jaxgpt.nn import kernels
 from jaxgpt.nn.kernels import attend, causal_ffi
 
 ROOT = Path(__file__).resolve().parents[1]

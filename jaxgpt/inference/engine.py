@@ -28,16 +28,15 @@ from collections import deque
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.inference import speculative
 from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAllocator, batch_arrays, bucket,
                                          init_pools, next_pow2, plan_prefill)
+from jaxgpt.inference.paged_model import paged_apply
 from jaxgpt.inference.requests import Request, RequestOutput
 from jaxgpt.inference.sampling import SamplingParams, argmax, select_tokens
-from jaxgpt.models.decoder import DecoderLM, unstack_layers
-from jaxgpt.nn.kernels.paged import PagedKVCache
+from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 
@@ -49,12 +48,9 @@ def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, conf
     Sampling is a second program (``sample``), run only when a row samples or wants logprobs: its
     sort doubled the compile time of every (B, T, P) shape, and it depends on B alone.
     """
-    caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype, kernel=kernel)
-                   for k, v, ks, vs in pools)
-    out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
-                                  logits_at=last)
-    logits = out.logits[:, 0]  # (B, V)
-    return tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache), argmax(logits), logits
+    logits, pools = paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel, logits_at=last)
+    logits = logits[:, 0]  # (B, V)
+    return pools, argmax(logits), logits
 
 
 sample = jax.jit(select_tokens)  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)

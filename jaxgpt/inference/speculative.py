@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxgpt.inference.sampling import argmax, filter_logits, row_keys
 from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
-from jaxgpt.nn.kernels.paged import PagedKVCache
+from jaxgpt.inference.paged_model import paged_apply, write_slots
 
 
 def _probs(logits, temperature):
@@ -142,19 +142,10 @@ def _row_probs(logits, temperature, top_k, top_p):
     return jnp.where((temperature > 0)[:, None], probs, onehot)
 
 
-def _write_slots(page_table, pos, page_size):
-    """(B, T) positions (-1 padding) -> flat write slots; padding writes the scratch page 0."""
-    page = jnp.take_along_axis(page_table, jnp.maximum(pos, 0) // page_size, axis=1)
-    return jnp.where(pos >= 0, page * page_size + pos % page_size, 0)
-
-
 def _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel):
-    """DecoderLM over the pools: tokens (B, T) at positions q_pos (-1 padding) -> (logits (B, T, V), pools)."""
-    slots = _write_slots(page_table, q_pos, pools[0][0].shape[2])
-    caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype, kernel=kernel)
-                   for k, v, ks, vs in pools)
-    out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches)
-    return out.logits, tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache)
+    """paged_apply with the write slots derived on the device from the positions and page table."""
+    slots = write_slots(page_table, q_pos, pools[0][0].shape[2])
+    return paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel)
 
 
 def _keys(seeds, counters, salt: int):

@@ -90,8 +90,6 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                   **kw)
 
 
-
-
 def ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) -> str | None:
     """Why the 'ffi' kernel cannot run this call (None: it can)."""
     if not is_causal or mask is not None:

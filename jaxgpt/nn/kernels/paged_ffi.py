@@ -5,8 +5,9 @@ padded copy and reads it again. On the 2-core CPU that gather and read took 1.75
 32-row decode step at 256 positions; the kernel reads the pages in place, up to each query's own
 position, in 0.45 ms (docs/serving.md). Same float32 arithmetic: outputs agree to 1e-6.
 
-The source is compiled on first use (about 3 s, once; kernels/native.py). ``available()`` is False, with one warning saying
-why, where that cannot be done (no compiler, another backend): the engine then gathers.
+The source is compiled on first use (about 3 s, once; kernels/native.py). ``available()`` is
+False, with one warning saying why, where that cannot be done (no compiler, another backend): the
+engine then gathers.
 """
 from __future__ import annotations
 
