@@ -6,6 +6,8 @@ the same numbers.
   (``JAXGPT_HOST_DEVICES``, ``XLA_FLAGS``); checked in fresh interpreters.
 - ``TrainConfig.mesh='auto'``: the train step splits the batch over those devices. Self-consistency
   against the single-device step (mesh=None) at 1e-6; the step against torch_ref is test_train.py's.
+  With replicated params and no dropout the gradient is ``parallel.data_parallel``'s shard_map, whose
+  only f32 collective is one all-reduce of one buffer (counted in the compiled HLO).
 - exact GELU written with erf: checked against torch's nn.GELU() in test_mlp.py; here against the
   erfc form JAX uses (self-consistency, 1e-6).
 """
@@ -66,20 +68,60 @@ def _batch(rows: int, seed: int = 0) -> dict:
     return {"x": w[:, :, :-1], "y": w[:, :, 1:]}
 
 
-@pytest.mark.parametrize("rows", [4, 3])  # 3 rows (a batch unlike tc's) do not split: run whole on each device
-def test_auto_mesh_step_equals_single_device_step(rows):
+# rows 4: data_parallel's shard_map; 3 rows (a batch unlike tc's) do not split: run whole on each device;
+# dropout: GSPMD's step (masks drawn for the global batch); grad_accum 2: the micro-batch scan inside shard_map
+@pytest.mark.parametrize("rows,dropout,accum", [(4, 0.0, 1), (3, 0.0, 1), (4, 0.1, 1), (4, 0.0, 2)])
+def test_auto_mesh_step_equals_single_device_step(rows, dropout, accum):
     if jax.device_count() < 2:
         pytest.skip("one CPU device: the auto mesh is the single-device step")
-    tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
-    auto, single = init_state(CFG, tc), init_state(CFG, tc, mesh=None)
+    cfg = CFG.replace(dropout=dropout)
+    tc = TrainConfig(batch_size=4 * accum, seq_len=8, steps=3, warmup_steps=1, grad_accum=accum)
+    auto, single = init_state(cfg, tc), init_state(cfg, tc, mesh=None)
     assert len(auto.params["tok_embed"]["embedding"].sharding.device_set) == 2
-    step_auto, step_single = make_train_step(CFG, tc), make_train_step(CFG, tc, mesh=None)
+    step_auto, step_single = make_train_step(cfg, tc), make_train_step(cfg, tc, mesh=None)
     for i in range(2):
-        auto, m_auto = step_auto(auto, _batch(rows, i))
-        single, m_single = step_single(single, _batch(rows, i))
+        b = {k: np.concatenate([v] * accum) for k, v in _batch(rows, i).items()}  # (accum, rows, T)
+        auto, m_auto = step_auto(auto, b)
+        single, m_single = step_single(single, b)
         assert abs(float(m_auto["loss"]) - float(m_single["loss"])) < SELF_TOL
     diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), auto.params, single.params)
     assert max(jax.tree.leaves(diff)) < SELF_TOL
+
+
+def _all_reduces(cfg, tc) -> list[str]:
+    state = init_state(cfg, tc)
+    hlo = make_train_step(cfg, tc).lower(state, _batch(4)).compile().as_text()
+    return [line.split(" all-reduce(")[0].split(" = ")[1] for line in hlo.splitlines() if " all-reduce(" in line]
+
+
+def test_data_parallel_step_reduces_the_gradient_as_one_buffer():
+    if jax.device_count() < 2:
+        pytest.skip("one CPU device: no collectives")
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
+    n_params = sum(x.size for x in jax.tree.leaves(init_state(CFG, tc, mesh=None).params))
+    # one f32 buffer (every gradient) and one s32 (the target and correct counts)
+    assert sorted(_all_reduces(CFG, tc)) == sorted([f"f32[{n_params + 1}]{{0}}", "s32[2]{0}"])
+    # with dropout, GSPMD's step: one buffer per parameter (the per-buffer cost data_parallel removes)
+    gspmd = _all_reduces(CFG.replace(dropout=0.1), tc)
+    assert sum(s.count("f32[") for s in gspmd) > 10
+
+
+def test_psum_flat_equals_psum():
+    if jax.device_count() < 2:
+        pytest.skip("one CPU device")
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jaxgpt.parallel.data_parallel import psum_flat
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    tree = {"a": jnp.arange(12.0).reshape(2, 2, 3), "b": jnp.arange(4, dtype=jnp.int32).reshape(2, 2),
+            "c": jnp.ones((2, 5), jnp.bfloat16)}
+    run = lambda f: jax.jit(jax.shard_map(lambda t: f(jax.tree.map(lambda x: x[0], t), "d"), mesh=mesh,  # noqa: E731
+                                          in_specs=P("d"), out_specs=P()))(tree)
+    got, want = run(psum_flat), run(jax.lax.psum)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
 def test_auto_mesh_off_where_it_cannot_help():

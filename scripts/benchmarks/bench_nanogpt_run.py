@@ -42,7 +42,9 @@ NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=F
                 "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
 JAXGPT_SETS = ["n_layer=4", "n_head=4", "d_model=128", "max_len=64", "dropout=0.0", "steps=2000", "batch_size=12",
                "seq_len=64", "lr=1e-3", "warmup_steps=100", "min_lr_ratio=0.1", "beta2=0.99", "decay=matrices",
-               "grad_clip=1.0", "eval_every=250", "eval_batches=20", "ckpt_every=250"]
+               "grad_clip=1.0", "eval_every=250", "eval_batches=20", "ckpt_every=250",
+               # nanoGPT's train.py defaults to bias=False; the preset is GPT-2's, with biases
+               "norm_bias=false", "qkv_bias=false", "o_bias=false", "mlp_bias=false"]
 
 
 def run_nanogpt(repo: Path, out: Path) -> dict:
