@@ -188,7 +188,7 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
 
         state_sh = state_shardings(config, abstract_state(config, tc), mesh)
         # replicated state and no dropout: the gradient as one shard_map with one all-reduce (data_parallel.py)
-        one_allreduce = not checked and replicated(state_sh) and _row_sums(config)
+        one_allreduce = replicated(state_sh) and _row_sums(config)
         # 'auto': the batch comes as it is (host arrays, any row count) and is split in here
         shardings = dict(in_shardings=(state_sh, None if auto else batch_sharding(mesh)),
                          out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())))
