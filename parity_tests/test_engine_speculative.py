@@ -57,6 +57,7 @@ def test_greedy_with_a_draft_identical_to_hf(llama, references, draft):  # noqa:
     assert s["preemptions"] > 0
 
 
+@pytest.mark.slow  # ~14 s: make test-slow (make test keeps the fast tier under 10 min)
 def test_precompile_covers_the_speculative_shapes(llama, references):  # noqa: F811
     _, config, params = llama
     prompts, news, hf, _ = references
@@ -93,6 +94,7 @@ def _exact_distributions(config, params, prompt, temperature, top_k):
     return joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))
 
 
+@pytest.mark.slow  # 2,000 sampled requests, ~30 s: make test-slow
 def test_sampling_with_a_draft_keeps_the_target_distribution():
     target = ModelConfig(vocab_size=5, d_model=16, n_layer=2, n_head=2, max_len=32, pos="rope")
     draft = ModelConfig(vocab_size=5, d_model=8, n_layer=1, n_head=1, max_len=32, pos="rope")
