@@ -117,8 +117,12 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
         from jaxgpt.parallel.sharding import train_mesh
 
         mesh = train_mesh(tc, mesh)
+    if mesh is not None:
+        from jaxgpt.parallel.sharding import state_shardings
 
-    one_allreduce = False  # data_parallel: decided below, once the state's shardings are known
+        state_sh = state_shardings(config, abstract_state(config, tc), mesh)
+    # replicated state and no dropout: the gradient as one shard_map with one all-reduce (data_parallel.py)
+    one_allreduce = mesh is not None and replicated(state_sh) and _row_sums(config)
 
     def micro_grads(params, micro, rng, spmd=True):
         def f(p):
@@ -184,11 +188,8 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
     if mesh is not None:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from jaxgpt.parallel.sharding import batch_sharding, state_shardings
+        from jaxgpt.parallel.sharding import batch_sharding
 
-        state_sh = state_shardings(config, abstract_state(config, tc), mesh)
-        # replicated state and no dropout: the gradient as one shard_map with one all-reduce (data_parallel.py)
-        one_allreduce = replicated(state_sh) and _row_sums(config)
         # 'auto': the batch comes as it is (host arrays, any row count) and is split in here
         shardings = dict(in_shardings=(state_sh, None if auto else batch_sharding(mesh)),
                          out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())))
