@@ -1,6 +1,7 @@
 """attention_impl='ffi' (kernels/causal_ffi.py, the C++ kernel in kernels/cpu/causal_attention.cc)
 against torch's SDPA, forward and gradients in float32 at 1e-5: MHA, GQA and MQA, head sizes on
-and off the kernel's register tiles (16/32/64, odd), lengths on and off its 4 x 16 tiles; a spy
+and off the kernel's register tiles (16/32/64/128, odd), lengths on and off its 8 x 32 score tiles and
+16-float rows; a spy
 proving the kernel ran; the calls it does not compute (mask, KV cache offset) running what 'auto'
 picks; 'auto' choosing it for causal training; and the kernel split over two host devices."""
 import subprocess
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not causal_ffi.available(), reason="no C++ compi
 
 # (B, T, H, H_kv, D)
 SHAPES = {"mha,tiles": (3, 64, 4, 4, 32), "gqa,odd-length": (2, 21, 4, 2, 16), "mqa,d64": (1, 37, 4, 1, 64),
-          "odd-head-size": (2, 9, 2, 2, 12)}
+          "odd-head-size": (2, 9, 2, 2, 12), "several-tiles,d128": (2, 83, 2, 2, 128), "t256": (1, 256, 2, 1, 32)}
 
 
 @pytest.fixture

@@ -27,75 +27,98 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRows = 4;    // rows of a register tile
-constexpr int64_t kLanes = 16;  // columns of a register tile (one AVX-512 / two AVX2 vectors)
+constexpr int64_t kLanes = 16;  // floats in one vector (one AVX-512 / two AVX2 registers)
+constexpr int64_t kRows = 4;    // rows of a value-mixing tile: 4 x D / 16 accumulators
+constexpr int64_t kSRows = 8;   // rows of a score tile: 8 x 2 accumulators (T 256: 40 -> 30 us a head)
 
-// 16 floats in one AVX-512 register (two AVX2 ones): the tiles below keep their accumulators in
-// registers, which the auto-vectorised loops did not (they reloaded them on every multiply-add).
-typedef float V __attribute__((vector_size(4 * kLanes), aligned(4)));
+// Explicit vectors: GCC vectorised neither the softmax's exp loop nor the backward's, and its
+// auto-vectorised dot loops reloaded their accumulators on every multiply-add. Loads and stores go
+// through a may_alias, 4-byte-aligned vector type: the memcpy idiom made GCC bounce every loaded
+// vector and every accumulator through the stack (T 256: 305 -> 44 us a head for the scores).
+typedef float V __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
+// the same vector at any float's address (loads and stores through it are unaligned; may_alias: it
+// reads what float stores wrote)
+typedef float VU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
 
-inline V Load(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
+inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
+
+inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
+
+inline V Splat(float x) { return V{} + x; }
+
+inline float Sum(V v) {
+  float s = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
+  return s;
 }
 
-inline void Store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+inline float Max(V v) {
+  float m = v[0];
+  for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
 
-// s[i * T + j] = a_i . bt[:, j] for the tiles of (kRows, kLanes) that hold a j <= i (the causal
-// lower triangle and its diagonal tiles; entries past the diagonal are scratch, never read).
-// a: rows of length D with stride sa; bt: (D, T) packed.
-void ScoresTile(const float* a, int64_t sa, const float* bt, float* s, int64_t T, int64_t D) {
-  for (int64_t i0 = 0; i0 < T; i0 += kRows) {
-    const int64_t rows = std::min(kRows, T - i0);
+const VI kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// lanes j, j + 1, ... below n
+inline VI Below(int64_t j, int64_t n) { return (static_cast<int32_t>(j) + kIota) < static_cast<int32_t>(n); }
+
+// Score rows have a padded stride, a multiple of kLanes, so every row is read and written in whole
+// vectors; lanes past the causal diagonal are masked where they would count.
+inline int64_t Padded(int64_t T) { return (T + kLanes - 1) / kLanes * kLanes; }
+
+// s[i * ld + j] = a_i . bt[:, j] for the tiles that hold a j <= i. a: rows of D with stride sa;
+// bt: (D, ld) packed. A tile is kSRows x 2 vectors (16 independent accumulators keep two FMA units
+// of latency 4 busy), or x 1 vector for the last 16 columns a row tile needs.
+void Scores(const float* a, int64_t sa, const float* bt, int64_t ld, float* s, int64_t T, int64_t D) {
+  for (int64_t i0 = 0; i0 < T; i0 += kSRows) {
+    const int64_t rows = std::min(kSRows, T - i0);
     const int64_t n = std::min(T, i0 + rows);  // keys any row of the tile sees
-    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-      const int64_t lanes = std::min(kLanes, T - j0);
-      if (rows == kRows && lanes == kLanes) {
-        V c0 = {}, c1 = {}, c2 = {}, c3 = {};
-        const float *a0 = a + i0 * sa, *a1 = a0 + sa, *a2 = a1 + sa, *a3 = a2 + sa;
-        for (int64_t d = 0; d < D; ++d) {
-          const V b = Load(bt + d * T + j0);
-          c0 += a0[d] * b;
-          c1 += a1[d] * b;
-          c2 += a2[d] * b;
-          c3 += a3[d] * b;
+    const float* ar[kSRows];
+    for (int64_t r = 0; r < kSRows; ++r) ar[r] = a + (i0 + std::min(r, rows - 1)) * sa;  // short tile: repeat a row
+    int64_t j0 = 0;
+    for (; j0 + kLanes < n; j0 += 2 * kLanes) {
+      V c[kSRows][2] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const V b0 = Load(bt + d * ld + j0), b1 = Load(bt + d * ld + j0 + kLanes);
+        for (int64_t r = 0; r < kSRows; ++r) {
+          c[r][0] += ar[r][d] * b0;
+          c[r][1] += ar[r][d] * b1;
         }
-        Store(s + i0 * T + j0, c0);
-        Store(s + (i0 + 1) * T + j0, c1);
-        Store(s + (i0 + 2) * T + j0, c2);
-        Store(s + (i0 + 3) * T + j0, c3);
-        continue;
       }
-      float acc[kRows][kLanes] = {};
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t l = 0; l < lanes; ++l) acc[r][l] += a[(i0 + r) * sa + d] * bt[d * T + j0 + l];
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t l = 0; l < lanes; ++l) s[(i0 + r) * T + j0 + l] = acc[r][l];
+      for (int64_t r = 0; r < rows; ++r) {
+        Store(s + (i0 + r) * ld + j0, c[r][0]);
+        Store(s + (i0 + r) * ld + j0 + kLanes, c[r][1]);
+      }
+    }
+    if (j0 < n) {
+      V c[kSRows] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const V b0 = Load(bt + d * ld + j0);
+        for (int64_t r = 0; r < kSRows; ++r) c[r] += ar[r][d] * b0;
+      }
+      for (int64_t r = 0; r < rows; ++r) Store(s + (i0 + r) * ld + j0, c[r]);
     }
   }
 }
 
-// out_i (+)= sum_j p[i * T + j] v_j over j <= i (lower) or j >= i (upper), the other entries of p
-// being scratch. v: rows of D with stride sv; out: rows of D with stride so.
-// NV = D / kLanes registers per row (a template, so the accumulators stay in registers); 0: any D.
+// out_i (+)= sum_{j <= i} p[i * ld + j] v_j. v: rows of D with stride sv; out: rows of D with stride so.
+// NV = D / kLanes vectors per row (a template, so the accumulators stay in registers); 0: any D.
 template <int NV>
-void MixRows(const float* p, const float* v, int64_t sv, float* out, int64_t so, int64_t T, int64_t Drt, bool lower,
+void MixRows(const float* p, int64_t ld, const float* v, int64_t sv, float* out, int64_t so, int64_t T, int64_t Drt,
              bool accumulate) {
   const int64_t D = NV > 0 ? NV * kLanes : Drt;
   for (int64_t i0 = 0; i0 < T; i0 += kRows) {
     const int64_t rows = std::min(kRows, T - i0);
-    const int64_t jlo = lower ? 0 : i0, jhi = lower ? std::min(T, i0 + rows) : T;
     if (NV > 0 && rows == kRows) {
       V acc[kRows][NV > 0 ? NV : 1] = {};
-      for (int64_t j = jlo; j < jhi; ++j) {
+      for (int64_t j = 0; j < i0 + kRows; ++j) {
         const float* vj = v + j * sv;
         V vv[NV > 0 ? NV : 1];
         for (int c = 0; c < NV; ++c) vv[c] = Load(vj + c * kLanes);
         for (int64_t r = 0; r < kRows; ++r) {
-          const int64_t i = i0 + r;
-          const float w = (lower ? j <= i : j >= i) ? p[i * T + j] : 0.0f;
+          const float w = j <= i0 + r ? p[(i0 + r) * ld + j] : 0.0f;
           for (int c = 0; c < NV; ++c) acc[r][c] += w * vv[c];
         }
       }
@@ -111,8 +134,8 @@ void MixRows(const float* p, const float* v, int64_t sv, float* out, int64_t so,
       float* o = out + i * so;
       if (!accumulate)
         for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int64_t j = lower ? 0 : i; j < (lower ? i + 1 : T); ++j) {
-        const float w = p[i * T + j];
+      for (int64_t j = 0; j <= i; ++j) {
+        const float w = p[i * ld + j];
         const float* vj = v + j * sv;
         for (int64_t d = 0; d < D; ++d) o[d] += w * vj[d];
       }
@@ -120,26 +143,69 @@ void MixRows(const float* p, const float* v, int64_t sv, float* out, int64_t so,
   }
 }
 
-void Mix(const float* p, const float* v, int64_t sv, float* out, int64_t so, int64_t T, int64_t D, bool lower,
-         bool accumulate) {
-  switch (D) {
-    case 16: return MixRows<1>(p, v, sv, out, so, T, D, lower, accumulate);
-    case 32: return MixRows<2>(p, v, sv, out, so, T, D, lower, accumulate);
-    case 64: return MixRows<4>(p, v, sv, out, so, T, D, lower, accumulate);
-    case 128: return MixRows<8>(p, v, sv, out, so, T, D, lower, accumulate);
-    default: return MixRows<0>(p, v, sv, out, so, T, D, lower, accumulate);
+// out_j (+)= sum_{i >= j} p[i * ld + j] x_i: the transposed product (dv = p^T dout, dk = ds^T q),
+// read from p as it lies, so no T x T transpose is made. x: rows of D with stride sx.
+template <int NV>
+void MixCols(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t Drt,
+             bool accumulate) {
+  const int64_t D = NV > 0 ? NV * kLanes : Drt;
+  for (int64_t j0 = 0; j0 < T; j0 += kRows) {
+    const int64_t cols = std::min(kRows, T - j0);
+    if (NV > 0 && cols == kRows) {
+      V acc[kRows][NV > 0 ? NV : 1] = {};
+      for (int64_t i = j0; i < T; ++i) {
+        const float* xi = x + i * sx;
+        const float* pi = p + i * ld + j0;
+        V xv[NV > 0 ? NV : 1];
+        for (int c = 0; c < NV; ++c) xv[c] = Load(xi + c * kLanes);
+        for (int64_t r = 0; r < kRows; ++r) {
+          const float w = j0 + r <= i ? pi[r] : 0.0f;
+          for (int c = 0; c < NV; ++c) acc[r][c] += w * xv[c];
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int c = 0; c < NV; ++c) {
+          float* o = out + (j0 + r) * so + c * kLanes;
+          Store(o, accumulate ? Load(o) + acc[r][c] : acc[r][c]);
+        }
+      continue;
+    }
+    for (int64_t r = 0; r < cols; ++r) {
+      const int64_t j = j0 + r;
+      float* o = out + j * so;
+      if (!accumulate)
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+      for (int64_t i = j; i < T; ++i) {
+        const float w = p[i * ld + j];
+        const float* xi = x + i * sx;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * xi[d];
+      }
+    }
   }
 }
 
-// bt (D, T) = rows of a (T rows of D, stride sa), transposed
-void PackT(const float* a, int64_t sa, float* bt, int64_t T, int64_t D) {
-  for (int64_t j = 0; j < T; ++j)
-    for (int64_t d = 0; d < D; ++d) bt[d * T + j] = a[j * sa + d];
-}
+#define JAXGPT_DISPATCH(NAME)                                                                          \
+  void NAME##D(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, \
+               int64_t D, bool accumulate) {                                                           \
+    switch (D) {                                                                                       \
+      case 16: return NAME<1>(p, ld, x, sx, out, so, T, D, accumulate);                                \
+      case 32: return NAME<2>(p, ld, x, sx, out, so, T, D, accumulate);                                \
+      case 64: return NAME<4>(p, ld, x, sx, out, so, T, D, accumulate);                                \
+      case 128: return NAME<8>(p, ld, x, sx, out, so, T, D, accumulate);                               \
+      default: return NAME<0>(p, ld, x, sx, out, so, T, D, accumulate);                                \
+    }                                                                                                  \
+  }
+JAXGPT_DISPATCH(MixRows)
+JAXGPT_DISPATCH(MixCols)
+#undef JAXGPT_DISPATCH
 
-void TransposeSquare(const float* a, float* at, int64_t T) {
-  for (int64_t i = 0; i < T; ++i)
-    for (int64_t j = 0; j < T; ++j) at[j * T + i] = a[i * T + j];
+// bt (D, ld) = rows of a (T rows of D, stride sa), transposed; columns past T zero
+void PackT(const float* a, int64_t sa, float* bt, int64_t ld, int64_t T, int64_t D) {
+  for (int64_t j0 = 0; j0 < ld; j0 += kLanes)  // in kLanes-row strips: each output row is written in whole vectors
+    for (int64_t d = 0; d < D; ++d) {
+      float* o = bt + d * ld + j0;
+      for (int64_t l = 0; l < kLanes; ++l) o[l] = j0 + l < T ? a[(j0 + l) * sa + d] : 0.0f;
+    }
 }
 
 // fn(lo, hi) over [0, items) in chunks, run by the caller and by XLA's intra-op threads as they come
@@ -190,58 +256,44 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-// exp(x) for x <= 0 (scores minus their row max or logsumexp), vectorisable: std::exp is a libm call
-// per element, which took most of the kernel's time. Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
+// exp(x) for x <= 0 (scores minus their row max or logsumexp), 16 lanes at once: std::exp is a libm
+// call per element, which took most of the kernel's time. Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
 // a degree-6 polynomial for exp(r) (about 1 ulp), 2^n from the exponent bits. Below -87 -> 0.
-inline float ExpNeg(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  float r = xc - n * 0.693359375f;
+inline V ExpNeg(V x) {
+  const V xc = x < -87.0f ? Splat(-87.0f) : x;
+  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
+  V r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  V p = Splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : p * scale;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  return x < -87.0f ? Splat(0.0f) : p * (V)bits;
 }
 
-// Causal softmax of row i of s (scaled in place into probabilities); returns the row's logsumexp.
-// Max and sum in kLanes partial results, so the compiler vectorises them without reassociating.
+// Causal softmax of row i (stride-padded, scaled in place into probabilities, zero past i); returns
+// the row's logsumexp.
 float SoftmaxRow(float* s, int64_t i, float scale) {
   const int64_t n = i + 1;
-  float mx[kLanes], sm[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) mx[l] = -INFINITY, sm[l] = 0.0f;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) {
-      s[j + l] *= scale;
-      mx[l] = mx[l] > s[j + l] ? mx[l] : s[j + l];
-    }
-  float m = -INFINITY;
-  for (; j < n; ++j) {
-    s[j] *= scale;
-    m = std::max(m, s[j]);
+  V mx = Splat(-INFINITY);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const V x = Load(s + j) * scale;
+    Store(s + j, x);
+    mx = Below(j, n) ? (x > mx ? x : mx) : mx;
   }
-  for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, mx[l]);
-  for (j = 0; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) {
-      s[j + l] = ExpNeg(s[j + l] - m);
-      sm[l] += s[j + l];
-    }
-  float sum = 0.0f;
-  for (; j < n; ++j) {
-    s[j] = ExpNeg(s[j] - m);
-    sum += s[j];
+  const float m = Max(mx);
+  V sm = {};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const V e = Below(j, n) ? ExpNeg(Load(s + j) - m) : Splat(0.0f);
+    Store(s + j, e);
+    sm += e;
   }
-  for (int64_t l = 0; l < kLanes; ++l) sum += sm[l];
-  const float inv = 1.0f / sum;
-  for (j = 0; j < n; ++j) s[j] *= inv;
+  const float sum = Sum(sm), inv = 1.0f / sum;
+  for (int64_t j = 0; j < n; j += kLanes) Store(s + j, Load(s + j) * inv);
   return m + std::log(sum);
 }
 
@@ -251,23 +303,20 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
   const auto [B, T, H, K, D] = s;
-  const int64_t G = H / K;
+  const int64_t G = H / K, ld = Padded(T);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data();  // lse (B, H, T)
   ParallelFor(pool, B * H, [&](int64_t lo, int64_t hi) {
-    std::vector<float> kt(D * T), sc(T * T);
+    std::vector<float> kt(D * ld), sc(T * ld);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = it / H, h = it % H, hk = h / G;
       const float* qh = qp + (b * T * H + h) * D;
       const float* kh = kp + (b * T * K + hk) * D;
       const float* vh = vp + (b * T * K + hk) * D;
-      PackT(kh, K * D, kt.data(), T, D);
-      ScoresTile(qh, H * D, kt.data(), sc.data(), T, D);
-      for (int64_t i = 0; i < T; ++i) {
-        float* row = sc.data() + i * T;
-        lp[it * T + i] = SoftmaxRow(row, i, scale);
-      }
-      Mix(sc.data(), vh, K * D, op + (b * T * H + h) * D, H * D, T, D, true, false);
+      PackT(kh, K * D, kt.data(), ld, T, D);
+      Scores(qh, H * D, kt.data(), ld, sc.data(), T, D);
+      for (int64_t i = 0; i < T; ++i) lp[it * T + i] = SoftmaxRow(sc.data() + i * ld, i, scale);
+      MixRowsD(sc.data(), ld, vh, K * D, op + (b * T * H + h) * D, H * D, T, D, false);
     }
   });
   return ffi::Error::Success();
@@ -280,43 +329,42 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
   const auto [B, T, H, K, D] = s;
-  const int64_t G = H / K;
+  const int64_t G = H / K, ld = Padded(T);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *op = out.typed_data(),
               *lp = lse.typed_data(), *gp = dout.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
   // one item per (batch, key/value head): its G query heads add into the same dk, dv rows
   ParallelFor(pool, B * K, [&](int64_t lo, int64_t hi) {
-    std::vector<float> kt(D * T), vt(D * T), p(T * T), dp(T * T), t(T * T), delta(T);
+    std::vector<float> kt(D * ld), vt(D * ld), p(T * ld), dp(T * ld);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = it / K, hk = it % K;
       const float* kh = kp + (b * T * K + hk) * D;
       const float* vh = vp + (b * T * K + hk) * D;
       float* dkh = dkp + (b * T * K + hk) * D;
       float* dvh = dvp + (b * T * K + hk) * D;
-      PackT(kh, K * D, kt.data(), T, D);
-      PackT(vh, K * D, vt.data(), T, D);
+      PackT(kh, K * D, kt.data(), ld, T, D);
+      PackT(vh, K * D, vt.data(), ld, T, D);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g, rq = (b * T * H + h) * D;
         const float* l = lp + (b * H + h) * T;
-        ScoresTile(qp + rq, H * D, kt.data(), p.data(), T, D);   // scores
-        ScoresTile(gp + rq, H * D, vt.data(), dp.data(), T, D);  // dout v^T
+        Scores(qp + rq, H * D, kt.data(), ld, p.data(), T, D);   // scores
+        Scores(gp + rq, H * D, vt.data(), ld, dp.data(), T, D);  // dout v^T
         for (int64_t i = 0; i < T; ++i) {
           const float* oi = op + rq + i * H * D;
           const float* gi = gp + rq + i * H * D;
           float dl = 0.0f;
           for (int64_t d = 0; d < D; ++d) dl += oi[d] * gi[d];
-          float* pi = p.data() + i * T;
-          float* dpi = dp.data() + i * T;
-          for (int64_t j = 0; j <= i; ++j) {
-            pi[j] = ExpNeg(pi[j] * scale - l[i]);
-            dpi[j] = pi[j] * (dpi[j] - dl) * scale;  // ds
+          float* pi = p.data() + i * ld;
+          float* dpi = dp.data() + i * ld;
+          for (int64_t j = 0; j <= i; j += kLanes) {
+            const V pj = Below(j, i + 1) ? ExpNeg(Load(pi + j) * scale - l[i]) : Splat(0.0f);
+            Store(pi + j, pj);
+            Store(dpi + j, pj * (Load(dpi + j) - dl) * scale);  // ds
           }
         }
-        Mix(dp.data(), kh, K * D, dqp + rq, H * D, T, D, true, false);  // dq = ds k
-        TransposeSquare(p.data(), t.data(), T);
-        Mix(t.data(), gp + rq, H * D, dvh, K * D, T, D, false, g > 0);  // dv = p^T dout
-        TransposeSquare(dp.data(), t.data(), T);
-        Mix(t.data(), qp + rq, H * D, dkh, K * D, T, D, false, g > 0);  // dk = ds^T q
+        MixRowsD(dp.data(), ld, kh, K * D, dqp + rq, H * D, T, D, false);  // dq = ds k
+        MixColsD(p.data(), ld, gp + rq, H * D, dvh, K * D, T, D, g > 0);   // dv = p^T dout
+        MixColsD(dp.data(), ld, qp + rq, H * D, dkh, K * D, T, D, g > 0);  // dk = ds^T q
       }
     }
   });
