@@ -21,6 +21,7 @@ from jaxgpt.cli.sample import cmd_sample
 from jaxgpt.cli.serve import add_parser as add_serve_parser
 from jaxgpt.cli.train import cmd_train
 from jaxgpt.config import PRESETS
+from jaxgpt.core import compile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,9 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# commands that compile models: they load compiled programs from the persistent cache (core/compile_cache.py)
+COMPILING = ("train", "sample", "eval", "serve", "bench", "parity")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in COMPILING:
+            compile_cache.enable()
         return args.fn(args)
     except KeyboardInterrupt:
         print(f"jaxgpt {args.command}: interrupted (a train run saved a checkpoint; rerun to resume)", file=sys.stderr)

@@ -27,7 +27,7 @@ def psum_flat(tree, axes):
     """``jax.lax.psum(tree, axes)`` as one all-reduce per dtype: the leaves raveled into one vector."""
     leaves, treedef = jax.tree.flatten(tree)
     out = list(leaves)
-    for dtype in {x.dtype for x in leaves}:
+    for dtype in dict.fromkeys(x.dtype for x in leaves):  # first-seen order: a set's would differ per process
         idx = [i for i, x in enumerate(leaves) if x.dtype == dtype]
         flat = jax.lax.psum(jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]), axes)  # (sum of sizes,)
         offsets = [0]
