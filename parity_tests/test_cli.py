@@ -172,7 +172,7 @@ def test_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeyp
 
 @pytest.mark.e2e  # the command line end to end: make test-slow
 def test_a_second_run_loads_every_compiled_program(tmp_path):
-    """$JAXGPT_COMPILE_CACHE (jaxgpt.core.compile_cache): the first run fills the cache; a second run of
+    """$JAXGPT_COMPILE_CACHE (jaxgpt.cli.compile_cache): the first run fills the cache; a second run of
     the same model on the same two host devices adds no entry, so every program was found (the
     attention kernel's custom_partitioning ones too), and trains to the same losses."""
     cache = tmp_path / "xla"

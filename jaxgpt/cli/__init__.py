@@ -21,7 +21,7 @@ from jaxgpt.cli.sample import cmd_sample
 from jaxgpt.cli.serve import add_parser as add_serve_parser
 from jaxgpt.cli.train import cmd_train
 from jaxgpt.config import PRESETS
-from jaxgpt.core import compile_cache
+from jaxgpt.cli import compile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# commands that compile models: they load compiled programs from the persistent cache (core/compile_cache.py)
+# commands that compile models: they load compiled programs from the persistent cache (cli/compile_cache.py)
 COMPILING = ("train", "sample", "eval", "serve", "bench", "parity")
 
 
