@@ -13,6 +13,7 @@ the same numbers.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -89,9 +90,7 @@ def test_auto_mesh_step_equals_single_device_step(rows, dropout, accum):
     assert max(jax.tree.leaves(diff)) < SELF_TOL
 
 
-def _all_reduces(cfg, tc) -> list[str]:
-    state = init_state(cfg, tc)
-    hlo = make_train_step(cfg, tc).lower(state, _batch(4)).compile().as_text()
+def _all_reduces(hlo: str) -> list[str]:
     return [line.split(" all-reduce(")[0].split(" = ")[1] for line in hlo.splitlines() if " all-reduce(" in line]
 
 
@@ -100,9 +99,15 @@ def test_data_parallel_step_reduces_the_gradient_as_one_buffer():
         pytest.skip("one CPU device: no collectives")
     tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
     n_params = sum(x.size for x in jax.tree.leaves(init_state(CFG, tc, mesh=None).params))
-    # one f32 buffer (every gradient) and one s32 (the target and correct counts)
+    hlo = make_train_step(CFG, tc).lower(init_state(CFG, tc), _batch(4)).compile().as_text()
+    # one f32 buffer: every gradient, the loss sum, and the target and correct counts (exact in float32)
     # (GSPMD's step, taken with dropout, reduces one buffer per parameter: the per-buffer cost removed)
-    assert sorted(_all_reduces(CFG, tc)) == sorted([f"f32[{n_params + 1}]{{0}}", "s32[2]{0}"])
+    assert _all_reduces(hlo) == [f"f32[{n_params + 3}]{{0}}"]
+    # ...so the devices meet once: no backward op is scheduled after it (a separate s32 all-reduce of
+    # the counts ran in the middle of the forward)
+    entry = hlo[hlo.index("\nENTRY "):].splitlines()
+    first = next(i for i, line in enumerate(entry) if " all-reduce(" in line)
+    assert not [line for line in entry[first:] if "transpose(jvp(" in line]
 
 
 def test_psum_flat_equals_psum():
@@ -117,10 +122,17 @@ def test_psum_flat_equals_psum():
             "c": jnp.ones((2, 5), jnp.bfloat16)}
     run = lambda f: jax.jit(jax.shard_map(lambda t: f(jax.tree.map(lambda x: x[0], t), "d"), mesh=mesh,  # noqa: E731
                                           in_specs=P("d"), out_specs=P()))(tree)
-    got, want = run(psum_flat), run(jax.lax.psum)
-    assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    want = run(jax.lax.psum)
+    # int_bound: the integers travel as float32 below 2^24 (one all-reduce fewer), on their own above
+    for bound, n_psums in ((None, 3), (2 ** 24 - 1, 2), (2 ** 24, 3)):
+        f = functools.partial(psum_flat, int_bound=bound)
+        got = run(f)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        jaxpr = str(jax.make_jaxpr(lambda t: jax.shard_map(lambda u: f(u, "d"), mesh=mesh, in_specs=P("d"),
+                                                            out_specs=P())(t))(tree))
+        assert jaxpr.count("psum") == n_psums, (bound, jaxpr.count("psum"))
 
 
 def test_auto_mesh_off_where_it_cannot_help():
