@@ -63,7 +63,6 @@ if _CACHE != "off":
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", -1)
-    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)  # else every process misses
 # ...and the commands the tests start keep out of the user's cache (jaxgpt.cli.compile_cache)
 os.environ["JAXGPT_COMPILE_CACHE"] = "off"
 

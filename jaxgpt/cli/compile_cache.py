@@ -11,10 +11,11 @@ the devices and the compile options; a stale one is never loaded for a changed p
 Every program is cached, however fast it compiled (JAX's default keeps only those over 1 s), and the
 folder has no size cap: with one, JAX locks and scans the whole folder on every write.
 
-``custom_partitioning`` (the CPU attention kernel's per-device split) puts a Python object's id in
-the program, so its cache key differed in every process and the train step never hit the cache;
-``jax_remove_custom_partitioning_ptr_from_cache_key`` leaves it out (the cached program is the
-partitioned one, which no longer calls back into Python).
+Not cached across processes: programs that split the CPU attention kernel with
+``custom_partitioning`` (the eval step on a mesh, GSPMD train steps such as dropout's). JAX keys them
+by a Python object's id, which differs per process. ``jax_remove_custom_partitioning_ptr_from_cache_key``
+would leave the id out, but then two programs that differ only in a partitioning's static arguments
+(the kernel's attention scale is one) would share an entry, so it stays off.
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ def enable(path: str | Path | None = None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_compilation_cache_max_size", -1)
-    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
     return where
 
 
