@@ -103,101 +103,60 @@ void Scores(const float* a, int64_t sa, const float* bt, int64_t ld, float* s, i
   }
 }
 
-// out_i (+)= sum_{j <= i} p[i * ld + j] v_j. v: rows of D with stride sv; out: rows of D with stride so.
+// out_o (+)= sum_s w(o, s) x_s over the causal pairs, x: rows of D with stride sx, out: rows of D with
+// stride so. kT false: w = p[o * ld + s] for s <= o (out = p x: the output, dq). kT true: w = p[s * ld + o]
+// for s >= o (out = p^T x: dv, dk), read from p as it lies, so no T x T transpose is made.
 // NV = D / kLanes vectors per row (a template, so the accumulators stay in registers); 0: any D.
-template <int NV>
-void MixRows(const float* p, int64_t ld, const float* v, int64_t sv, float* out, int64_t so, int64_t T, int64_t Drt,
-             bool accumulate) {
+template <int NV, bool kT>
+void Mix(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t Drt,
+         bool accumulate) {
   const int64_t D = NV > 0 ? NV * kLanes : Drt;
-  for (int64_t i0 = 0; i0 < T; i0 += kRows) {
-    const int64_t rows = std::min(kRows, T - i0);
+  auto weight = [&](int64_t o, int64_t s) { return kT ? p[s * ld + o] : p[o * ld + s]; };
+  for (int64_t o0 = 0; o0 < T; o0 += kRows) {
+    const int64_t rows = std::min(kRows, T - o0);
     if (NV > 0 && rows == kRows) {
       V acc[kRows][NV > 0 ? NV : 1] = {};
-      for (int64_t j = 0; j < i0 + kRows; ++j) {
-        const float* vj = v + j * sv;
-        V vv[NV > 0 ? NV : 1];
-        for (int c = 0; c < NV; ++c) vv[c] = Load(vj + c * kLanes);
-        for (int64_t r = 0; r < kRows; ++r) {
-          const float w = j <= i0 + r ? p[(i0 + r) * ld + j] : 0.0f;
-          for (int c = 0; c < NV; ++c) acc[r][c] += w * vv[c];
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int c = 0; c < NV; ++c) {
-          float* o = out + (i0 + r) * so + c * kLanes;
-          Store(o, accumulate ? Load(o) + acc[r][c] : acc[r][c]);
-        }
-      continue;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      float* o = out + i * so;
-      if (!accumulate)
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int64_t j = 0; j <= i; ++j) {
-        const float w = p[i * ld + j];
-        const float* vj = v + j * sv;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * vj[d];
-      }
-    }
-  }
-}
-
-// out_j (+)= sum_{i >= j} p[i * ld + j] x_i: the transposed product (dv = p^T dout, dk = ds^T q),
-// read from p as it lies, so no T x T transpose is made. x: rows of D with stride sx.
-template <int NV>
-void MixCols(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t Drt,
-             bool accumulate) {
-  const int64_t D = NV > 0 ? NV * kLanes : Drt;
-  for (int64_t j0 = 0; j0 < T; j0 += kRows) {
-    const int64_t cols = std::min(kRows, T - j0);
-    if (NV > 0 && cols == kRows) {
-      V acc[kRows][NV > 0 ? NV : 1] = {};
-      for (int64_t i = j0; i < T; ++i) {
-        const float* xi = x + i * sx;
-        const float* pi = p + i * ld + j0;
+      for (int64_t s = kT ? o0 : 0; s < (kT ? T : o0 + kRows); ++s) {
+        const float* xs = x + s * sx;
         V xv[NV > 0 ? NV : 1];
-        for (int c = 0; c < NV; ++c) xv[c] = Load(xi + c * kLanes);
+        for (int c = 0; c < NV; ++c) xv[c] = Load(xs + c * kLanes);
         for (int64_t r = 0; r < kRows; ++r) {
-          const float w = j0 + r <= i ? pi[r] : 0.0f;
+          const float w = (kT ? o0 + r <= s : s <= o0 + r) ? weight(o0 + r, s) : 0.0f;
           for (int c = 0; c < NV; ++c) acc[r][c] += w * xv[c];
         }
       }
       for (int64_t r = 0; r < kRows; ++r)
         for (int c = 0; c < NV; ++c) {
-          float* o = out + (j0 + r) * so + c * kLanes;
+          float* o = out + (o0 + r) * so + c * kLanes;
           Store(o, accumulate ? Load(o) + acc[r][c] : acc[r][c]);
         }
       continue;
     }
-    for (int64_t r = 0; r < cols; ++r) {
-      const int64_t j = j0 + r;
-      float* o = out + j * so;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = o0 + r;
+      float* o = out + i * so;
       if (!accumulate)
         for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int64_t i = j; i < T; ++i) {
-        const float w = p[i * ld + j];
-        const float* xi = x + i * sx;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * xi[d];
+      for (int64_t s = kT ? i : 0; s < (kT ? T : i + 1); ++s) {
+        const float w = weight(i, s);
+        const float* xs = x + s * sx;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * xs[d];
       }
     }
   }
 }
 
-#define JAXGPT_DISPATCH(NAME)                                                                          \
-  void NAME##D(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, \
-               int64_t D, bool accumulate) {                                                           \
-    switch (D) {                                                                                       \
-      case 16: return NAME<1>(p, ld, x, sx, out, so, T, D, accumulate);                                \
-      case 32: return NAME<2>(p, ld, x, sx, out, so, T, D, accumulate);                                \
-      case 64: return NAME<4>(p, ld, x, sx, out, so, T, D, accumulate);                                \
-      case 128: return NAME<8>(p, ld, x, sx, out, so, T, D, accumulate);                               \
-      default: return NAME<0>(p, ld, x, sx, out, so, T, D, accumulate);                                \
-    }                                                                                                  \
+template <bool kT>
+void MixD(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t D,
+          bool accumulate) {
+  switch (D) {
+    case 16: return Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 32: return Mix<2, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 64: return Mix<4, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 128: return Mix<8, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    default: return Mix<0, kT>(p, ld, x, sx, out, so, T, D, accumulate);
   }
-JAXGPT_DISPATCH(MixRows)
-JAXGPT_DISPATCH(MixCols)
-#undef JAXGPT_DISPATCH
+}
 
 // bt (D, ld) = rows of a (T rows of D, stride sa), transposed; columns past T zero
 void PackT(const float* a, int64_t sa, float* bt, int64_t ld, int64_t T, int64_t D) {
@@ -316,7 +275,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       PackT(kh, K * D, kt.data(), ld, T, D);
       Scores(qh, H * D, kt.data(), ld, sc.data(), T, D);
       for (int64_t i = 0; i < T; ++i) lp[it * T + i] = SoftmaxRow(sc.data() + i * ld, i, scale);
-      MixRowsD(sc.data(), ld, vh, K * D, op + (b * T * H + h) * D, H * D, T, D, false);
+      MixD<false>(sc.data(), ld, vh, K * D, op + (b * T * H + h) * D, H * D, T, D, false);
     }
   });
   return ffi::Error::Success();
@@ -362,9 +321,9 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
             Store(dpi + j, pj * (Load(dpi + j) - dl) * scale);  // ds
           }
         }
-        MixRowsD(dp.data(), ld, kh, K * D, dqp + rq, H * D, T, D, false);  // dq = ds k
-        MixColsD(p.data(), ld, gp + rq, H * D, dvh, K * D, T, D, g > 0);   // dv = p^T dout
-        MixColsD(dp.data(), ld, qp + rq, H * D, dkh, K * D, T, D, g > 0);  // dk = ds^T q
+        MixD<false>(dp.data(), ld, kh, K * D, dqp + rq, H * D, T, D, false);  // dq = ds k
+        MixD<true>(p.data(), ld, gp + rq, H * D, dvh, K * D, T, D, g > 0);   // dv = p^T dout
+        MixD<true>(dp.data(), ld, qp + rq, H * D, dkh, K * D, T, D, g > 0);  // dk = ds^T q
       }
     }
   });
