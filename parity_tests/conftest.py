@@ -47,22 +47,18 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPU runs
 
-# Persistent compilation cache (a second run loads the compiled programs instead of compiling them).
-# The defaults cache only programs that took >= 1 s to compile; the tests' small CPU programs take
-# less, so every program is cached. No size cap: with one, JAX takes a file lock and scans the whole
-# folder on every write, which made a cold `make test` 1.9x slower (1464 s against 787 s with the cache
-# off; uncapped, a cold run costs what no cache costs).
+# Persistent compilation cache (a second run loads the compiled programs instead of compiling them),
+# with the commands' settings (jaxgpt.cli.compile_cache): every program cached, however fast it
+# compiled, and no size cap (with one, JAX locks and scans the folder on every write, which made a cold
+# `make test` 1.9x slower: 1464 s against 787 s with the cache off).
 # Unlocked, two xdist workers may race on one entry; JAX then warns and compiles instead (a read
 # error is never fatal). JAXGPT_TEST_JAX_CACHE=off turns it off. Only this process uses it: the
 # subprocesses the tests start do not (JAX writes an entry in place, so a test that SIGKILLs a run
 # could leave a truncated one behind).
-_CACHE = os.environ.get("JAXGPT_TEST_JAX_CACHE", str(Path(__file__).resolve().parents[1] / ".pytest_cache"
-                                                     / "jax-cache"))
-if _CACHE != "off":
-    jax.config.update("jax_compilation_cache_dir", _CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", -1)
+from jaxgpt.cli import compile_cache  # noqa: E402
+
+compile_cache.enable(os.environ.get("JAXGPT_TEST_JAX_CACHE",
+                                    str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-cache")))
 # ...and the commands the tests start keep out of the user's cache (jaxgpt.cli.compile_cache)
 os.environ["JAXGPT_COMPILE_CACHE"] = "off"
 

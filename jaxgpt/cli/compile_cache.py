@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache for jaxgpt's commands: a second ``jaxgpt train`` (or sample,
 eval, serve) of the same model loads its compiled programs from disk instead of compiling them.
 
-Measured on nanoGPT's CPU run (docs/performance.md): the init, the train step and the eval step
-compile in 1.2 + 2.2 + 0.6 s and load in 0.4 + 0.7 + 0.2 s.
+Measured on nanoGPT's CPU run (docs/performance.md): the init and the train step compile in
+1.1 + 2.1 s and load in 0.3 + 0.6 s.
 
 Where: ``$JAXGPT_COMPILE_CACHE`` (a folder, or ``off``), else ``$JAXGPT_CACHE/xla`` (default
 ``~/.cache/jaxgpt/xla``, beside the C++ kernels). A cache the user set for JAX itself
