@@ -18,7 +18,11 @@ PYTEST_ARGS ?=
 # pytest-xdist workers: one per CPU core ('auto'); 0 runs in this process.
 TEST_WORKERS ?= auto
 SLOW_TIERS := slow or smoke or multiprocess or e2e
-XDIST := -n $(TEST_WORKERS) --dist loadscope
+# --max-worker-restart=0: a worker that dies fails its test and the run goes on without it; a
+# replacement worker under loadscope can wait forever for work (pytest-xdist 3.8, issue #1378).
+# --capture=sys: native code's own stderr (an XLA or glibc message before an abort) reaches the log
+# instead of the dead worker's capture file.
+XDIST := -n $(TEST_WORKERS) --dist loadscope --max-worker-restart=0 --capture=sys
 # The tests with a float64 reference (parity_tests/conftest.py: check_module, assert_as_accurate_as_torch).
 MARGIN_TESTS := $(addprefix parity_tests/,test_norms.py test_mlp.py test_attention.py test_block.py \
 	test_decoder.py test_bert.py test_encdec.py test_attnres.py)
