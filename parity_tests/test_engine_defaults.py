@@ -90,6 +90,31 @@ def test_auto_mesh_step_equals_single_device_step(rows, dropout, accum):
     assert max(jax.tree.leaves(diff)) < SELF_TOL
 
 
+# rows 4: split over the devices (data_parallel's shard_map, micro_axis=False); 3 rows: whole on each
+@pytest.mark.parametrize("rows", [4, 3])
+def test_auto_mesh_eval_step_equals_single_device_eval(rows):
+    """Self-consistency: the eval step on the params' auto mesh against the one-device eval step."""
+    if jax.device_count() < 2:
+        pytest.skip("one CPU device: the auto mesh is the single-device step")
+    from jaxgpt.parallel.sharding import shard_batch, train_mesh
+    from jaxgpt.train.step import make_eval_step
+
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=3)
+    mesh = train_mesh(tc)
+    params = init_state(CFG, tc).params  # replicated over the mesh
+    batch = {k: v[0] for k, v in _batch(rows, 1).items()}  # (rows, T): no micro-batch axis
+    on_mesh = make_eval_step(CFG, mesh=mesh)
+    placed = shard_batch(batch, mesh, micro_axis=False) if rows % 2 == 0 else batch
+    got, want = on_mesh(params, placed), make_eval_step(CFG)(init_state(CFG, tc, mesh=None).params, batch)
+    for k in ("loss_sum", "count", "correct"):
+        assert abs(float(got[k]) - float(want[k])) < SELF_TOL * max(1.0, abs(float(want[k]))), k
+    if rows % 2 == 0:  # split by row: one all-reduce of the three sums, and no custom_partitioning
+        # callback (JAX keys one by a per-process id: such a program never loads from the compile cache)
+        lowered = jax.jit(on_mesh).lower(params, placed)
+        assert "CustomSPMDPartitioning" not in lowered.as_text()
+        assert _all_reduces(lowered.compile().as_text()) == ["f32[3]{0}"]
+
+
 def _all_reduces(hlo: str) -> list[str]:
     return [line.split(" all-reduce(")[0].split(" = ")[1] for line in hlo.splitlines() if " all-reduce(" in line]
 

@@ -12,7 +12,8 @@ Every program is cached, however fast it compiled (JAX's default keeps only thos
 folder has no size cap: with one, JAX locks and scans the whole folder on every write.
 
 Not cached across processes: programs that split the CPU attention kernel with
-``custom_partitioning`` (the eval step on a mesh, GSPMD train steps such as dropout's). JAX keys them
+``custom_partitioning``, i.e. those whose split jit propagates (the train step with dropout, steps on a
+tensor- or FSDP-split mesh; the data-parallel train and eval steps are shard_maps). JAX keys them
 by a Python object's id, which differs per process. ``jax_remove_custom_partitioning_ptr_from_cache_key``
 would leave the id out, but then two programs that differ only in a partitioning's static arguments
 (the kernel's attention scale is one) would share an entry, so it stays off.

@@ -57,18 +57,23 @@ def replicated(shardings) -> bool:
     return all(s.is_fully_replicated for s in jax.tree.leaves(shardings))
 
 
-def data_parallel(fn, mesh):
-    """``fn(params, batch, rng) -> sums`` (sums over the batch's rows: gradients of a summed loss,
-    token counts) -> the same function over ``mesh``: params and rng replicated, batch (A, B, ...)
-    split by row over ('data', 'fsdp', 'expert'), each device's sums added by ``psum_flat``."""
+def data_parallel(fn, mesh, *, micro_axis: bool = True):
+    """``fn(params, batch, *rest) -> sums`` (sums over the batch's rows: gradients of a summed loss,
+    token counts) -> the same function over ``mesh``: params and ``rest`` (an rng) replicated, batch
+    split by row over ('data', 'fsdp', 'expert'), each device's sums added by ``psum_flat``.
+    micro_axis: the batch is (A, B, ...), rows on axis 1 (the train step); else (B, ...) (evaluation)."""
     devices = math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.shape)
+    batch_spec = P(None, BATCH_AXES) if micro_axis else P(BATCH_AXES)
 
-    def local(params, batch, rng):
+    def local(params, batch, *rest):
         tokens = devices * max(x.size for x in jax.tree.leaves(batch))  # bounds every count the step sums
-        return psum_flat(fn(params, batch, rng), BATCH_AXES, int_bound=tokens)
+        return psum_flat(fn(params, batch, *rest), BATCH_AXES, int_bound=tokens)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, BATCH_AXES), P()), out_specs=P(),
-                         check_vma=False)
+    def run(params, batch, *rest):
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), batch_spec, *(P() for _ in rest)), out_specs=P(),
+                             check_vma=False)(params, batch, *rest)
+
+    return run
 
 
 __all__ = ["data_parallel", "psum_flat", "replicated"]

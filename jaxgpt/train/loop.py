@@ -222,7 +222,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         "config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(), "source": task.source,
         "kind": task.kind}
     train_step = train_step or make_train_step(config, tc, mesh=mesh)
-    eval_step = eval_step or make_eval_step(config)
+    eval_step = eval_step or make_eval_step(config, mesh=mesh)
     eval_batches = task.eval_batches(tc)
     bar = Progress(end, enabled=progress)
     tokens = task.tokens_per_step(tc)
