@@ -168,7 +168,8 @@ def test_prune_waits_until_the_newer_step_reads_back(tmp_path):
     state = init_state(config, tc)
     for damage_new in (False, True):
         notes: list[str] = []
-        ckpts = Checkpoints(tmp_path / f"run{damage_new}", keep=1, log=notes.append)
+        # background=False: the damage goes in between the write and the read-back
+        ckpts = Checkpoints(tmp_path / f"run{damage_new}", keep=1, log=notes.append, background=False)
         ckpts.save(state.replace(step=jax.numpy.int32(1)), {"config": config.to_dict(), "train": tc.to_dict()})
         ckpts.save(state.replace(step=jax.numpy.int32(2)), {"config": config.to_dict(), "train": tc.to_dict()})
         assert ckpts.steps() == [1, 2]  # 1 verified, 2 not yet: nothing pruned
@@ -183,6 +184,33 @@ def test_prune_waits_until_the_newer_step_reads_back(tmp_path):
         else:
             assert ckpts.steps() == [2] and notes == []
         ckpts.close()
+
+
+def test_background_read_back_verifies_each_save_while_training_goes_on(tmp_path):
+    """A single-process run reads each save back on a thread: after save(1), save(2), save(3) and
+    wait(), steps 1 and 2 were verified (so pruned with keep=1) and 3 is verified and tabled; an
+    error on the thread is raised by wait()."""
+    config, tc = apply_sets(get_preset("seed-minigpt"), ["n_layer=1", "d_model=32", "keep=1"])
+    from jaxgpt.train import init_state
+
+    state, meta = init_state(config, tc), {"config": config.to_dict(), "train": tc.to_dict()}
+    notes: list[str] = []
+    ckpts = Checkpoints(tmp_path / "run", keep=1, log=notes.append)
+    assert ckpts.background  # the default in one process
+    readers = []
+    for step in (1, 2, 3):
+        ckpts.save(state.replace(step=jax.numpy.int32(step)), meta)
+        readers.append(ckpts._reader)
+    assert all(r is not None and r.name == "jaxgpt-checkpoint-read-back" for r in readers)
+    readers[-1].join()
+    assert ckpts._unverified == [] and ckpts._verified == {1, 2, 3}  # read back on the thread, not by wait()
+    ckpts.wait()
+    assert ckpts.steps() == [3] and notes == [] and (ckpts.dir / "3" / FILES).is_file()
+    ckpts._load = lambda *a, **k: 1 / 0  # the next read-back fails on the thread...
+    ckpts.save(state.replace(step=jax.numpy.int32(4)), meta)
+    with pytest.raises(ZeroDivisionError):  # ...and the caller hears of it
+        ckpts.wait()
+    ckpts.close()
 
 
 # --- SIGKILL during a save --------------------------------------------------------------------------------------
