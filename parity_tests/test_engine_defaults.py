@@ -115,6 +115,32 @@ def test_auto_mesh_eval_step_equals_single_device_eval(rows):
         assert _all_reduces(lowered.compile().as_text()) == ["f32[3]{0}"]
 
 
+def test_auto_mesh_steps_keep_few_calls_in_flight():
+    """The 2-device train step waits for the step 4 calls back before dispatching (train.step.Paced):
+    a loop that never reads a result had let XLA:CPU fill one device's in-flight slots with later
+    steps, and the all-reduce of the step the other device ran aborted the process (CI, 2026-11-25).
+    Self-consistency: 12 unread steps give the losses of 12 steps read one by one."""
+    if jax.device_count() < 2:
+        pytest.skip("one CPU device: no collectives")
+    from jaxgpt.train.step import Paced
+
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=12, warmup_steps=1)
+    step = make_train_step(CFG, tc)
+    assert isinstance(step, Paced) and step.lower  # .lower and the rest are the jitted step's
+    state, metrics = init_state(CFG, tc), []
+    for i in range(12):
+        state, m = step(state, _batch(4, i))
+        metrics.append(m)
+        assert len(step._pending) <= 4
+        assert all(x.is_ready() for x in jax.tree.leaves(metrics[:-4]))  # waited for before this dispatch
+    ref, read = init_state(CFG, tc), []
+    for i in range(12):
+        ref, m = step(ref, _batch(4, i))
+        read.append(float(m["loss"]))
+    assert [float(m["loss"]) for m in metrics] == read
+    assert make_train_step(CFG, tc, mesh=None).__class__ is not Paced  # one device: no collectives to pace
+
+
 def _all_reduces(hlo: str) -> list[str]:
     return [line.split(" all-reduce(")[0].split(" = ")[1] for line in hlo.splitlines() if " all-reduce(" in line]
 

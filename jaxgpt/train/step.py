@@ -7,6 +7,7 @@ continues bit for bit as if it had never stopped.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -80,6 +81,38 @@ def _abstract_state(config, tc: TrainConfig, mesh) -> TrainState:
 
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                         state_shardings(config, shapes, mesh))
+
+
+class Paced:
+    """``fn`` with at most ``depth`` calls in flight: each call first waits for the outputs
+    (``keep(out)``) of the call ``depth`` before it. Why: XLA:CPU launches a multi-device program's
+    per-device parts as separate pool tasks and lets each device hold a bounded number of programs in
+    flight. A loop that dispatches many collective steps without reading a result (``for s in
+    range(60): state, _ = step(state, batch)``) could fill device 1's slots with later steps, which
+    wait for their inputs, while the step device 0 waits on in its all-reduce could not launch on
+    device 1: XLA's rendezvous aborted the process after 40 s (seen in CI, 2026-11-25, in the core
+    dump: device 1's launch blocked in ``max_inflight_computations_semaphore``). Any attribute other
+    than the call (``lower``, ...) is ``fn``'s."""
+
+    def __init__(self, fn, keep=lambda out: out, depth: int = 4):
+        self._fn, self._keep, self._depth, self._pending = fn, keep, depth, collections.deque()
+
+    def __call__(self, *args):
+        while len(self._pending) >= self._depth:
+            jax.block_until_ready(self._pending.popleft())
+        out = self._fn(*args)
+        self._pending.append(self._keep(out))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
+def _paced(fn, mesh, keep=lambda out: out):
+    """``Paced(fn)`` for a program over several CPU devices (which has collectives); else ``fn``."""
+    if mesh is None or mesh.devices.size < 2 or mesh.devices.flat[0].platform != "cpu":
+        return fn
+    return Paced(fn, keep)
 
 
 def _row_sums(config) -> bool:
@@ -193,10 +226,12 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
         # 'auto': the batch comes as it is (host arrays, any row count) and is split in here
         shardings = dict(in_shardings=(state_sh, None if auto else batch_sharding(mesh)),
                          out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())))
+        # the metrics are what is waited for: the state was donated to the next step
         if checked:
             # checkify returns (error, output): the output shardings are left to propagation
-            return checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"])
-        return jax.jit(train_step, donate_argnums=0, **shardings)
+            return _paced(checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"]), mesh,
+                          keep=lambda out: out[1])
+        return _paced(jax.jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
     return checks.checked(train_step, donate_argnums=0) if checked else jax.jit(train_step, donate_argnums=0)
 
 
@@ -233,4 +268,4 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
         return eval_step_split(params, batch) if jax.tree.leaves(batch)[0].shape[0] % devices == 0 \
             else whole(params, batch)
 
-    return step
+    return _paced(step, mesh)
