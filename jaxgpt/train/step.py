@@ -101,7 +101,9 @@ class Paced:
         while len(self._pending) >= self._depth:
             jax.block_until_ready(self._pending.popleft())
         out = self._fn(*args)
-        self._pending.append(self._keep(out))
+        kept = self._keep(out)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(kept)):  # traced under an outer jit
+            self._pending.append(kept)
         return out
 
     def __getattr__(self, name):
