@@ -251,14 +251,14 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
         return loss_terms(config, params, batch, train=False)
 
     if checked:
-        return checks.checked(eval_step)
+        return _paced(checks.checked(eval_step), mesh)
     whole = jax.jit(eval_step)
     if mesh is None:
         return whole
     from jaxgpt.parallel.sharding import param_shardings
 
     if not replicated(param_shardings(config, abstract_params(config), mesh)):
-        return whole
+        return _paced(whole, mesh)  # jit's propagation over several devices: collectives too
     devices = batch_devices(mesh.shape)
 
     @jax.jit
