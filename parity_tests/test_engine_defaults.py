@@ -104,7 +104,7 @@ def test_auto_mesh_eval_step_equals_single_device_eval(rows):
     params = init_state(CFG, tc).params  # replicated over the mesh
     batch = {k: v[0] for k, v in _batch(rows, 1).items()}  # (rows, T): no micro-batch axis
     on_mesh = make_eval_step(CFG, mesh=mesh)
-    placed = shard_batch(batch, mesh, micro_axis=False) if rows % 2 == 0 else batch
+    placed = shard_batch(batch, mesh, lead=0) if rows % 2 == 0 else batch
     got, want = on_mesh(params, placed), make_eval_step(CFG)(init_state(CFG, tc, mesh=None).params, batch)
     for k in ("loss_sum", "count", "correct"):
         assert abs(float(got[k]) - float(want[k])) < SELF_TOL * max(1.0, abs(float(want[k]))), k
@@ -220,3 +220,66 @@ def test_attention_impl_auto_picks_by_backend_and_shape():
     assert ModelConfig(attn_dropout=0.1).attention_impl == "auto"
     with pytest.raises(ValueError, match="attention_impl='blocked' has no attention dropout"):
         ModelConfig(attn_dropout=0.1, attention_impl="blocked")
+
+
+# --- several updates per call (TrainConfig.steps_per_call, train.step.make_train_steps) ------------------
+
+@pytest.mark.parametrize("mesh", ["auto", None])
+def test_train_steps_give_the_updates_of_one_step_calls(mesh):
+    """Self-consistency, bit for bit: 3 updates from a chunk of k=4 batches in one call (its 4th slot
+    holds a batch that must not be used) against 3 calls of the one-update step on the same batches;
+    on the auto mesh (2 host devices, data_parallel's shard_map inside the loop) and on one device."""
+    from jaxgpt.train.step import make_train_steps
+
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=6, warmup_steps=1)
+    batches = [_batch(4, i) for i in range(4)]
+    chunk = {k: np.stack([b[k] for b in batches]) for k in ("x", "y")}  # (4, 1, 4, 8)
+    state, metrics = make_train_steps(CFG, tc, 4, mesh=mesh)(init_state(CFG, tc, mesh=mesh), chunk, 3)
+    ref, step, want = init_state(CFG, tc, mesh=mesh), make_train_step(CFG, tc, mesh=mesh), []
+    for b in batches[:3]:
+        ref, m = step(ref, b)
+        want.append(jax.device_get(m))
+    got = jax.device_get(metrics)
+    assert int(state.step) == 3 and set(got) == set(want[0])
+    for key in got:
+        assert got[key].shape == (4,) and list(got[key][:3]) == [w[key] for w in want], key
+        assert got[key][3] == 0, key  # the slot after the last update: never run
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), state, ref)
+    assert all(jax.tree.leaves(same))
+
+
+def test_fit_runs_several_updates_per_call_with_the_numbers_of_one():
+    """fit's calls end where it logs, evaluates or saves, the first update alone (it is timed as the
+    compile); steps_per_call=1 dispatches every update by itself. Self-consistency: the same history."""
+    from jaxgpt.train import loop, step as step_module
+    from jaxgpt.train.tasks import fit_config, load_task
+
+    calls = []
+    real = step_module.make_train_steps
+
+    def spy(*args, **kw):
+        fn = real(*args, **kw)
+        return lambda state, batches, n: calls.append(n) or fn(state, batches, n)
+
+    config = ModelConfig(d_model=32, n_layer=2, n_head=4, max_len=16)
+    tc = TrainConfig(steps=13, batch_size=4, seq_len=8, log_every=4, eval_every=6, eval_batches=1, warmup_steps=1)
+    task = load_task(config, tc, corpus="seed-synthetic")
+    config = fit_config(config, task)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "make_train_steps", spy)
+        many = loop.fit(config, tc, task, progress=False, checkpoints=False)
+    # updates 1 | 2-4 (log) | 5-6 (eval) | 7-8 (log) | 9-12 (log, eval) | 13 (the end)
+    assert calls == [1, 3, 2, 2, 4, 1]
+    one = loop.fit(config, tc.replace(steps_per_call=1), task, progress=False, checkpoints=False)
+    strip = lambda h: [{k: v for k, v in r.items() if k != "tok_s"} for r in h]  # noqa: E731
+    assert strip(many["history"]) == strip(one["history"]) and len(many["history"]) == 13 + 3
+
+
+@pytest.mark.parametrize("bad,why", [(0, "'auto' or an int >= 1"), (-2, "'auto' or an int >= 1"),
+                                     ("fast", "'auto' or an int >= 1"), (True, "an int or a str"),
+                                     (1.5, "an int or a str")])
+def test_steps_per_call_is_validated(bad, why):
+    with pytest.raises((TypeError, ValueError), match=f"steps_per_call must be {why}, got {bad!r}"):
+        TrainConfig(steps_per_call=bad)
+    assert TrainConfig(log_every=10).updates_per_call == 10
+    assert TrainConfig(log_every=1000).updates_per_call == 64 and TrainConfig(steps_per_call=3).updates_per_call == 3

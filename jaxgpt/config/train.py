@@ -10,6 +10,7 @@ SCHEDULES = ("cosine", "constant")
 DECAY = ("all", "linear", "matrices")
 TOKENIZERS = ("char", "bpe")
 ON_NONFINITE = ("stop", "skip")
+MAX_STEPS_PER_CALL = 64  # 'auto' steps_per_call: the batches of one call are stacked on the device
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class TrainConfig(_Config):
     # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp*expert.
     # 'auto': on a CPU host, the micro-batch split over its CPU devices (jaxgpt.parallel.host_devices), else one device.
     mesh: str = "auto"
+    # Engine knob (jaxgpt.train.step.make_train_steps): updates per call of the jitted program ``fit`` runs,
+    # a loop inside the program over that many batches; the same updates, fewer host round trips. 'auto':
+    # log_every, at most MAX_STEPS_PER_CALL (a call ends where fit logs, evaluates or saves anyway); 1: one
+    # dispatch per update.
+    steps_per_call: int | str = "auto"
     # Mixture-of-Experts models (ModelConfig.moe) add coef * loss to the training objective, averaged over
     # tokens like the cross entropy: the load-balancing loss (Switch / transformers' load_balancing_loss_func;
     # Mixtral and Qwen2-MoE train with 0.001, Switch with 0.01) and the ST-MoE router z-loss (0: off).
@@ -66,6 +72,9 @@ class TrainConfig(_Config):
     def _validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches", "log_every", "keep"):
             _positive(name, getattr(self, name))
+        k = self.steps_per_call
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"steps_per_call must be 'auto' or an int >= 1, got {k!r}")
         for name in ("warmup_steps", "eval_every", "ckpt_every", "seed", "epochs", "steps_per_epoch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
@@ -107,6 +116,11 @@ class TrainConfig(_Config):
                 raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp*expert="
                                  f"{n} devices, but batch_size/grad_accum="
                                  f"{self.micro_batch} is not a multiple of it")
+
+    @property
+    def updates_per_call(self) -> int:
+        """``steps_per_call`` resolved: 'auto' -> min(log_every, MAX_STEPS_PER_CALL)."""
+        return min(self.log_every, MAX_STEPS_PER_CALL) if self.steps_per_call == "auto" else self.steps_per_call
 
     @property
     def micro_batch(self) -> int:

@@ -300,9 +300,11 @@ def state_shardings(config, state, mesh: Mesh):
                          opt_state=jax.tree_util.tree_map_with_path(opt, state.opt_state))
 
 
-def batch_sharding(mesh: Mesh, micro_axis: bool = True) -> NamedSharding:
-    """Rows over ('data', 'fsdp', 'expert'); with ``micro_axis`` the leading grad-accumulation axis stays whole."""
-    return NamedSharding(mesh, P(None, BATCH) if micro_axis else P(BATCH))
+def batch_sharding(mesh: Mesh, lead: int = 1) -> NamedSharding:
+    """Rows over ('data', 'fsdp', 'expert') on axis ``lead``; the axes before it stay whole: 1 = a
+    train batch's grad-accumulation axis (A, B, ...), 0 = an eval batch (B, ...), 2 = a chunk of
+    train batches for ``train.step.make_train_steps`` (K, A, B, ...)."""
+    return NamedSharding(mesh, P(*[None] * int(lead), BATCH))
 
 
 def check_batch_divides(mesh: Mesh, rows: int, what: str = "micro-batch") -> None:
@@ -312,12 +314,13 @@ def check_batch_divides(mesh: Mesh, rows: int, what: str = "micro-batch") -> Non
                          f"use a multiple of {n} (batch_size / grad_accum)")
 
 
-def shard_batch(batch: dict, mesh: Mesh, micro_axis: bool = True) -> dict:
-    """A host batch (NumPy, the GLOBAL batch, identical on every process) -> global jax.Arrays split
-    over ('data', 'fsdp', 'expert'). Each process hands over only the rows its own devices hold
-    (jax.make_array_from_process_local_data), so multi-host runs feed each process its shard."""
-    sharding = batch_sharding(mesh, micro_axis)
-    axis = 1 if micro_axis else 0
+def shard_batch(batch: dict, mesh: Mesh, lead: int = 1) -> dict:
+    """A host batch (NumPy, the GLOBAL batch, identical on every process) -> global jax.Arrays with
+    rows (axis ``lead``, as ``batch_sharding``) split over ('data', 'fsdp', 'expert'). Each process
+    hands over only the rows its own devices hold (jax.make_array_from_process_local_data), so
+    multi-host runs feed each process its shard."""
+    sharding = batch_sharding(mesh, lead)
+    axis = int(lead)
 
     def put(x):
         x = np.asarray(x)
@@ -325,7 +328,7 @@ def shard_batch(batch: dict, mesh: Mesh, micro_axis: bool = True) -> dict:
         idx = sharding.addressable_devices_indices_map(x.shape).values()
         lo = min(i[axis].start or 0 for i in idx)
         hi = max(x.shape[axis] if i[axis].stop is None else i[axis].stop for i in idx)
-        local = np.take(x, np.arange(lo, hi), axis=axis)  # (A, rows of this process, ...)
+        local = np.take(x, np.arange(lo, hi), axis=axis)  # (..., rows of this process, ...)
         return jax.make_array_from_process_local_data(sharding, local, x.shape)
 
     return jax.tree.map(put, batch)

@@ -125,26 +125,9 @@ def _row_sums(config) -> bool:
     return getattr(config, "moe", None) is None and not dropout(config.to_dict())
 
 
-def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="auto"):
-    """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
-    ``checked``: checked mode (``jaxgpt.nn.checks``): a bad id, target or label raises ValueError
-    instead of being clamped or scored silently; off by default (the checks compile away).
-    ``mesh``: a ``jaxgpt.parallel.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
-    batch rows are split over ('data', 'fsdp', 'expert') (``sharding.shard_batch``), metrics replicated; jit
-    propagates the rest. None: the single-device step, unchanged. 'auto' (default): from ``tc.mesh``
-    (sharding.train_mesh); its default 'auto' splits the batch over this host's CPU devices
-    (jaxgpt.parallel.host_devices), and a batch whose rows do not divide runs whole on each of them.
-    When the state is replicated and the model draws no dropout, the gradient is computed per device
-    and reduced in one all-reduce (``jaxgpt.parallel.data_parallel``: 1.1-1.2x on a 2-core CPU).
-
-    batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
-    (grad_accum, micro_batch, ...). Gradients of the summed loss are accumulated over the
-    micro-batches and divided by the total target count, so the update is the one a single
-    batch of ``batch_size`` would give. metrics: loss (token mean), accuracy, grad_norm (before
-    clipping), lr (of this update), nonfinite (1.0 when the loss or gradient norm is NaN/inf;
-    with ``on_nonfinite='skip'`` such an update is not applied: params and optimizer state,
-    including its update count, stay as they were).
-    """
+def _train_program(config, tc: TrainConfig, mesh):
+    """(the pure ``train_step(state, batch)``, its mesh or None, jit's shardings ({} without a mesh),
+    whether the batch comes unsplit ('auto'))."""
     optimizer, lr = make_optimizer(tc), schedule(tc)
     # TrainConfig.mesh='auto': the batch comes as it is (any row count) and is split in the step, if it divides
     auto = isinstance(mesh, str) and tc.mesh == "auto"
@@ -220,14 +203,40 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
             metrics.update(router_aux=terms["router_aux_sum"] / count, router_z=terms["router_z_sum"] / count)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+
+    if mesh is None:
+        return train_step, None, {}, auto
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxgpt.parallel.sharding import batch_sharding
+
+    # 'auto': the batch comes as it is (host arrays, any row count) and is split in here
+    return train_step, mesh, dict(in_shardings=(state_sh, None if auto else batch_sharding(mesh)),
+                                  out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec()))), auto
+
+
+def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="auto"):
+    """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
+    ``checked``: checked mode (``jaxgpt.nn.checks``): a bad id, target or label raises ValueError
+    instead of being clamped or scored silently; off by default (the checks compile away).
+    ``mesh``: a ``jaxgpt.parallel.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
+    batch rows are split over ('data', 'fsdp', 'expert') (``sharding.shard_batch``), metrics replicated; jit
+    propagates the rest. None: the single-device step, unchanged. 'auto' (default): from ``tc.mesh``
+    (sharding.train_mesh); its default 'auto' splits the batch over this host's CPU devices
+    (jaxgpt.parallel.host_devices), and a batch whose rows do not divide runs whole on each of them.
+    When the state is replicated and the model draws no dropout, the gradient is computed per device
+    and reduced in one all-reduce (``jaxgpt.parallel.data_parallel``: 1.1-1.2x on a 2-core CPU).
+
+    batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
+    (grad_accum, micro_batch, ...). Gradients of the summed loss are accumulated over the
+    micro-batches and divided by the total target count, so the update is the one a single
+    batch of ``batch_size`` would give. metrics: loss (token mean), accuracy, grad_norm (before
+    clipping), lr (of this update), nonfinite (1.0 when the loss or gradient norm is NaN/inf;
+    with ``on_nonfinite='skip'`` such an update is not applied: params and optimizer state,
+    including its update count, stay as they were).
+    """
+    train_step, mesh, shardings, _ = _train_program(config, tc, mesh)
     if mesh is not None:
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxgpt.parallel.sharding import batch_sharding
-
-        # 'auto': the batch comes as it is (host arrays, any row count) and is split in here
-        shardings = dict(in_shardings=(state_sh, None if auto else batch_sharding(mesh)),
-                         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())))
         # the metrics are what is waited for: the state was donated to the next step
         if checked:
             # checkify returns (error, output): the output shardings are left to propagation
@@ -235,6 +244,45 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
                           keep=lambda out: out[1])
         return _paced(jax.jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
     return checks.checked(train_step, donate_argnums=0) if checked else jax.jit(train_step, donate_argnums=0)
+
+
+def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
+    """-> jitted ``train_steps(state, batches, n) -> (state, metrics)``: the updates of
+    ``make_train_step``, one after another, for ``batches[0] .. batches[n - 1]`` in one call: a
+    ``fori_loop`` over the same pure ``train_step``, so each update is the one a single step gives.
+    ``batches``: ``k`` train batches stacked on a new leading axis, (k, grad_accum, micro_batch, ...);
+    ``n`` (1..k) is an argument, not a constant, so one program serves every chunk length (the
+    batches after the n-th are ignored). ``metrics``: each of ``make_train_step``'s metrics as a
+    (k,) array, update i in row i (rows n.. are zeros). ``state`` is donated.
+
+    Why (``TrainConfig.steps_per_call``, what ``fit`` runs): on a CPU host whose cores all run the
+    step, host work is not hidden behind the device. Each dispatch, batch transfer and metrics fetch
+    takes its CPU time from the step: nanoGPT's CPU config, 2 host devices, 24.2 ms a step dispatched
+    one by one against 21.9 ms ten to a call (docs/performance.md)."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k (updates per call) must be an int >= 1, got {k!r}")
+    train_step, mesh, shardings, auto = _train_program(config, tc, mesh)
+
+    def train_steps(state: TrainState, batches: dict, n):
+        one = jax.tree.map(lambda a: a[0], batches)
+        shapes = jax.eval_shape(train_step, state, one)[1]
+        rows = jax.tree.map(lambda m: jnp.zeros((k, *m.shape), m.dtype), shapes)  # (k,) per metric
+
+        def body(i, carry):
+            state, rows = carry
+            state, metrics = train_step(state, jax.tree.map(lambda a: a[i], batches))
+            return state, jax.tree.map(lambda r, m: r.at[i].set(m), rows, metrics)
+
+        return jax.lax.fori_loop(0, n, body, (state, rows))
+
+    if mesh is None:
+        return jax.jit(train_steps, donate_argnums=0)
+    from jaxgpt.parallel.sharding import batch_sharding
+
+    state_sh, metrics_sh = shardings["out_shardings"]
+    chunk = None if auto else batch_sharding(mesh, lead=2)
+    return _paced(jax.jit(train_steps, donate_argnums=0, in_shardings=(state_sh, chunk, None),
+                          out_shardings=(state_sh, metrics_sh)), mesh, keep=lambda out: out[1])
 
 
 def make_eval_step(config, *, checked: bool = False, mesh=None):
