@@ -283,3 +283,40 @@ def test_steps_per_call_is_validated(bad, why):
         TrainConfig(steps_per_call=bad)
     assert TrainConfig(log_every=10).updates_per_call == 10
     assert TrainConfig(log_every=1000).updates_per_call == 64 and TrainConfig(steps_per_call=3).updates_per_call == 3
+
+
+def _ynn_dots(hlo: str) -> int:
+    """YNNPACK fusions of a compiled program that hold a dot."""
+    import re
+
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+        elif name:
+            bodies.setdefault(name, []).append(line)
+    calls = [m.group(1) for line in hlo.splitlines() if "__ynn_fusion" in line or "ynn_fusion" in line.split("=")[0]
+             for m in [re.search(r"calls=%([\w.\-]+)", line)] if m]
+    return sum(any(" dot(" in b for b in bodies.get(c, [])) for c in calls)
+
+
+def test_cpu_steps_leave_dots_to_eigen(monkeypatch):
+    """train.step.CPU_OPTIONS reach the compiled steps: no YNNPACK fusion holds a dot (XLA's default
+    gives YNNPACK every dot); a jaxlib that does not know the option compiles with its defaults."""
+    from jaxgpt.train import step as step_module
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("a CPU compiler option")
+    tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
+    state, batch = init_state(CFG, tc, mesh=None), _batch(4)
+    assert step_module.cpu_compiler_options() == step_module.CPU_OPTIONS
+    ours = make_train_step(CFG, tc, mesh=None).lower(state, batch).compile().as_text()
+    xla = jax.jit(lambda s, b: make_train_step(CFG, tc, mesh=None)(s, b)).lower(state, batch).compile().as_text()
+    assert _ynn_dots(ours) == 0 and _ynn_dots(xla) > 0
+    monkeypatch.setattr(step_module, "CPU_OPTIONS", {"xla_cpu_experimental_ynn_fusion_type": "NO_SUCH_TYPE"})
+    step_module.cpu_compiler_options.cache_clear()
+    try:
+        assert step_module.cpu_compiler_options() == {}
+    finally:
+        step_module.cpu_compiler_options.cache_clear()

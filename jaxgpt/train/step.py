@@ -25,6 +25,46 @@ from jaxgpt.train.losses import loss_terms, objective
 from jaxgpt.train.optim import make_optimizer, schedule
 
 
+# XLA:CPU (jaxlib 0.10) hands each dot to YNNPACK and each reduction too (its fusion types INDIVIDUAL_DOT and
+# REDUCE). Eigen's dots made the shakespeare-char step 1.06x faster (5.25 against 5.57 s, 4 process pairs A B A B;
+# cpu-small unchanged), so the train and eval steps keep YNNPACK for the reductions only (without them: slower).
+CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+@functools.cache
+def cpu_compiler_options() -> dict:
+    """``CPU_OPTIONS`` where the backend is the CPU and this jaxlib takes them (they are experimental: a
+    jaxlib without them compiles the steps with its defaults), else {}: ``jax.jit``'s ``compiler_options``."""
+    if jax.default_backend() != "cpu":
+        return {}
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=CPU_OPTIONS).lower(jnp.float32(0)).compile()
+    except Exception:  # noqa: BLE001 - an unknown option or value: XLA's defaults, which are correct too
+        return {}
+    return dict(CPU_OPTIONS)
+
+
+def _traced(tree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+class _Jit:
+    """``jax.jit(fn, **kw)``, compiled with ``cpu_compiler_options()`` when called at the top level.
+    Inside another jit (JAX takes compiler_options only at the top) it is the plain jit, compiled
+    with the outer program's options. Other attributes (``lower``, ...) are the top-level jit's."""
+
+    def __init__(self, fn, **kw):
+        options = cpu_compiler_options()
+        self._plain = jax.jit(fn, **kw)
+        self._top = jax.jit(fn, compiler_options=options, **kw) if options else self._plain
+
+    def __call__(self, *args):
+        return (self._plain if _traced(args) else self._top)(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._top, name)
+
+
 class TrainState(struct.PyTreeNode):
     step: jax.Array  # () int32: updates applied so far
     params: Any
@@ -102,7 +142,7 @@ class Paced:
             jax.block_until_ready(self._pending.popleft())
         out = self._fn(*args)
         kept = self._keep(out)
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(kept)):  # traced under an outer jit
+        if not _traced(kept):  # traced under an outer jit
             self._pending.append(kept)
         return out
 
@@ -240,10 +280,12 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
         # the metrics are what is waited for: the state was donated to the next step
         if checked:
             # checkify returns (error, output): the output shardings are left to propagation
-            return _paced(checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"]), mesh,
-                          keep=lambda out: out[1])
-        return _paced(jax.jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
-    return checks.checked(train_step, donate_argnums=0) if checked else jax.jit(train_step, donate_argnums=0)
+            return _paced(checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"],
+                                         compiler_options=cpu_compiler_options() or None), mesh, keep=lambda out: out[1])
+        return _paced(_Jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
+    if checked:
+        return checks.checked(train_step, donate_argnums=0, compiler_options=cpu_compiler_options() or None)
+    return _Jit(train_step, donate_argnums=0)
 
 
 def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
@@ -276,13 +318,13 @@ def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
         return jax.lax.fori_loop(0, n, body, (state, rows))
 
     if mesh is None:
-        return jax.jit(train_steps, donate_argnums=0)
+        return _Jit(train_steps, donate_argnums=0)
     from jaxgpt.parallel.sharding import batch_sharding
 
     state_sh, metrics_sh = shardings["out_shardings"]
     chunk = None if auto else batch_sharding(mesh, lead=2)
-    return _paced(jax.jit(train_steps, donate_argnums=0, in_shardings=(state_sh, chunk, None),
-                          out_shardings=(state_sh, metrics_sh)), mesh, keep=lambda out: out[1])
+    return _paced(_Jit(train_steps, donate_argnums=0, in_shardings=(state_sh, chunk, None),
+                       out_shardings=(state_sh, metrics_sh)), mesh, keep=lambda out: out[1])
 
 
 def make_eval_step(config, *, checked: bool = False, mesh=None):
@@ -299,8 +341,8 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
         return loss_terms(config, params, batch, train=False)
 
     if checked:
-        return _paced(checks.checked(eval_step), mesh)
-    whole = jax.jit(eval_step)
+        return _paced(checks.checked(eval_step, compiler_options=cpu_compiler_options() or None), mesh)
+    whole = _Jit(eval_step)
     if mesh is None:
         return whole
     from jaxgpt.parallel.sharding import param_shardings
@@ -309,10 +351,12 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
         return _paced(whole, mesh)  # jit's propagation over several devices: collectives too
     devices = batch_devices(mesh.shape)
 
-    @jax.jit
-    def eval_step_split(params, batch):
+    def split(params, batch):
         checks.check_batch(batch, config)  # the whole batch: a bad id is named as in eval_step
         return data_parallel(lambda p, b: loss_terms(config, p, b, train=False), mesh, micro_axis=False)(params, batch)
+
+    split.__name__ = "eval_step_split"  # the program's name in profiles and compile logs
+    eval_step_split = _Jit(split)
 
     def step(params, batch):
         return eval_step_split(params, batch) if jax.tree.leaves(batch)[0].shape[0] % devices == 0 \
