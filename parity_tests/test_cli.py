@@ -174,7 +174,7 @@ def test_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeyp
 def test_a_second_run_loads_every_compiled_program(tmp_path):
     """$JAXGPT_COMPILE_CACHE (jaxgpt.cli.compile_cache): the first run fills the cache; a second run of
     the same model on the same two host devices finds every program it compiled (the init, the train
-    step, the eval step split over the devices: no new entry), and trains to the same losses."""
+    program, the eval step split over the devices: no new entry), and trains to the same losses."""
     cache = tmp_path / "xla"
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAXGPT_COMPILE_CACHE": str(cache)}
     sets = ["n_layer=2", "d_model=64", "n_head=2", "dropout=0.0", "max_len=32", "seq_len=32", "batch_size=8",
@@ -186,8 +186,10 @@ def test_a_second_run_loads_every_compiled_program(tmp_path):
         proc = subprocess.run(cmd + ["--out", str(tmp_path / name)], env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         entries.append(sorted(p.name for p in cache.iterdir()))
-    assert any(n.startswith("jit_train_step") for n in entries[0]) and any(n.startswith("jit_eval_step_split")
-                                                                          for n in entries[0]), entries[0]
+    assert any(n.startswith("jit_eval_step_split") for n in entries[0]), entries[0]
+    # one train program, compiled on fit's compile_ahead thread and loaded by the first call: a lowering
+    # there unlike the real call's would have left a second entry
+    assert sum(n.startswith("jit_train_steps-") for n in entries[0]) == 1, entries[0]
     assert sorted(set(entries[1]) - set(entries[0])) == []
     assert _losses(tmp_path / "warm") == _losses(tmp_path / "cold")
 

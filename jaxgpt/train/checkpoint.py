@@ -180,6 +180,12 @@ class Checkpoints:
 
     # --- saving ----------------------------------------------------------------------------
 
+    def compile_ahead(self, abstract: TrainState) -> None:
+        """Compile the checksum programs ``save`` runs, for a state of ``abstract``'s shapes and
+        shardings, now (``fit`` does it while the train program compiles on another thread)."""
+        _fingerprints.lower(abstract.params).compile()
+        _fingerprints.lower({"step": abstract.step, "opt_state": abstract.opt_state, "rng": abstract.rng}).compile()
+
     def save(self, state: TrainState, meta: dict) -> None:
         """Asynchronous: returns once the arrays are copied off the device. The previous save is
         finished, read back and pruned first."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,14 +22,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import std as tqdm_std
-from tqdm.auto import tqdm
 
 from jaxgpt.config import TrainConfig
 from jaxgpt.data.prefetch import Prefetch
+from jaxgpt.train.progress import Progress
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.parallel.hosts import barrier, is_primary
-from jaxgpt.train.step import TrainState, init_state, make_eval_step, make_train_step, make_train_steps
+from jaxgpt.train.step import (TrainState, abstract_state, compile_ahead, init_state, make_eval_step,
+                               make_train_step, make_train_steps)
 from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
 
@@ -90,46 +89,6 @@ class NonFiniteLoss(FloatingPointError):
     """Training met a NaN/inf loss, gradient norm or weight with ``on_nonfinite='stop'``."""
 
 
-_NOTEBOOK = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)  # tqdm.auto picked the widget
-
-
-class Progress:
-    """Step, loss, tokens/s and ETA: a tqdm bar on a terminal (a widget in notebooks), plain lines
-    at most every ``interval`` seconds otherwise (logs, CI), where redrawing a bar would leave
-    carriage returns. The bar starts at the first update, so compilation does not count in the rate."""
-
-    FORMAT = "{percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
-
-    def __init__(self, total: int, stream=None, enabled: bool = True, interval: float = 10.0):
-        self.total, self.stream, self.enabled, self.interval = total, stream or sys.stderr, enabled, interval
-        self.interactive = enabled and (_NOTEBOOK or self.stream.isatty())
-        self.bar, self.start, self.t0, self.last = None, None, None, -math.inf
-
-    def update(self, step: int, loss: float, tok_s: float, extra: str = "") -> None:
-        if not self.enabled:
-            return
-        postfix = f"loss {loss:.4f}, {tok_s / 1e3:.1f}k tok/s{extra}"
-        if self.interactive:
-            if self.bar is None:
-                self.bar = tqdm(total=self.total, initial=step, file=self.stream, unit="step", dynamic_ncols=True,
-                                smoothing=0.1)
-            self.bar.set_postfix_str(postfix, refresh=False)
-            self.bar.update(step - self.bar.n)
-            return
-        now = time.perf_counter()
-        if self.t0 is None:
-            self.t0, self.start = now, step
-        if now - self.last >= self.interval or step >= self.total:
-            self.stream.write(tqdm_std.tqdm.format_meter(step, self.total, now - self.t0, unit="step", postfix=postfix,
-                                                         initial=self.start, bar_format=self.FORMAT) + "\n")
-            self.stream.flush()
-            self.last = now
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _placer(mesh):
     """Host batch -> global arrays on ``mesh``, rows split over ('data', 'fsdp', 'expert'), each
     process handing over its own rows: ``lead`` axes before the rows (``sharding.batch_sharding``:
@@ -149,6 +108,17 @@ def _placer(mesh):
         return {k: jax.make_array_from_process_local_data(whole, np.asarray(x)) for k, x in batch.items()}
 
     return place
+
+
+def _chunk_shapes(task: Task, tc: TrainConfig, k: int, mesh) -> dict:
+    """Shapes of a call's stacked batches, (k, grad_accum, micro_batch, ...), as ``fit`` places them."""
+    sharding = None
+    if mesh is not None:
+        from jaxgpt.parallel.sharding import batch_sharding
+
+        sharding = batch_sharding(mesh, lead=2)
+    return {key: jax.ShapeDtypeStruct((k, *np.shape(x)), np.asarray(x).dtype, sharding=sharding)
+            for key, x in task.batch(tc, 0).items()}
 
 
 def evaluate(config, params, batches: list[dict], eval_step=None, place=None) -> dict:
@@ -204,6 +174,16 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         out.mkdir(parents=True, exist_ok=True)
     mesh = _mesh(tc)
     ckpts = Checkpoints(out, keep=tc.keep, mesh=mesh) if checkpoints else None
+    # several updates per call (make_train_steps) unless the caller brought its own one-update step
+    k = 1 if train_step is not None else tc.updates_per_call
+    multi = k > 1
+    ahead = None
+    if multi:  # compiled on a thread while the state is initialised (with a persistent cache)
+        train_steps = make_train_steps(config, tc, k, mesh=mesh)
+        ahead = compile_ahead(train_steps, abstract_state(config, tc, mesh), _chunk_shapes(task, tc, k, mesh),
+                              jax.ShapeDtypeStruct((), np.int32))
+    else:
+        train_step = train_step or make_train_step(config, tc, mesh=mesh)
     if state is None:
         state = init_state(config, tc, mesh=mesh)  # with a mesh: created in its sharding
     elif mesh is not None:  # restored or --init weights: split over the mesh (a no-op when already placed)
@@ -225,13 +205,6 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     meta = None if ckpts is None else {  # saved with each step
         "config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(), "source": task.source,
         "kind": task.kind}
-    # several updates per call (make_train_steps) unless the caller brought its own one-update step
-    k = 1 if train_step is not None else tc.updates_per_call
-    multi = k > 1
-    if multi:
-        train_steps = make_train_steps(config, tc, k, mesh=mesh)
-    else:
-        train_step = train_step or make_train_step(config, tc, mesh=mesh)
     eval_step = eval_step or make_eval_step(config, mesh=mesh)
     eval_batches = task.eval_batches(tc)
     bar = Progress(end, enabled=progress)
@@ -326,7 +299,14 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
             for c in work:
                 # dispatch is asynchronous: the thread is already building the batches after these
                 b = place(check_batch(batches.get(c), config), **({} if multi else {"lead": 1}))  # jit would not raise
-                state, m = train_steps(state, b, len(c)) if multi else train_step(state, b)
+                if ahead is not None:  # meanwhile, what the first save runs, into the persistent cache too
+                    abstract = abstract_state(config, tc, mesh)
+                    _all_finite.lower(abstract.params).compile()
+                    if ckpts is not None:
+                        ckpts.compile_ahead(abstract)
+                    ahead.join()  # the first call loads what the thread compiled
+                    ahead = None
+                state, m = train_steps(state, b, np.int32(len(c))) if multi else train_step(state, b)
                 done = c[-1]
                 pending.append((c, m))
                 evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == end

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from typing import Any
 
 import jax
@@ -325,6 +326,27 @@ def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
     chunk = None if auto else batch_sharding(mesh, lead=2)
     return _paced(_Jit(train_steps, donate_argnums=0, in_shardings=(state_sh, chunk, None),
                        out_shardings=(state_sh, metrics_sh)), mesh, keep=lambda out: out[1])
+
+
+def compile_ahead(fn, *args) -> threading.Thread | None:
+    """Compile jitted ``fn`` for ``args`` (abstract: ``jax.ShapeDtypeStruct`` with the shardings the
+    real call will have) on a thread, into JAX's persistent compilation cache, while the caller goes
+    on; join the thread before the first call, which then loads the program instead of compiling it.
+    None (nothing started) when no persistent cache is on, since the program would be compiled twice.
+    Why: ``fit`` initialises the state (compiling its init on one core) while the train program
+    compiles on the other: the first ``jaxgpt train`` of nanoGPT's CPU config saves about 1 s."""
+    if not jax.config.jax_compilation_cache_dir:
+        return None
+
+    def run():
+        try:
+            fn.lower(*args).compile()
+        except Exception:  # noqa: BLE001 - the real call compiles it again, and raises what is wrong
+            pass
+
+    thread = threading.Thread(target=run, name="jaxgpt-compile-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def make_eval_step(config, *, checked: bool = False, mesh=None):
