@@ -82,6 +82,11 @@ def _fingerprint(x: jax.Array) -> jax.Array:
 _fingerprints = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
 
 
+def _train_items(state) -> dict:
+    """What a checkpoint's 'train' item holds: everything of the state but the params."""
+    return {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+
+
 def checksums(tree) -> dict[str, int]:
     """{'['layers']['mlp']...': uint32 checksum} for every array of ``tree`` (computed on the device)."""
     sums = jax.device_get(_fingerprints(tree))
@@ -184,13 +189,13 @@ class Checkpoints:
         """Compile the checksum programs ``save`` runs, for a state of ``abstract``'s shapes and
         shardings, now (``fit`` does it while the train program compiles on another thread)."""
         _fingerprints.lower(abstract.params).compile()
-        _fingerprints.lower({"step": abstract.step, "opt_state": abstract.opt_state, "rng": abstract.rng}).compile()
+        _fingerprints.lower(_train_items(abstract)).compile()
 
     def save(self, state: TrainState, meta: dict) -> None:
         """Asynchronous: returns once the arrays are copied off the device. The previous save is
         finished, read back and pruned first."""
         self.wait()
-        train = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+        train = _train_items(state)
         sums = {"params": checksums(state.params), "train": checksums(train)}
         step = int(state.step)
         self._mngr.save(step, args=ocp.args.Composite(
@@ -331,7 +336,7 @@ class Checkpoints:
             return config, tc, params, None, meta
         target = self._placed(config, abstract_state(config, tc, self.mesh))
         params = self._item(step, "params", target.params, meta)
-        rest = self._item(step, "train", {"step": target.step, "opt_state": target.opt_state, "rng": target.rng}, meta)
+        rest = self._item(step, "train", _train_items(target), meta)
         return config, tc, params, rest, meta
 
     def _placed(self, config, target):

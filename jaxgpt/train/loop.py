@@ -101,7 +101,7 @@ def _placer(mesh):
 
     rows = batch_devices(mesh.shape)
 
-    def place(batch: dict, lead: int = 2) -> dict:
+    def place(batch: dict, lead: int) -> dict:
         if lead or all(len(x) % rows == 0 for x in batch.values()):
             return shard_batch(batch, mesh, lead)
         whole = NamedSharding(mesh, PartitionSpec())
@@ -180,8 +180,8 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     ahead = None
     if multi:  # compiled on a thread while the state is initialised (with a persistent cache)
         train_steps = make_train_steps(config, tc, k, mesh=mesh)
-        ahead = compile_ahead(train_steps, abstract_state(config, tc, mesh), _chunk_shapes(task, tc, k, mesh),
-                              jax.ShapeDtypeStruct((), np.int32))
+        abstract = abstract_state(config, tc, mesh)
+        ahead = compile_ahead(train_steps, abstract, _chunk_shapes(task, tc, k, mesh), jax.ShapeDtypeStruct((), np.int32))
     else:
         train_step = train_step or make_train_step(config, tc, mesh=mesh)
     if state is None:
@@ -190,7 +190,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         from jaxgpt.parallel.sharding import state_shardings
 
         state = jax.device_put(state, state_shardings(config, state, mesh))
-    place = (lambda b, lead=2: b) if mesh is None else _placer(mesh)
+    place = (lambda b, lead: b) if mesh is None else _placer(mesh)
     start = int(state.step)
     end = tc.steps if until is None else min(until, tc.steps)
     for s in ckpts.steps() if ckpts is not None else ():
@@ -291,21 +291,20 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
         got += got[-1:] * (k - len(got))
         return {key: np.stack([b[key] for b in got]) for key in got[0]}
 
+    if ahead is not None:  # meanwhile, what the first save runs, into the persistent cache too
+        _all_finite.lower(abstract.params).compile()
+        if ckpts is not None:
+            ckpts.compile_ahead(abstract)
+        ahead.join()  # the first call loads what the thread compiled
     # host-side prefetch: a thread builds the next batches (pure functions of the step) while the device runs
     work = calls()
     batches = Prefetch(chunk if multi else (lambda c: task.batch(tc, c[0] - 1)), work, depth=PREFETCH_DEPTH)
+    lead = 2 if multi else 1  # axes before the batch rows: (k, A, B, ...) or (A, B, ...)
     try:
         try:
             for c in work:
                 # dispatch is asynchronous: the thread is already building the batches after these
-                b = place(check_batch(batches.get(c), config), **({} if multi else {"lead": 1}))  # jit would not raise
-                if ahead is not None:  # meanwhile, what the first save runs, into the persistent cache too
-                    abstract = abstract_state(config, tc, mesh)
-                    _all_finite.lower(abstract.params).compile()
-                    if ckpts is not None:
-                        ckpts.compile_ahead(abstract)
-                    ahead.join()  # the first call loads what the thread compiled
-                    ahead = None
+                b = place(check_batch(batches.get(c), config), lead)  # jit would not raise
                 state, m = train_steps(state, b, np.int32(len(c))) if multi else train_step(state, b)
                 done = c[-1]
                 pending.append((c, m))

@@ -28,7 +28,7 @@ def _local_rows(tc: TrainConfig) -> np.ndarray | None:
     from jaxgpt.parallel.sharding import batch_sharding, make_mesh
 
     shape = (tc.grad_accum, tc.micro_batch, tc.seq_len)
-    idx = batch_sharding(make_mesh(tc.mesh), True).addressable_devices_indices_map(shape).values()
+    idx = batch_sharding(make_mesh(tc.mesh), lead=1).addressable_devices_indices_map(shape).values()
     lo = min(i[1].start or 0 for i in idx)  # as shard_batch: the process's rows are one range of axis 1
     hi = max(tc.micro_batch if i[1].stop is None else i[1].stop for i in idx)
     return (np.arange(tc.grad_accum)[:, None] * tc.micro_batch + np.arange(lo, hi)).reshape(-1)
