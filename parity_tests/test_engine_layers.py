@@ -1,4 +1,4 @@
-"""Engine knobs of the layer stack (``scan_layers``, ``scan_unroll``, ``remat``): they change how the
+"""Engine knobs of the layer stack (``scan_layers``, ``scan_unroll``, ``remat``, ``norm_impl``): they change how the
 stack compiles, never the numbers. Parity against torch_ref for each setting (forward and
 gradients, 1e-5), self-consistency against the default layout (<= 1e-6 of scale), cached generation,
 conversion of both parameter layouts, and structural checks that each knob takes effect (the
@@ -32,6 +32,7 @@ SETTINGS = {  # against the default: scan_unroll='auto' (fully unrolled on the C
     "remat-full": dict(remat="full"),
     "remat-dots": dict(remat="dots_saveable"),
     "no-scan-remat": dict(scan_layers=False, remat="dots_with_no_batch_dims_saveable"),
+    "norm-xla": dict(norm_impl="xla"),  # the default 'auto' runs the C++ RMSNorm on the CPU
 }
 SELF_TOL = 1e-6
 
@@ -181,7 +182,7 @@ def test_unroll_and_scan_layers_change_the_lowered_loop():
         loops[name] = text.count("stablehlo.while")
     auto = 0 if jax.default_backend() == "cpu" else 1  # scan_unroll='auto': fully unrolled on the CPU
     assert loops == {"default": auto, "rolled": 1, "unrolled": 0, "unroll-2": 1, "no-scan": 0, "remat-full": 1,
-                     "remat-dots": 1, "no-scan-remat": 0}  # 'auto' with remat: rolled, which keeps its saving
+                     "remat-dots": 1, "no-scan-remat": 0, "norm-xla": auto}  # 'auto' with remat: rolled, which keeps its saving
 
 
 def test_init_params_are_the_unrolled_modules_init():

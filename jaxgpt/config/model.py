@@ -30,6 +30,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 # 'blocked' a flash-style online-softmax loop over key/value blocks (memory linear in sequence length),
 # 'auto' one of them per call, backend and shape (jaxgpt.nn.kernels.auto_impl).
 ATTENTION_IMPLS = ("auto", "xla", "jax", "cudnn", "blocked", "ffi")
+# LayerNorm / RMSNorm (engine knob, same math): 'xla' jax.numpy, 'ffi' the C++ CPU kernel
+# (jaxgpt.nn.kernels.norm_ffi), 'auto' the kernel on the CPU where it is built, else 'xla'.
+NORM_IMPLS = ("auto", "xla", "ffi")
+# The exact GELU (engine knob, same math): 'xla', 'ffi' the C++ CPU kernel (jaxgpt.nn.kernels.gelu_ffi),
+# 'auto' the kernel on the CPU in float32 where it is built, else 'xla'. Other activations run XLA's.
+ACT_IMPLS = ("auto", "xla", "ffi")
 
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
@@ -94,6 +100,8 @@ class ModelConfig(_Config):
     remat: str = "none"  # one of REMATS: what each layer keeps for the backward pass
     attention_impl: str = "auto"  # one of ATTENTION_IMPLS
     attention_block: int = 128  # key/value block length of attention_impl='blocked' (128: fastest measured on CPU)
+    norm_impl: str = "auto"  # one of NORM_IMPLS
+    act_impl: str = "auto"  # one of ACT_IMPLS
     dtype: str = "float32"  # compute dtype (DTYPES); bfloat16 with param_dtype float32 = mixed precision
     param_dtype: str = "float32"  # dtype the weights are stored (and optimised) in
     # Mixture of Experts (jaxgpt/config/moe.py): None = every layer's FFN is the dense ``mlp``.
@@ -118,6 +126,8 @@ class ModelConfig(_Config):
             _positive("scan_unroll", self.scan_unroll)
         _choice("remat", self.remat, REMATS)
         _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _choice("norm_impl", self.norm_impl, NORM_IMPLS)
+        _choice("act_impl", self.act_impl, ACT_IMPLS)
         _positive("attention_block", self.attention_block)
         _choice("dtype", self.dtype, DTYPES)
         _choice("param_dtype", self.param_dtype, DTYPES)

