@@ -32,7 +32,7 @@ SETTINGS = {  # against the default: scan_unroll='auto' (fully unrolled on the C
     "remat-full": dict(remat="full"),
     "remat-dots": dict(remat="dots_saveable"),
     "no-scan-remat": dict(scan_layers=False, remat="dots_with_no_batch_dims_saveable"),
-    "norm-xla": dict(norm_impl="xla"),  # the default 'auto' runs the C++ RMSNorm on the CPU
+    "norm-ffi": dict(norm_impl="ffi"),  # the C++ RMSNorm ('auto' runs it on train-step-sized inputs only)
 }
 SELF_TOL = 1e-6
 
@@ -182,7 +182,7 @@ def test_unroll_and_scan_layers_change_the_lowered_loop():
         loops[name] = text.count("stablehlo.while")
     auto = 0 if jax.default_backend() == "cpu" else 1  # scan_unroll='auto': fully unrolled on the CPU
     assert loops == {"default": auto, "rolled": 1, "unrolled": 0, "unroll-2": 1, "no-scan": 0, "remat-full": 1,
-                     "remat-dots": 1, "no-scan-remat": 0, "norm-xla": auto}  # 'auto' with remat: rolled, which keeps its saving
+                     "remat-dots": 1, "no-scan-remat": 0, "norm-ffi": auto}  # 'auto' with remat: rolled, which keeps its saving
 
 
 def test_init_params_are_the_unrolled_modules_init():

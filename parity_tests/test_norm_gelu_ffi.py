@@ -17,9 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close, assert_self_consistent
+from conftest import assert_close, assert_grads_close, assert_self_consistent, load_into, randomize, torch_grads
+from jaxgpt import PRESETS, build
+from jaxgpt.models import abstract_params, stacked_paths
 from jaxgpt.nn import mlp, norms
 from jaxgpt.nn.kernels import gelu_ffi, norm_ffi
+from torch_ref import build as tbuild
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not (norm_ffi.available() and gelu_ffi.available()),
@@ -94,30 +97,34 @@ def test_gelu_ffi_matches_torch_and_float64():
 
 def test_gelu_ffi_in_the_mlp_matches_xla_and_auto_runs_it(monkeypatch):
     """Self-consistency: the MLP with act_impl 'ffi' / 'auto' equals 'xla''s, gradients too."""
-    x = jnp.asarray(_rand((2, 9, 16), 5))
-    ref = mlp.MLP(d_model=16, d_ff=64, act_impl="xla")
+    x = jnp.asarray(_rand((4, 64, 16), 5))  # a hidden layer of 4 * 64 * 128 floats: 'auto''s lower bound
+    assert 4 * 64 * 128 == gelu_ffi.AUTO_MIN_SIZE
+    ref = mlp.MLP(d_model=16, d_ff=128, act_impl="xla")
     params = ref.init(jax.random.PRNGKey(0), x)
     loss = lambda m: jax.value_and_grad(lambda p: jnp.sum(jnp.sin(m.apply(p, x))))(params)
     want = loss(ref)
     calls = _spy(monkeypatch, gelu_ffi, "gelu")
     for impl in ("ffi", "auto"):
-        got = loss(mlp.MLP(d_model=16, d_ff=64, act_impl=impl))
+        got = loss(mlp.MLP(d_model=16, d_ff=128, act_impl=impl))
         assert_self_consistent(got[0], want[0], f"MLP act_impl={impl} vs xla: loss")
         for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
             assert_self_consistent(a, b, f"MLP act_impl={impl} vs xla: grads")
     assert len(calls) == 2
     calls.clear()
-    mlp.MLP(d_model=16, d_ff=64, activation="gelu_tanh").apply(params, x)  # not the exact GELU: XLA
+    mlp.MLP(d_model=16, d_ff=128, activation="gelu_tanh").apply(params, x)  # not the exact GELU: XLA
+    mlp.MLP(d_model=16, d_ff=128).apply(params, x[:, :63])  # under AUTO_MIN_SIZE (a decode step): XLA
     assert not calls
 
 
 def test_auto_runs_the_norm_kernel_and_ffi_refuses_what_it_cannot(monkeypatch):
     calls = _spy(monkeypatch, norm_ffi, "_norm")
-    x = jnp.ones((2, 3, 8))
+    x = jnp.ones((2, 64, 256))
+    assert x.size == norm_ffi.AUTO_MIN_SIZE
     norms.LayerNorm().init(jax.random.PRNGKey(0), x)
     assert calls, "norm_impl='auto' did not run the kernel on the CPU"
     calls.clear()
     norms.LayerNorm(impl="xla").init(jax.random.PRNGKey(0), x)
+    norms.LayerNorm().init(jax.random.PRNGKey(0), x[:, :63])  # under AUTO_MIN_SIZE (a decode step): XLA
     assert not calls
     with pytest.raises(ValueError, match=r"norm_impl='ffi' cannot run here: it takes x of rank 2"):
         norms.LayerNorm(impl="ffi").init(jax.random.PRNGKey(0), jnp.ones((8,)))
@@ -125,6 +132,29 @@ def test_auto_runs_the_norm_kernel_and_ffi_refuses_what_it_cannot(monkeypatch):
         mlp.activate("gelu", jnp.ones((4,), jnp.bfloat16), "ffi")
     with pytest.raises(ValueError, match=r"norm_impl='fused' is not one of"):
         norms.LayerNorm(impl="fused").init(jax.random.PRNGKey(0), x)
+
+
+def test_gpt2_with_both_kernels_matches_torch_ref(monkeypatch):
+    """A tiny GPT-2 (LayerNorm with bias, exact GELU) with norm_impl = act_impl = 'ffi': logits and
+    next-token cross-entropy gradients against torch_ref's, 1e-5."""
+    cfg = PRESETS["gpt2-small"].replace(vocab_size=48, d_model=32, n_head=4, n_layer=2, max_len=16, mlp="gelu", dropout=0.0,
+                                         norm_impl="ffi", act_impl="ffi")
+    p = randomize(abstract_params(cfg), 0)
+    tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
+    x, y = tok[:, :-1], tok[:, 1:]
+    norm_calls, gelu_calls = _spy(monkeypatch, norm_ffi, "_norm"), _spy(monkeypatch, gelu_ffi, "_gelu")
+
+    def loss(p):
+        logits = build(cfg).apply({"params": p}, x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
+    assert norm_calls and gelu_calls, "the kernels did not run"
+    t = load_into(tbuild(cfg), p, stacked_paths(cfg))
+    tlogits = t(torch.from_numpy(x))
+    assert_close(logits, tlogits, "GPT-2 norm/act_impl=ffi logits vs torch_ref")
+    F.cross_entropy(tlogits.flatten(0, 1), torch.from_numpy(y).long().flatten()).backward()
+    assert_grads_close(grads, torch_grads(t, p, stacked_paths(cfg)), "GPT-2 norm/act_impl=ffi grads vs torch_ref")
 
 
 def test_dense_takes_the_wide_kernel_gradient_on_the_cpu():

@@ -89,11 +89,12 @@ def dense(features: int, use_bias: bool, std: float, name: str, dtype: str = "fl
 
 def activate(name: str, h, impl: str = "auto"):
     """ACTIVATIONS[name](h); the exact GELU runs the C++ CPU kernel (kernels/gelu_ffi.py: 1.05x on a
-    6 x 384 train step) where ``impl`` ('auto' or 'ffi', ModelConfig.act_impl) lets it and it can
-    (the CPU backend, float32), and XLA's otherwise. 'ffi' where it cannot is an error."""
+    6 x 384 train step) where ``impl`` lets it (ModelConfig.act_impl: 'ffi', or 'auto' on at least
+    gelu_ffi.AUTO_MIN_SIZE floats) and it can (the CPU backend, float32), and XLA's otherwise. 'ffi'
+    where it cannot is an error."""
     if impl not in ACT_IMPLS:
         raise ValueError(f"act_impl={impl!r} is not one of {ACT_IMPLS}")
-    if name == "gelu" and impl != "xla":
+    if name == "gelu" and (impl == "ffi" or (impl == "auto" and h.size >= gelu_ffi.AUTO_MIN_SIZE)):
         why = gelu_ffi.unsupported(h)
         if why is None:
             return gelu_ffi.gelu(h)

@@ -2,7 +2,9 @@
 
 ``impl`` (``ModelConfig.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
 kernel (kernels/norm_ffi.py: one read of each row, 1.07x on a 6 x 384 train step); 'auto' runs
-'ffi' where it can (the CPU backend, the kernel built) and 'xla' elsewhere. Same numbers to 1e-6.
+'ffi' where it can (the CPU backend, the kernel built) on inputs of at least AUTO_MIN_SIZE floats
+(training, prefill; a decode step's few rows keep XLA's norm, fused with its neighbours), and 'xla'
+elsewhere. Same numbers to 1e-6.
 
 Flax's own ``nn.LayerNorm`` defaults to eps=1e-6 and a one-pass (fast) variance; both break
 1e-5 parity with torch, so the statistics are written out here. Statistics (and the scale and
@@ -23,7 +25,7 @@ def _use_ffi(impl: str, x) -> bool:
     """Whether norm_impl ``impl`` runs the kernel on x; 'ffi' where it cannot is an error."""
     if impl not in NORM_IMPLS:
         raise ValueError(f"norm_impl={impl!r} is not one of {NORM_IMPLS}")
-    if impl == "xla":
+    if impl == "xla" or (impl == "auto" and x.size < norm_ffi.AUTO_MIN_SIZE):
         return False
     why = norm_ffi.unsupported(x)
     if why is not None and impl == "ffi":
