@@ -13,7 +13,6 @@ keeps whatever sharding x has.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +30,7 @@ AUTO_MIN_SIZE = 1 << 15  # act_impl='auto' runs the kernel from this many floats
 @functools.cache
 def available() -> bool:
     """Whether the kernels are built and registered (CPU backend only); warns once when they are not."""
-    if jax.default_backend() != "cpu":
-        return False
-    try:
-        native.register(SOURCE, {FWD: "JaxgptGeluFwd", BWD: "JaxgptGeluBwd"})
-        return True
-    except Exception as e:  # noqa: BLE001  any failure leaves the XLA GELU, which is always there
-        warnings.warn(f"the CPU GELU kernel is unavailable, so act_impl='auto' runs XLA's (slower, same "
-                      f"results): {e}", stacklevel=2)
-        return False
+    return native.available(SOURCE, {FWD: "JaxgptGeluFwd", BWD: "JaxgptGeluBwd"}, "act_impl='auto' runs XLA's GELU")
 
 
 def _fwd_call(x):

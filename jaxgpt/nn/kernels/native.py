@@ -1,9 +1,10 @@
 """Build and load the C++ CPU kernels in ``kernels/cpu/`` as XLA FFI targets.
 
 A source is compiled on first use with the host's C++ compiler against jaxlib's FFI headers (a few
-seconds, once), cached under ``$JAXGPT_CACHE`` (default ``~/.cache/jaxgpt``), keyed by the source,
-the flags, jax's version and the CPU. Callers decide what to do when that cannot be done (no
-compiler, another backend): each kernel has a pure-JAX path with the same numbers.
+seconds, once), cached under ``$JAXGPT_CACHE`` (default ``~/.cache/jaxgpt``), keyed by the source and
+the headers beside it (simd.h), the flags, jax's version and the CPU. Callers decide what to do when
+that cannot be done (no compiler, another backend): each kernel has a pure-JAX path with the same
+numbers.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -38,7 +40,8 @@ def build(source: Path) -> Path:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, cxx, jax.__version__, _cpu_id()]).encode())
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include (simd.h)
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, cxx, jax.__version__, _cpu_id()]).encode())
     out = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -60,4 +63,18 @@ def register(source: Path, targets: dict[str, str]) -> None:
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
-__all__ = ["build", "cache_dir", "register"]
+def available(source: Path, targets: dict[str, str], fallback: str) -> bool:
+    """Whether ``source``'s kernels are built and registered (CPU backend only). When they cannot be,
+    warn once (callers cache the answer) that ``fallback`` runs instead."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        register(source, targets)
+        return True
+    except Exception as e:  # noqa: BLE001  any failure leaves the pure-JAX path, which is always there
+        warnings.warn(f"the CPU kernel {source.name} is unavailable, so {fallback} (slower, same results): {e}",
+                      stacklevel=3)
+        return False
+
+
+__all__ = ["available", "build", "cache_dir", "register"]

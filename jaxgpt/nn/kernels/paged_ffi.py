@@ -12,7 +12,6 @@ engine then gathers.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import numpy as np
@@ -27,15 +26,7 @@ TARGET = "jaxgpt_paged_attention"
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered (CPU backend only); warns once when it is not."""
-    if jax.default_backend() != "cpu":
-        return False
-    try:
-        native.register(SOURCE, {TARGET: "JaxgptPagedAttention"})
-        return True
-    except Exception as e:  # noqa: BLE001  any failure leaves the pure-JAX path, which is always there
-        warnings.warn(f"the CPU PagedAttention kernel is unavailable, so paged attention gathers its pages "
-                      f"(slower, same results): {e}", stacklevel=2)
-        return False
+    return native.available(SOURCE, {TARGET: "JaxgptPagedAttention"}, "paged attention gathers its pages")
 
 
 def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale: float | None = None):

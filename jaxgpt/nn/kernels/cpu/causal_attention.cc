@@ -12,52 +12,22 @@
 //           dp = dout v^T, ds = p (dp - rowsum(dout * out)) scale, dq = ds k, dk = ds^T q.
 // Query head h reads key/value head h / (H / H_kv) (grouped-query attention).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats in one vector (one AVX-512 / two AVX2 registers)
+using namespace jaxgpt_simd;  // NOLINT: V, Load, Store, ExpNeg, ParallelParts (simd.h)
+
 constexpr int64_t kRows = 4;    // rows of a value-mixing tile: 4 x D / 16 accumulators
 constexpr int64_t kSRows = 8;   // rows of a score tile: 8 x 2 accumulators (T 256: 40 -> 30 us a head)
-
-// Explicit vectors: GCC vectorised neither the softmax's exp loop nor the backward's, and its
-// auto-vectorised dot loops reloaded their accumulators on every multiply-add. Loads and stores go
-// through a may_alias, 4-byte-aligned vector type: the memcpy idiom made GCC bounce every loaded
-// vector and every accumulator through the stack (T 256: 305 -> 44 us a head for the scores).
-typedef float V __attribute__((vector_size(4 * kLanes)));
-typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
-// the same vector at any float's address (loads and stores through it are unaligned; may_alias: it
-// reads what float stores wrote)
-typedef float VU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
-
-inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
-
-inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
-
-inline V Splat(float x) { return V{} + x; }
-
-inline float Sum(V v) {
-  float s = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-inline float Max(V v) {
-  float m = v[0];
-  for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
-  return m;
-}
 
 const VI kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -167,36 +137,11 @@ void PackT(const float* a, int64_t sa, float* bt, int64_t ld, int64_t T, int64_t
     }
 }
 
-// fn(lo, hi) over [0, items) in chunks, run by the caller and by XLA's intra-op threads as they come
-// free. The caller takes chunks too and waits only for chunks another thread has started: with several
-// host devices sharing the pool, every pool thread may be a caller, so waiting for a task that was
-// merely scheduled could deadlock.
+// fn(lo, hi) over [0, items), one part per intra-op thread (simd.h's ParallelParts).
 template <typename Fn>
 void ParallelFor(ffi::ThreadPool& pool, int64_t items, Fn fn) {
   const int64_t parts = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items);
-  if (parts <= 1) {
-    fn(0, items);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto work = [st, parts, items, &fn] {  // fn outlives every chunk: the caller waits for all of them
-    for (int64_t c; (c = st->next.fetch_add(1)) < parts;) {
-      fn(items * c / parts, items * (c + 1) / parts);
-      if (st->done.fetch_add(1) + 1 == parts) {
-        std::lock_guard<std::mutex> lock(st->mu);
-        st->cv.notify_all();
-      }
-    }
-  };
-  for (int64_t q = 1; q < parts; ++q) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == parts; });
+  ParallelParts(pool, parts, items, [&fn](int64_t, int64_t lo, int64_t hi) { fn(lo, hi); });
 }
 
 struct Shape {
@@ -213,25 +158,6 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
     if (kd[a] != vd[a] || (a != 2 && kd[a] != qd[a]) || s->H % s->K != 0)
       return ffi::Error::InvalidArgument("causal attention: q, k and v disagree in shape");
   return ffi::Error::Success();
-}
-
-// exp(x) for x <= 0 (scores minus their row max or logsumexp), 16 lanes at once: std::exp is a libm
-// call per element, which took most of the kernel's time. Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
-// a degree-6 polynomial for exp(r) (about 1 ulp), 2^n from the exponent bits. Below -87 -> 0.
-inline V ExpNeg(V x) {
-  const V xc = x < -87.0f ? Splat(-87.0f) : x;
-  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
-  V r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  V p = Splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  return x < -87.0f ? Splat(0.0f) : p * (V)bits;
 }
 
 // Causal softmax of row i (stride-padded, scaled in place into probabilities, zero past i); returns

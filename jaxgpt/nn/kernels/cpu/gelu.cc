@@ -9,31 +9,16 @@
 //
 // forward:  y = x Phi(x),  Phi(x) = (1 + erf(x / sqrt 2)) / 2
 // backward: dx = dy (Phi(x) + x phi(x)),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats in one vector (one AVX-512 / two AVX2 registers)
-
-// Loads and stores through a may_alias, 4-byte-aligned vector type (kernels/cpu/causal_attention.cc
-// explains why).
-typedef float V __attribute__((vector_size(4 * kLanes)));
-typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
-typedef float VU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
-
-inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
-inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
-inline V Splat(float x) { return V{} + x; }
+using namespace jaxgpt_simd;  // NOLINT: V, Load, Store, ExpNeg, ParallelParts, Parts (simd.h)
 
 // erf(x): Eigen's (and so XLA:CPU's) float rational approximation, x P(x^2) / Q(x^2) on
 // [-4, 4] and +-1 beyond; within 2e-7 of erf (tested against float64 in parity_tests).
@@ -54,24 +39,6 @@ inline V Erf(V a) {
   return p / q;
 }
 
-// exp(x) for x <= 0, 16 lanes at once (Cephes' expf, as kernels/cpu/causal_attention.cc): about
-// 1 ulp; below -87 -> 0.
-inline V ExpNeg(V x) {
-  const V xc = x < -87.0f ? Splat(-87.0f) : x;
-  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
-  V r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  V p = Splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  return x < -87.0f ? Splat(0.0f) : p * (V)bits;
-}
-
 constexpr float kSqrtHalf = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
@@ -79,38 +46,12 @@ inline V Phi(V x) { return 0.5f + 0.5f * Erf(x * kSqrtHalf); }
 
 inline float Scalar(V (*f)(V), float x) { return f(Splat(x))[0]; }
 
-// Splits [0, items) into contiguous parts, one per pool thread; every caller helps (with host
-// devices sharing the pool, waiting on a merely scheduled task could deadlock).
+constexpr int64_t kMinPart = 1 << 16;  // fewer floats a part are not worth a thread hand-off
+
+// fn(lo, hi) over the n floats, one part per intra-op thread
 template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t items, Fn fn) {
-  constexpr int64_t kMinPart = 1 << 16;  // fewer floats a part are not worth a thread hand-off
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items / kMinPart));
-  if (parts <= 1) {
-    fn(0, items);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto work = [st, parts, items, &fn] {
-    for (int64_t c; (c = st->next.fetch_add(1)) < parts;) {
-      // part boundaries on whole vectors
-      const int64_t lo = items * c / parts / kLanes * kLanes;
-      const int64_t hi = c + 1 == parts ? items : items * (c + 1) / parts / kLanes * kLanes;
-      fn(lo, hi);
-      if (st->done.fetch_add(1) + 1 == parts) {
-        std::lock_guard<std::mutex> lock(st->mu);
-        st->cv.notify_all();
-      }
-    }
-  };
-  for (int64_t q = 1; q < parts; ++q) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == parts; });
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  ParallelParts(pool, Parts(pool, n, kMinPart), n, [&fn](int64_t, int64_t lo, int64_t hi) { fn(lo, hi); });
 }
 
 V Forward(V x) { return x * Phi(x); }

@@ -11,73 +11,21 @@
 //           no E[x^2] - E[x]^2 cancellation), rstd = 1 / sqrt(var + eps), y = (x - mean) rstd w + b
 // backward: xhat = (x - mean) rstd, g = dy w, dx = rstd (g - mean(g) - xhat mean(g xhat))
 //           (RMSNorm: no mean(g) term), dw = sum_rows dy xhat, db = sum_rows dy
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats in one vector (one AVX-512 / two AVX2 registers)
+using namespace jaxgpt_simd;  // NOLINT: V, Load, Store, ParallelParts, Parts (simd.h)
 
-// Loads and stores through a may_alias, 4-byte-aligned vector type (kernels/cpu/causal_attention.cc
-// explains why: the memcpy idiom bounced every vector through the stack).
-typedef float V __attribute__((vector_size(4 * kLanes)));
-typedef float VU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
-
-inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
-inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
-inline V Splat(float x) { return V{} + x; }
-inline float Sum(V v) {
-  float s = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-// Splits [0, items) into one contiguous part per pool thread; part c runs fn(c, lo, hi). Every
-// caller helps (with host devices sharing the pool, waiting on a merely scheduled task could
-// deadlock), and the parts are fixed, so the result does not depend on which thread ran which.
-template <typename Fn>
-void ParallelParts(ffi::ThreadPool& pool, int64_t parts, int64_t items, Fn fn) {
-  if (parts <= 1) {
-    fn(0, 0, items);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto work = [st, parts, items, &fn] {
-    for (int64_t c; (c = st->next.fetch_add(1)) < parts;) {
-      fn(c, items * c / parts, items * (c + 1) / parts);
-      if (st->done.fetch_add(1) + 1 == parts) {
-        std::lock_guard<std::mutex> lock(st->mu);
-        st->cv.notify_all();
-      }
-    }
-  };
-  for (int64_t q = 1; q < parts; ++q) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done.load() == parts; });
-}
-
-// Rows of fewer than this many floats per part are not worth a thread hand-off.
+// Fewer floats than this a part are not worth a thread hand-off.
 constexpr int64_t kMinPart = 1 << 16;
-
-int64_t Parts(ffi::ThreadPool& pool, int64_t rows, int64_t D) {
-  return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), rows * D / kMinPart));
-}
 
 // Sum of a row of D floats (D a multiple of kLanes handled in vectors, the rest one by one).
 inline float RowSum(const float* x, int64_t D) {
@@ -128,7 +76,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const float *xp = x.typed_data(), *wp = w.typed_data(), *bp = b.typed_data();
   float *yp = y->typed_data(), *mp = mean->typed_data(), *rp = rstd->typed_data();
   const float inv_d = 1.0f / static_cast<float>(D);
-  ParallelParts(pool, Parts(pool, N, D), N, [&](int64_t, int64_t lo, int64_t hi) {
+  ParallelParts(pool, Parts(pool, N * D, kMinPart), N, [&](int64_t, int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* xr = xp + r * D;
       float* yr = yp + r * D;
@@ -155,7 +103,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
               *gp = dy.typed_data();
   float* dxp = dx->typed_data();
   const float inv_d = 1.0f / static_cast<float>(D);
-  const int64_t parts = Parts(pool, N, D);
+  const int64_t parts = Parts(pool, N * D, kMinPart);
   // each part sums its rows' dw, db here; the parts are added in order after (deterministic)
   std::vector<float> acc(parts * 2 * D, 0.0f);
   ParallelParts(pool, parts, N, [&](int64_t c, int64_t lo, int64_t hi) {
