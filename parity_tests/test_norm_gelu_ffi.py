@@ -21,7 +21,7 @@ from conftest import assert_close, assert_grads_close, assert_self_consistent, l
 from jaxgpt import PRESETS, build
 from jaxgpt.models import abstract_params, stacked_paths
 from jaxgpt.nn import mlp, norms
-from jaxgpt.nn.kernels import gelu_ffi, norm_ffi
+from jaxgpt.nn.kernels import gelu_ffi, native, norm_ffi
 from torch_ref import build as tbuild
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_gelu_ffi_matches_torch_and_float64():
 def test_gelu_ffi_in_the_mlp_matches_xla_and_auto_runs_it(monkeypatch):
     """Self-consistency: the MLP with act_impl 'ffi' / 'auto' equals 'xla''s, gradients too."""
     x = jnp.asarray(_rand((4, 64, 16), 5))  # a hidden layer of 4 * 64 * 128 floats: 'auto''s lower bound
-    assert 4 * 64 * 128 == gelu_ffi.AUTO_MIN_SIZE
+    assert 4 * 64 * 128 == native.AUTO_MIN_SIZE
     ref = mlp.MLP(d_model=16, d_ff=128, act_impl="xla")
     params = ref.init(jax.random.PRNGKey(0), x)
     loss = lambda m: jax.value_and_grad(lambda p: jnp.sum(jnp.sin(m.apply(p, x))))(params)
@@ -119,7 +119,7 @@ def test_gelu_ffi_in_the_mlp_matches_xla_and_auto_runs_it(monkeypatch):
 def test_auto_runs_the_norm_kernel_and_ffi_refuses_what_it_cannot(monkeypatch):
     calls = _spy(monkeypatch, norm_ffi, "_norm")
     x = jnp.ones((2, 64, 256))
-    assert x.size == norm_ffi.AUTO_MIN_SIZE
+    assert x.size == native.AUTO_MIN_SIZE
     norms.LayerNorm().init(jax.random.PRNGKey(0), x)
     assert calls, "norm_impl='auto' did not run the kernel on the CPU"
     calls.clear()

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ACT_IMPLS
-from jaxgpt.nn.kernels import gelu_ffi
+from jaxgpt.nn.kernels import gelu_ffi, native
 
 
 def gelu(x):
@@ -90,16 +90,10 @@ def dense(features: int, use_bias: bool, std: float, name: str, dtype: str = "fl
 def activate(name: str, h, impl: str = "auto"):
     """ACTIVATIONS[name](h); the exact GELU runs the C++ CPU kernel (kernels/gelu_ffi.py: 1.05x on a
     6 x 384 train step) where ``impl`` lets it (ModelConfig.act_impl: 'ffi', or 'auto' on at least
-    gelu_ffi.AUTO_MIN_SIZE floats) and it can (the CPU backend, float32), and XLA's otherwise. 'ffi'
+    native.AUTO_MIN_SIZE floats) and it can (the CPU backend, float32), and XLA's otherwise. 'ffi'
     where it cannot is an error."""
-    if impl not in ACT_IMPLS:
-        raise ValueError(f"act_impl={impl!r} is not one of {ACT_IMPLS}")
-    if name == "gelu" and (impl == "ffi" or (impl == "auto" and h.size >= gelu_ffi.AUTO_MIN_SIZE)):
-        why = gelu_ffi.unsupported(h)
-        if why is None:
-            return gelu_ffi.gelu(h)
-        if impl == "ffi":
-            raise ValueError(f"act_impl='ffi' cannot run here: {why}; use act_impl='auto' or 'xla'")
+    if native.use_kernel("act_impl", impl, ACT_IMPLS, h, gelu_ffi.unsupported, applies=name == "gelu"):
+        return gelu_ffi.gelu(h)
     return ACTIVATIONS[name](h)
 
 
@@ -122,7 +116,8 @@ class MLP(nn.Module):
             raise ValueError(f"unknown activation {self.activation!r}; expected one of {sorted(ACTIVATIONS)}")
         dt = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = dense(self.d_ff, self.use_bias, self.init_std, "fc_in", **dt)(x)  # (..., d_ff)
-        return dense(self.d_model, self.use_bias, self.out_init_std, "fc_out", **dt)(activate(self.activation, h, self.act_impl))
+        h = activate(self.activation, h, self.act_impl)
+        return dense(self.d_model, self.use_bias, self.out_init_std, "fc_out", **dt)(h)
 
 
 class SwiGLU(nn.Module):

@@ -2,7 +2,7 @@
 
 ``impl`` (``ModelConfig.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
 kernel (kernels/norm_ffi.py: one read of each row, 1.07x on a 6 x 384 train step); 'auto' runs
-'ffi' where it can (the CPU backend, the kernel built) on inputs of at least AUTO_MIN_SIZE floats
+'ffi' where it can (the CPU backend, the kernel built) on inputs of native.AUTO_MIN_SIZE floats or more
 (training, prefill; a decode step's few rows keep XLA's norm, fused with its neighbours), and 'xla'
 elsewhere. Same numbers to 1e-6.
 
@@ -18,19 +18,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxgpt.config import NORM_IMPLS
-from jaxgpt.nn.kernels import norm_ffi
+from jaxgpt.nn.kernels import native, norm_ffi
 
 
 def _use_ffi(impl: str, x) -> bool:
-    """Whether norm_impl ``impl`` runs the kernel on x; 'ffi' where it cannot is an error."""
-    if impl not in NORM_IMPLS:
-        raise ValueError(f"norm_impl={impl!r} is not one of {NORM_IMPLS}")
-    if impl == "xla" or (impl == "auto" and x.size < norm_ffi.AUTO_MIN_SIZE):
-        return False
-    why = norm_ffi.unsupported(x)
-    if why is not None and impl == "ffi":
-        raise ValueError(f"norm_impl='ffi' cannot run here: {why}; use norm_impl='auto' or 'xla'")
-    return why is None
+    return native.use_kernel("norm_impl", impl, NORM_IMPLS, x, norm_ffi.unsupported)
 
 
 class LayerNorm(nn.Module):

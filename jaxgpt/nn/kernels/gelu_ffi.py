@@ -24,7 +24,6 @@ from jaxgpt.nn.kernels import native
 SOURCE = native.CPU / "gelu.cc"
 FWD, BWD = "jaxgpt_gelu_fwd", "jaxgpt_gelu_bwd"
 _LETTERS = "abcdefgh"
-AUTO_MIN_SIZE = 1 << 15  # act_impl='auto' runs the kernel from this many floats (norm_ffi.AUTO_MIN_SIZE: why)
 
 
 @functools.cache

@@ -26,10 +26,6 @@ from jaxgpt.nn.kernels import native
 
 SOURCE = native.CPU / "layer_norm.cc"
 FWD, BWD = "jaxgpt_norm_fwd", "jaxgpt_norm_bwd"
-# norm_impl='auto' runs the kernel on inputs of at least this many floats (a train step's (B, T, D)
-# activations). A decode step's rows keep XLA's norm, which fuses with the residual add beside it:
-# the 1,008-token decode benchmark ran at 438 tokens/s with the kernels there, 496 without (one run each).
-AUTO_MIN_SIZE = 1 << 15
 
 
 @functools.cache
@@ -51,19 +47,13 @@ def _bwd_call(x, w, mean, rstd, dy, center):
                                                                                     center=center)
 
 
-def _row_spec(x_shape):
-    """x's sharding over its leading (row) axes; the last axis replicated."""
-    spec = tuple(getattr(x_shape.sharding, "spec", ()) or ())
-    spec = spec + (None,) * (len(x_shape.shape) - len(spec))
-    return spec[:-1]
-
-
-def _row_axes(rows) -> tuple[str, ...]:
-    """The mesh axes the rows are split over."""
-    out = []
-    for s in rows:
-        out += [] if s is None else ([s] if isinstance(s, str) else list(s))
-    return tuple(out)
+def _shardings(mesh, arg_shapes):
+    """(x's sharding with its last axis replicated, replicated, the per-row stats' sharding, the mesh
+    axes the rows are split over), from x's sharding over its leading (row) axes."""
+    spec = tuple(getattr(arg_shapes[0].sharding, "spec", ()) or ())
+    rows = (spec + (None,) * (len(arg_shapes[0].shape) - len(spec)))[:-1]
+    axes = tuple(a for s in rows if s is not None for a in ([s] if isinstance(s, str) else s))
+    return NamedSharding(mesh, P(*rows, None)), NamedSharding(mesh, P()), NamedSharding(mesh, P(*rows)), axes
 
 
 _rank_letters = "abcdefgh"
@@ -80,26 +70,22 @@ def _bwd_rule(rank: int) -> str:
 
 
 def _fwd_infer(eps, center, mesh, arg_shapes, result_shape):
-    rows = _row_spec(arg_shapes[0])
-    return (NamedSharding(mesh, P(*rows, None)), NamedSharding(mesh, P(*rows)), NamedSharding(mesh, P(*rows)))
+    x_sh, _, row_sh, _ = _shardings(mesh, arg_shapes)
+    return x_sh, row_sh, row_sh
 
 
 def _fwd_partition(eps, center, mesh, arg_shapes, result_shape):
-    rows = _row_spec(arg_shapes[0])
-    x_sh, rep, row_sh = NamedSharding(mesh, P(*rows, None)), NamedSharding(mesh, P()), NamedSharding(mesh, P(*rows))
+    x_sh, rep, row_sh, _ = _shardings(mesh, arg_shapes)
     return mesh, lambda x, w, b: _fwd_call(x, w, b, eps, center), (x_sh, row_sh, row_sh), (x_sh, rep, rep)
 
 
 def _bwd_infer(center, mesh, arg_shapes, result_shape):
-    rows = _row_spec(arg_shapes[0])
-    rep = NamedSharding(mesh, P())
-    return NamedSharding(mesh, P(*rows, None)), rep, rep
+    x_sh, rep, _, _ = _shardings(mesh, arg_shapes)
+    return x_sh, rep, rep
 
 
 def _bwd_partition(center, mesh, arg_shapes, result_shape):
-    rows = _row_spec(arg_shapes[0])
-    axes = _row_axes(rows)
-    x_sh, rep, row_sh = NamedSharding(mesh, P(*rows, None)), NamedSharding(mesh, P()), NamedSharding(mesh, P(*rows))
+    x_sh, rep, row_sh, axes = _shardings(mesh, arg_shapes)
 
     def run(x, w, mean, rstd, dy):
         dx, dw, db = _bwd_call(x, w, mean, rstd, dy, center)
@@ -139,10 +125,10 @@ def _norm_bwd(eps, center, res, dy):
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
-def unsupported(x, *params) -> str | None:
-    """Why the kernel cannot normalise x with these scale / bias arrays (None: it can)."""
-    if any(a.dtype != jnp.float32 for a in (x, *params)):
-        return "it computes in float32"
+def unsupported(x) -> str | None:
+    """Why the kernel cannot normalise x (None: it can)."""
+    if x.dtype != jnp.float32:
+        return f"it computes in float32 (got {x.dtype})"
     if x.ndim < 2 or x.ndim > len(_rank_letters):
         return f"it takes x of rank 2 to {len(_rank_letters)} (got {x.ndim})"
     if not available():
