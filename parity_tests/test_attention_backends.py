@@ -262,10 +262,13 @@ def test_configured_kernel_runs_in_training_prefill_and_decode(impl, monkeypatch
     spy(kernels.jax_sdpa, "jax_attention", lambda kw: kw["implementation"] or "jax")
     spy(kernels.blocked, "blocked_attention", lambda kw: "blocked")
     spy(kernels.causal_ffi, "causal_attention", lambda kw: "ffi")
-    # 'auto': the C++ kernel where it runs (causal self-attention in training), else kernels.auto_impl's
-    # pick per call (here every key length exceeds the block of 4); 'ffi' runs the same way
-    ffi = kernels.causal_ffi.available()
-    want = (lambda tq: kernels.auto_impl(tq, 12, 4)) if impl in ("auto", "ffi") else (lambda tq: impl)
+    spy(kernels.paged_ffi, "cached_attention", lambda kw: "cache")
+    # 'auto': the C++ kernels where they run (causal self-attention in training; prefill and decode
+    # over the KV cache), else kernels.auto_impl's pick per call (here every key length exceeds the
+    # block of 4); 'ffi' runs the same way
+    ffi, cache = kernels.causal_ffi.available(), kernels.paged_ffi.available()
+    want = (lambda tq: "cache" if cache else kernels.auto_impl(tq, 12, 4)) if impl in ("auto", "ffi") \
+        else (lambda tq: impl)
     x = jnp.asarray(np.random.default_rng(0).integers(0, 37, (2, 12)), jnp.int32)
     jax.grad(lambda p: build(cfg).apply({"params": p}, x, deterministic=False).sum())(p)
     assert ran == {("ffi" if impl in ("auto", "ffi") and ffi else want(12), 12)}, "training"

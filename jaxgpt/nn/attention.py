@@ -166,8 +166,9 @@ class Attention(nn.Module):
                 mask = jnp.asarray(mask)
                 validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.capacity))
             cache, k, v, kv_layout = cache.write(k, v)
-            written = keys_before(cache.capacity, cache.index)  # (S,): slots past the write index are empty
-            mask = written if mask is None else mask & written
+            if mask is not None or not is_causal:  # causal from the cache offset already hides the empty slots
+                written = keys_before(cache.capacity, cache.index)  # (S,): slots past the write index are empty
+                mask = written if mask is None else mask & written
 
         rate = 0.0 if deterministic else self.attn_dropout
         if in_place:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ACT_IMPLS
-from jaxgpt.nn.kernels import gelu_ffi, native
+from jaxgpt.nn.kernels import gelu_ffi, matvec_ffi, native
 
 
 def gelu(x):
@@ -51,11 +51,14 @@ _narrowing_matmul.defvjp(_narrowing_fwd, _narrowing_bwd)
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """nn.Dense's dot_general on the CPU: ``_narrowing_matmul`` for a plain (N, in) @ (in, out)
-    with in > out, ``lax.dot_general`` otherwise. The same products; only the summation order of
+    """nn.Dense's dot_general on the CPU: for a plain (N, in) @ (in, out), the two-thread
+    ``matvec_ffi.matvec`` for a decode step's few rows (N <= matvec_ffi.MAX_ROWS, float32),
+    ``_narrowing_matmul`` for in > out; ``lax.dot_general`` otherwise. The same products; only the summation order of
     the kernel gradient may differ (float rounding)."""
     plain = (lhs.ndim == 2 and rhs.ndim == 2 and dimension_numbers == (((1,), (0,)), ((), ()))
              and precision is None and preferred_element_type is None)
+    if plain and jax.default_backend() == "cpu" and matvec_ffi.applies(lhs, rhs):
+        return matvec_ffi.matvec(lhs, rhs)
     if plain and rhs.shape[0] > rhs.shape[1] and jax.default_backend() == "cpu":
         return _narrowing_matmul(lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,

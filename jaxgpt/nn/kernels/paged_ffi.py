@@ -1,4 +1,5 @@
-"""The CPU PagedAttention kernel (cpu/paged_attention.cc) as an XLA FFI custom call.
+"""The CPU kernels of cpu/paged_attention.cc as XLA FFI custom calls: PagedAttention over the
+engine's page pools, and the same loop over generate()'s contiguous KV cache (cached_attention).
 
 Why native code: in pure JAX (kernels/paged.py) a paged step gathers every row's pages into a
 padded copy and reads it again. On the 2-core CPU that gather and read took 1.75 ms of a layer's
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.nn.kernels import native
@@ -21,12 +23,13 @@ from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
 SOURCE = native.CPU / "paged_attention.cc"
 TARGET = "jaxgpt_paged_attention"
+CACHED_TARGET = "jaxgpt_cached_attention"
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered (CPU backend only); warns once when it is not."""
-    return native.available(SOURCE, {TARGET: "JaxgptPagedAttention"}, "paged attention gathers its pages")
+    return native.available(SOURCE, {TARGET: "JaxgptPagedAttention", CACHED_TARGET: "JaxgptCachedAttention"}, "paged attention gathers its pages")
 
 
 def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale: float | None = None):
@@ -37,6 +40,21 @@ def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale: float | None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pool, v_pool, page_table, q_pos, scale=np.float32(scale))
+
+
+def cached_attention(q, k, v, q_offset, *, scale: float | None = None):
+    """Causal attention of q (B, T, H, D) float32, at positions q_offset + arange(T) (q_offset may
+    be traced: a cache index), over a contiguous KV cache k, v float32 in layout 'rows'
+    (B * H_kv, S, D) or 'heads' (B, H_kv, S, D), read in place and only up to each query's own
+    position: a decode step no longer reads (and masks) the empty slots past the cache index
+    (kernels.attend runs it for 'auto'). Forward only: it has no VJP."""
+    if not available():
+        raise RuntimeError("the CPU cached-attention kernel is unavailable here (see the warning above)")
+    b, t = q.shape[:2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_pos = jnp.broadcast_to(q_offset + jnp.arange(t, dtype=jnp.int32), (b, t)).astype(jnp.int32)  # (B, T)
+    call = jax.ffi.ffi_call(CACHED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k, v, q_pos, scale=np.float32(scale))
 
 
 def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:

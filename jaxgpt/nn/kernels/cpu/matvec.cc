@@ -1,0 +1,144 @@
+// y (M, N) = x (M, K) @ w (K, N) for a few rows M (a decode step's projections), float32, as an XLA FFI
+// custom call (kernels/matvec_ffi.py builds and loads it).
+//
+// Why: a decode step reads every weight once per token, so its dots are bound by memory bandwidth.
+// XLA:CPU runs each one on a single thread: the benchmark model's 36 matvecs a token took 1.5 ms
+// (about 28 GB/s). Two threads read faster (NumPy on OpenBLAS: 1.06 ms for the same weights), but
+// XLA's pool threads sleep between ops, and waking one cost more than the half matvec it would run.
+// So the second thread is our own helper that spins for a short while after each job, as OpenBLAS's
+// threads do: 1.0-1.1 ms.
+//
+// Each output column is summed by one thread in one fixed order (rows of w 4 at a time, in order),
+// so the result does not depend on the split.
+#include <pthread.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "simd.h"
+
+namespace ffi = xla::ffi;
+using namespace jaxgpt_simd;
+
+namespace {
+
+// Columns [lo, hi) of y: every row of w streamed once over that column block, 4 rows at a time.
+void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t lo, int64_t hi) {
+  for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + lo, 0, (hi - lo) * sizeof(float));
+  int64_t i = 0;
+  for (; i + 4 <= K; i += 4) {
+    const float *w0 = w + i * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    int64_t c = lo;
+    for (; c + kLanes <= hi; c += kLanes) {
+      const V a = Load(w0 + c), b = Load(w1 + c), d = Load(w2 + c), e = Load(w3 + c);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K + i;
+        float* ym = y + m * N + c;
+        Store(ym, Load(ym) + (a * xm[0] + b * xm[1] + d * xm[2] + e * xm[3]));
+      }
+    }
+    for (; c < hi; ++c)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K + i;
+        y[m * N + c] += w0[c] * xm[0] + w1[c] * xm[1] + w2[c] * xm[2] + w3[c] * xm[3];
+      }
+  }
+  for (; i < K; ++i)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = lo; c < hi; ++c) y[m * N + c] += w[i * N + c] * x[m * K + i];
+}
+
+// One helper thread, spinning for kSpin after each job and then sleeping until the next.
+class Helper {
+ public:
+  static constexpr auto kSpin = std::chrono::microseconds(300);  // a decode step's dots come every 20-70 us
+
+  Helper() { std::thread([this] { Loop(); }).detach(); }
+
+  // Runs fn on the helper while the caller works; false (fn not run) while another caller holds it
+  // (several host devices decoding at once): that caller then does all the work itself.
+  bool Post(std::function<void()> fn) {
+    bool idle = false;
+    if (!held_.compare_exchange_strong(idle, true)) return false;
+    job_ = std::move(fn);
+    posted_.fetch_add(1);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (asleep_) cv_.notify_one();
+    return true;
+  }
+
+  void Wait() {
+    while (finished_.load(std::memory_order_acquire) != posted_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
+    held_.store(false);
+  }
+
+ private:
+  void Loop() {
+    for (int64_t seen = 0;; finished_.store(seen, std::memory_order_release)) {
+      auto start = std::chrono::steady_clock::now();
+      while (posted_.load(std::memory_order_acquire) == seen) {
+        if (std::chrono::steady_clock::now() - start > kSpin) {
+          std::unique_lock<std::mutex> lock(mu_);
+          asleep_ = true;
+          cv_.wait(lock, [&] { return posted_.load() != seen; });
+          asleep_ = false;
+        }
+        __builtin_ia32_pause();
+      }
+      seen = posted_.load();
+      job_();
+    }
+  }
+
+  std::atomic<bool> held_{false};
+  std::atomic<int64_t> posted_{0}, finished_{0};
+  std::function<void()> job_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool asleep_ = false;
+};
+
+Helper* g_helper = nullptr;
+std::once_flag g_atfork;
+
+Helper& GetHelper() {
+  // A forked child has no helper thread: it makes its own (the parent's is leaked in the child).
+  std::call_once(g_atfork, [] { pthread_atfork(nullptr, nullptr, [] { g_helper = nullptr; }); });
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (g_helper == nullptr) g_helper = new Helper();
+  return *g_helper;
+}
+
+// Below this many weights one thread reads them about as fast as two.
+constexpr int64_t kMinSplit = int64_t(1) << 16;
+
+ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();  // (M, K)
+  auto wd = w.dimensions();  // (K, N)
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || y->dimensions()[0] != xd[0] || y->dimensions()[1] != wd[1])
+    return ffi::Error::InvalidArgument("matvec: x (M, K), w (K, N) -> y (M, N)");
+  const int64_t M = xd[0], K = wd[0], N = wd[1];
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t mid = (N / 2 + kLanes - 1) / kLanes * kLanes;  // a whole number of vectors on the caller's side
+  if (K * N < kMinSplit || mid >= N || !GetHelper().Post([=] { Columns(xp, wp, yp, M, K, N, mid, N); })) {
+    Columns(xp, wp, yp, M, K, N, 0, N);
+    return ffi::Error::Success();
+  }
+  Columns(xp, wp, yp, M, K, N, 0, mid);
+  GetHelper().Wait();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptMatvec, MatvecImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w (K, N)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y (M, N)

@@ -1,0 +1,68 @@
+"""A decode step's projections, x (M, K) @ w (K, N) for a few rows M, as an XLA FFI custom call
+(cpu/matvec.cc) on two threads.
+
+Why native code: a decode step reads every weight once per token, so its dots are bound by memory
+bandwidth, and XLA:CPU runs each on one thread. The C++ kernel splits the columns with a helper
+thread that spins between calls (XLA's pool threads sleep, and waking one cost more than it saved):
+the benchmark model's 36 matvecs a token went from 1.5 to 1.0-1.1 ms (docs/performance.md).
+
+Float32 only; each output is summed in a fixed order, about 1e-7 from XLA's dot. Differentiable:
+the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.rows_dot_general`` (nn.Dense's dot in
+jaxgpt) runs it for at most MAX_ROWS rows on the CPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.nn.kernels import native
+
+SOURCE = native.CPU / "matvec.cc"
+TARGET = "jaxgpt_matvec"
+# Up to this many rows (a decode step's batch) it runs. By measurement, generate() on the 6 x 384
+# benchmark model, ms a step with and without it: batch 1 1.2 / 1.9, batch 4 2.5 / 3.6, batch 8
+# 6.1 / 5.2 (from there on XLA's GEMM does more work per weight read).
+MAX_ROWS = 4
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered (CPU backend only); warns once when it is not."""
+    return native.available(SOURCE, {TARGET: "JaxgptMatvec"}, "decode steps run XLA's dots")
+
+
+def applies(x, w) -> bool:
+    """Whether ``matvec`` runs x (M, K) @ w (K, N): float32, M <= MAX_ROWS, the kernel built here."""
+    return (x.ndim == 2 and w.ndim == 2 and x.shape[0] <= MAX_ROWS and x.dtype == jnp.float32
+            and w.dtype == jnp.float32 and available())
+
+
+def matvec(x, w):
+    """x (M, K) @ w (K, N) -> (M, N) float32, on two threads. Differentiable."""
+    if not available():
+        raise RuntimeError("the CPU matvec kernel is unavailable here (see the warning above)")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"matvec takes float32 x (M, K) and w (K, N); got {x.dtype} {tuple(x.shape)} and "
+                         f"{w.dtype} {tuple(w.shape)}")
+    return _matvec(x, w)
+
+
+@jax.custom_vjp
+def _matvec(x, w):
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))(x, w)
+
+
+def _fwd(x, w):
+    return _matvec(x, w), (x, w)
+
+
+def _bwd(res, dy):
+    x, w = res
+    return dy @ w.T, x.T @ dy  # (M, K), (K, N)
+
+
+_matvec.defvjp(_fwd, _bwd)
+
+__all__ = ["MAX_ROWS", "applies", "available", "matvec"]
