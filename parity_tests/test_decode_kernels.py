@@ -132,3 +132,20 @@ def test_generate_decodes_through_both_kernels(batch, monkeypatch):
     generate(cfg, p, prompt, 5)
     assert calls["attention"] == {6, 1}  # the prefill and the decode steps
     assert calls["matvec"] == ({batch} if batch <= matvec_ffi.MAX_ROWS else set())
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_matvec_only_for_layers_read_in_place(scan_layers, monkeypatch):
+    """Separate layers (what generate() and the engine decode with) run the matvec kernel; scanned
+    layers keep XLA's dot, which reads each layer's slice of the stacked weights in place (the custom
+    call would copy it every step)."""
+    from jaxgpt.models.decoder import DecoderLM, init_cache
+
+    cfg = SPY.replace(vocab_size=23, scan_layers=scan_layers)
+    p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(cfg))
+    rows = []
+    real = matvec_ffi.matvec
+    monkeypatch.setattr(matvec_ffi, "matvec", lambda x, w: rows.append(x.shape[0]) or real(x, w))
+    step = jax.jit(lambda p, c: DecoderLM(cfg).apply({"params": p}, jnp.zeros((2, 1), jnp.int32), cache=c).logits)
+    step(p, init_cache(cfg, 2, 8))
+    assert rows == ([] if scan_layers else [2] * 7 * cfg.n_layer)  # q, k, v, o + gate, up, down

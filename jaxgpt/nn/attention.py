@@ -117,6 +117,7 @@ class Attention(nn.Module):
     attention_block: int = 128
     dtype: str = "float32"  # compute dtype of the projections and the attention core
     param_dtype: str = "float32"
+    matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel (layers not scanned)
 
     @nn.compact
     def __call__(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
@@ -135,7 +136,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         src = x if context is None else context
 
-        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype, matvec=self.matvec)
         q = dense(self.n_head * d, self.qkv_bias, self.init_std, "q_proj", **dt)(x).reshape(b, t, self.n_head, d)
         k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
         v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
@@ -190,4 +191,5 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
         rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,
         init_std=config.init_std, out_init_std=config.out_init_std, attention_impl=config.attention_impl,
-        attention_block=config.attention_block, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
+        attention_block=config.attention_block, dtype=config.dtype, param_dtype=config.param_dtype,
+        matvec=not config.scan_layers, name=name)
