@@ -73,7 +73,7 @@ def test_cached_attention_past_the_cache_sees_every_key_as_xla_does():
 @pytest.mark.parametrize("m,k,n", [(1, 384, 1536), (4, 1536, 384), (3, 37, 50), (2, 301, 1000), (1, 3, 17)],
                          ids=["wide", "narrow", "odd-unsplit", "odd-split", "tiny"])
 def test_matvec_matches_numpy(m, k, n):
-    """Split over the helper thread (K x N >= 64K) or not, K not a multiple of 4, N not of 16."""
+    """Split over the helper thread (K x N >= 256K) or not, K not a multiple of 4, N not of 16."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)

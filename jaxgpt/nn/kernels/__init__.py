@@ -15,7 +15,7 @@ same numbers (1e-5 in float32, forward and gradients); they differ in memory and
 'auto' and 'ffi' run one more C++ kernel for causal calls over a KV cache of up to
 CACHE_KERNEL_MAX_TQ queries (decode steps, short prefills; CPU, float32, no mask):
 paged_ffi.cached_attention reads the cache in place and only up to each query's position, where
-the einsum reads and masks every slot (1.6x faster 1,008-token greedy decoding together with
+the einsum reads and masks every slot (1.45x faster 1,008-token greedy decoding together with
 matvec_ffi; docs/performance.md).
 
 Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at

@@ -2,9 +2,10 @@
 (cpu/matvec.cc) on two threads.
 
 Why native code: a decode step reads every weight once per token, so its dots are bound by memory
-bandwidth, and XLA:CPU runs each on one thread. The C++ kernel splits the columns with a helper
-thread that spins between calls (XLA's pool threads sleep, and waking one cost more than it saved):
-the benchmark model's 36 matvecs a token went from 1.5 to 1.0-1.1 ms (docs/performance.md).
+bandwidth, and XLA:CPU runs each on one thread. The C++ kernel splits the columns of weights of at
+least 256K floats with a helper thread that spins between calls (XLA's pool threads sleep, and
+waking one cost more than it saved): 1,008-token greedy decoding 449 -> 652 tokens/s, with the
+cache-attention kernel (docs/performance.md).
 
 Float32 only; each output is summed in a fixed order, about 1e-7 from XLA's dot. Differentiable:
 the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.rows_dot_general`` (nn.Dense's dot in
@@ -23,7 +24,7 @@ SOURCE = native.CPU / "matvec.cc"
 TARGET = "jaxgpt_matvec"
 # Up to this many rows (a decode step's batch) it runs. By measurement, generate() on the 6 x 384
 # benchmark model, ms a step with and without it: batch 1 1.2 / 1.9, batch 4 2.5 / 3.6, batch 8
-# 6.1 / 5.2 (from there on XLA's GEMM does more work per weight read).
+# 6.1 / 5.2 (from there on XLA's GEMM does more work per weight read; measured splitting from 64K weights).
 MAX_ROWS = 4
 
 

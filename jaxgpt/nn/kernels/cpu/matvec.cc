@@ -113,8 +113,11 @@ Helper& GetHelper() {
   return *g_helper;
 }
 
-// Below this many weights one thread reads them about as fast as two.
-constexpr int64_t kMinSplit = int64_t(1) << 16;
+// Below this many weights (1 MB) the caller reads them alone. The split pays in generate()'s loop,
+// where nothing else runs; in the serving engine the host thread works beside the device, and a
+// spinning helper left it half a core: 64K-float weights split made the engine benchmark 8-20% slower,
+// 256K-float ones (the engine model's are all smaller) kept it level (docs/performance.md).
+constexpr int64_t kMinSplit = int64_t(1) << 18;
 
 ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();  // (M, K)
