@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.nn.kernels import native
+from jaxgpt.nn.kernels import native, xla
 from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
 SOURCE = native.CPU / "paged_attention.cc"
@@ -47,14 +47,41 @@ def cached_attention(q, k, v, q_offset, *, scale: float | None = None):
     be traced: a cache index), over a contiguous KV cache k, v float32 in layout 'rows'
     (B * H_kv, S, D) or 'heads' (B, H_kv, S, D), read in place and only up to each query's own
     position: a decode step no longer reads (and masks) the empty slots past the cache index
-    (kernels.attend runs it for 'auto'). Forward only: it has no VJP."""
+    (kernels.attend runs it for 'auto'). A query past the last slot sees all S keys, as under
+    kernels/xla.py's causal mask. Differentiable: the backward pass is kernels/xla.py's."""
     if not available():
         raise RuntimeError("the CPU cached-attention kernel is unavailable here (see the warning above)")
-    b, t = q.shape[:2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_pos = jnp.broadcast_to(q_offset + jnp.arange(t, dtype=jnp.int32), (b, t)).astype(jnp.int32)  # (B, T)
+    q_pos = jnp.broadcast_to(q_offset + jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2]).astype(jnp.int32)
+    return _cached(q, k, v, q_pos, float(scale))
+
+
+def _cached_call(q, k, v, q_pos, scale):
     call = jax.ffi.ffi_call(CACHED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k, v, q_pos, scale=np.float32(scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cached(q, k, v, q_pos, scale):
+    return _cached_call(q, k, v, q_pos, scale)
+
+
+def _cached_fwd(q, k, v, q_pos, scale):
+    return _cached_call(q, k, v, q_pos, scale), (q, k, v, q_pos)
+
+
+def _cached_bwd(scale, res, dout):
+    # Rare (a gradient through a cached forward): the einsum path's VJP, every query at its position.
+    q, k, v, q_pos = res
+    layout = "rows" if k.ndim == 3 else "heads"
+    s = k.shape[-2]
+    mask = jnp.arange(s)[None, None, None, :] <= jnp.minimum(q_pos, s - 1)[:, None, :, None]  # (B, 1, T, S)
+    _, vjp = jax.vjp(lambda q, k, v: xla.scaled_dot_product_attention(q, k, v, mask=mask, scale=scale,
+                                                                      kv_layout=layout), q, k, v)
+    return (*vjp(dout), np.zeros(q_pos.shape, jax.dtypes.float0))
+
+
+_cached.defvjp(_cached_fwd, _cached_bwd)
 
 
 def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
