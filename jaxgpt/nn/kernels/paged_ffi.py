@@ -28,8 +28,9 @@ CACHED_TARGET = "jaxgpt_cached_attention"
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is built and registered (CPU backend only); warns once when it is not."""
-    return native.available(SOURCE, {TARGET: "JaxgptPagedAttention", CACHED_TARGET: "JaxgptCachedAttention"}, "paged attention gathers its pages")
+    """Whether the kernels are built and registered (CPU backend only); warns once when they are not."""
+    return native.available(SOURCE, {TARGET: "JaxgptPagedAttention", CACHED_TARGET: "JaxgptCachedAttention"},
+                            "paged attention gathers its pages and decode attention reads every cache slot")
 
 
 def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale: float | None = None):
@@ -52,33 +53,27 @@ def cached_attention(q, k, v, q_offset, *, scale: float | None = None):
     if not available():
         raise RuntimeError("the CPU cached-attention kernel is unavailable here (see the warning above)")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_pos = jnp.broadcast_to(q_offset + jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2]).astype(jnp.int32)
-    return _cached(q, k, v, q_pos, float(scale))
+    return _cached(q, k, v, jnp.asarray(q_offset, jnp.int32), float(scale))
 
 
-def _cached_call(q, k, v, q_pos, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cached(q, k, v, q_offset, scale):
+    q_pos = jnp.broadcast_to(q_offset + jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])  # (B, T)
     call = jax.ffi.ffi_call(CACHED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k, v, q_pos, scale=np.float32(scale))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _cached(q, k, v, q_pos, scale):
-    return _cached_call(q, k, v, q_pos, scale)
-
-
-def _cached_fwd(q, k, v, q_pos, scale):
-    return _cached_call(q, k, v, q_pos, scale), (q, k, v, q_pos)
+def _cached_fwd(q, k, v, q_offset, scale):
+    return _cached(q, k, v, q_offset, scale), (q, k, v, q_offset)
 
 
 def _cached_bwd(scale, res, dout):
-    # Rare (a gradient through a cached forward): the einsum path's VJP, every query at its position.
-    q, k, v, q_pos = res
+    # Rare (a gradient through a cached forward): the einsum path's VJP with the same causal offset.
+    q, k, v, q_offset = res
     layout = "rows" if k.ndim == 3 else "heads"
-    s = k.shape[-2]
-    mask = jnp.arange(s)[None, None, None, :] <= jnp.minimum(q_pos, s - 1)[:, None, :, None]  # (B, 1, T, S)
-    _, vjp = jax.vjp(lambda q, k, v: xla.scaled_dot_product_attention(q, k, v, mask=mask, scale=scale,
-                                                                      kv_layout=layout), q, k, v)
-    return (*vjp(dout), np.zeros(q_pos.shape, jax.dtypes.float0))
+    _, vjp = jax.vjp(lambda q, k, v: xla.scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=q_offset,
+                                                                      scale=scale, kv_layout=layout), q, k, v)
+    return (*vjp(dout), np.zeros((), jax.dtypes.float0))
 
 
 _cached.defvjp(_cached_fwd, _cached_bwd)

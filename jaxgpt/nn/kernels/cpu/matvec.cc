@@ -129,12 +129,13 @@ ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Res
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t mid = (N / 2 + kLanes - 1) / kLanes * kLanes;  // a whole number of vectors on the caller's side
-  if (K * N < kMinSplit || mid >= N || !GetHelper().Post([=] { Columns(xp, wp, yp, M, K, N, mid, N); })) {
+  Helper* helper = K * N < kMinSplit || mid >= N ? nullptr : &GetHelper();
+  if (helper == nullptr || !helper->Post([=] { Columns(xp, wp, yp, M, K, N, mid, N); })) {
     Columns(xp, wp, yp, M, K, N, 0, N);
     return ffi::Error::Success();
   }
   Columns(xp, wp, yp, M, K, N, 0, mid);
-  GetHelper().Wait();
+  helper->Wait();
   return ffi::Error::Success();
 }
 

@@ -99,8 +99,8 @@ void AttendOne(const float* qv, int64_t n, KeyAt key, ValAt val, int64_t D, floa
 // against 74 on the calling thread alone: waking a sleeping pool thread costs more than half the reads.
 constexpr int64_t kMinParallelFloats = int64_t(1) << 20;
 
-// Every (row, query, head) item over the caller and XLA's intra-op threads. rows(i) -> (keys, values)
-// accessors of item i's (row, kv head).
+// Every (row, query, head) item over the caller and XLA's intra-op threads. rows(b, h) -> the (key,
+// value) accessors of batch row b's keys for query head h.
 template <typename Rows>
 void AttendAll(ffi::ThreadPool& pool, const float* qp, const int32_t* pos, float* op, int64_t B, int64_t T,
                int64_t H, int64_t D, int64_t S, float scale, Rows rows) {
