@@ -107,7 +107,7 @@ def test_sigkilled_token_file_run_resumes_bit_exact(tmp_path):
 
     import jax
 
-    from jaxgpt.train.checkpoint import Checkpoints
+    from jaxgpt.train.checkpoint import FILES, Checkpoints
 
     d = tmp_path / "data"
     d.mkdir()
@@ -128,12 +128,14 @@ def test_sigkilled_token_file_run_resumes_bit_exact(tmp_path):
     run = tmp_path / "run"
     p = subprocess.Popen(cmd(run), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + LAUNCH_S
-    metrics = run / "metrics.jsonl"
+    # Saves are asynchronous: on a loaded machine the run can be 30 steps past 100 while step 100
+    # is still being written, so wait for its file table (written once the step is read back).
+    verified = run / "checkpoints" / "100" / FILES
     while p.poll() is None and time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 130:  # past the step-100 checkpoint
+        if verified.exists():
             p.send_signal(signal.SIGKILL)
             break
-        time.sleep(0.02)
+        time.sleep(0.01)
     p.wait(timeout=30)
     assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     r = subprocess.run(cmd(run), env=env, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_S)
