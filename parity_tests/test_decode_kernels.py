@@ -71,7 +71,7 @@ def test_cached_attention_past_the_cache_sees_every_key_as_xla_does():
 
 
 def test_cached_attention_gradients_match_xla():
-    """The kernel's VJP (kernels/xla.py's, rebuilt from the query positions) against jax.grad of the
+    """The kernel's VJP (kernels/xla.py's, at the cache offset it was given) against jax.grad of the
     einsum path with the same causal offset, in both layouts and past the cache."""
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)).astype(np.float32))
@@ -136,7 +136,8 @@ SPY = ModelConfig(vocab_size=29, d_model=32, n_layer=2, n_head=4, n_kv_head=2, m
 @pytest.mark.parametrize("batch", [1, matvec_ffi.MAX_ROWS, matvec_ffi.MAX_ROWS + 1])
 def test_generate_decodes_through_both_kernels(batch, monkeypatch):
     """Spies: generate()'s decode steps run the cache kernel and, up to MAX_ROWS rows, the matvec
-    kernel for every projection (4 attention + 3 SwiGLU per layer); training-size calls run neither."""
+    kernel for every projection (4 attention + 3 SwiGLU per layer); the 6-token prefill runs the cache
+    kernel, and the matvec only where its rows are few enough (never here: batch x 6 > MAX_ROWS)."""
     cfg = SPY.replace(vocab_size=29 + batch)  # a config no other test compiles: generate() traces afresh
     p = jax.tree.map(lambda a: jnp.asarray(np.random.default_rng(0).standard_normal(a.shape).astype(np.float32) * .2),
                      abstract_params(cfg))  # (its shape-only init runs one row: before the spies)

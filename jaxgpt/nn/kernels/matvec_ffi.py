@@ -8,8 +8,8 @@ waking one cost more than it saved): 1,008-token greedy decoding 449 -> 652 toke
 cache-attention kernel (docs/performance.md).
 
 Float32 only; each output is summed in a fixed order, about 1e-7 from XLA's dot. Differentiable:
-the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.rows_dot_general`` (nn.Dense's dot in
-jaxgpt) runs it for at most MAX_ROWS rows on the CPU.
+the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.matvec_dot_general`` (the dot of
+``dense(..., matvec=True)``: layers that are not scanned) runs it for at most MAX_ROWS rows on the CPU.
 """
 from __future__ import annotations
 

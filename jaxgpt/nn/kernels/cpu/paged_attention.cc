@@ -21,21 +21,11 @@ using namespace jaxgpt_simd;
 
 namespace {
 
-// A tree over the lanes: simd.h's lane-by-lane Sum is a 16-add dependency chain, paid here once a key.
-inline float HSum(V v) {
-  typedef float V8 __attribute__((vector_size(32)));
-  typedef float V4 __attribute__((vector_size(16)));
-  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
 inline float Dot(const float* a, const float* b, int64_t n) {
   V acc = Splat(0.0f);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += Load(a + i) * Load(b + i);
-  float s = HSum(acc);
+  float s = TreeSum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -70,7 +60,7 @@ void AttendOne(const float* qv, int64_t n, KeyAt key, ValAt val, int64_t D, floa
     Store(w + j, e);
     vsum += e;
   }
-  float sum = HSum(vsum);
+  float sum = TreeSum(vsum);
   if (j < n) {  // the tail through one vector: ExpNeg for every weight, padded lanes give 0
     V x = Splat(-INFINITY);
     for (int64_t l = 0; j + l < n; ++l) x[l] = w[j + l] - m;

@@ -1,5 +1,6 @@
-// What the CPU kernels share (causal_attention.cc, layer_norm.cc, gelu.cc): 16-float vectors, a
-// vector exp for x <= 0, and the split of a call's work over XLA's intra-op threads.
+// What the CPU kernels share (causal_attention.cc, layer_norm.cc, gelu.cc, paged_attention.cc,
+// matvec.cc): 16-float vectors, a vector exp for x <= 0, and the split of a call's work over XLA's
+// intra-op threads.
 // kernels/native.py compiles each kernel with this header and keys its cache on both files.
 #pragma once
 
@@ -39,6 +40,17 @@ inline float Sum(V v) {
   float s = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) s += v[l];
   return s;
+}
+
+// The same lanes summed as a tree: Sum is a 16-add dependency chain (kept: the other kernels'
+// results depend on its order), paid once a key in paged_attention.cc's dot products.
+inline float TreeSum(V v) {
+  typedef float V8 __attribute__((vector_size(32)));
+  typedef float V4 __attribute__((vector_size(16)));
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 inline float Max(V v) {
