@@ -5,6 +5,9 @@
 #   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
 #                      SIGKILL tests (-m multiprocess), whole command-line runs and the server (-m e2e),
 #                      long unit tests (-m slow); CI (.ci/run) runs make test, then this
+#   make test-gpu      the parity suite on a GPU with default settings (no precision flag), in GPU_PYTHON's
+#                      environment (a CUDA jax, torch, transformers; run from the repo root); tests marked
+#                      cpu_only are skipped there. CI stays on the CPU: the README records GPU runs
 #   make parity-margins   regenerate docs/parity-margins.md (float32 errors against a float64 reference)
 #   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
 #                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2 h), the committed results
@@ -29,7 +32,15 @@ MARGIN_TESTS := $(addprefix parity_tests/,test_norms.py test_mlp.py test_attenti
 MARGIN_SEEDS ?= 0
 EXPERIMENTS_ARGS ?=
 
-.PHONY: demo test test-slow test-all parity-margins experiments clean
+# The GPU tier: the parity files, run on whatever accelerator JAX finds (JAXGPT_EXPECT_BACKEND makes a CPU-only
+# JAX fail test_gpu_policy instead of passing on the CPU); each xdist worker takes memory as it needs it.
+GPU_PYTHON ?= python3
+GPU_WORKERS ?= 4
+GPU_TESTS := $(addprefix parity_tests/,test_gpu_policy.py test_norms.py test_mlp.py test_positions.py test_attention.py \
+	test_block.py test_decoder.py test_bert.py test_encdec.py test_attnres.py test_moe.py test_attention_backends.py \
+	test_precision.py)
+
+.PHONY: demo test test-slow test-all test-gpu parity-margins experiments clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +65,10 @@ test-slow: $(VENV)/.test
 	$(BIN)/python -m pytest $(XDIST) -m "$(SLOW_TIERS)" --durations 15 $(PYTEST_ARGS)
 
 test-all: test test-slow
+
+test-gpu:
+	JAXGPT_EXPECT_BACKEND=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PYTHON) -m pytest \
+		-n $(GPU_WORKERS) --dist loadscope -m "not ($(SLOW_TIERS))" --durations 10 $(GPU_TESTS) $(PYTEST_ARGS)
 
 # MARGIN_SEEDS="$$(seq 0 19)": the worst over 20 draws of the random weights (as committed); 0: the suite's own.
 parity-margins: $(VENV)/.test

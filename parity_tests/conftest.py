@@ -45,7 +45,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on GPU runs
+# No JAX-wide matmul precision: on a GPU, float32 parity at 1e-5 is the library's own policy
+# (ModelConfig.matmul_precision='auto': full float32 for float32 compute; jaxgpt/nn/precision.py).
+# Tests marked cpu_only hold only on the CPU backend (its C++ kernels, no cuDNN): skipped elsewhere.
+ACCELERATOR = jax.default_backend() != "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not ACCELERATOR:
+        return
+    skip = pytest.mark.skip(reason=f"cpu_only: holds on the CPU backend only (this run: {jax.default_backend()})")
+    for item in items:
+        if item.get_closest_marker("cpu_only"):
+            item.add_marker(skip)
+
 
 # Persistent compilation cache (a second run loads the compiled programs instead of compiling them),
 # with the commands' settings (jaxgpt.cli.compile_cache): every program cached, however fast it

@@ -131,6 +131,7 @@ def test_cache_decode_step_traced_offset(impl):
             assert_self_consistent(got, ref, f"attention[{impl}] cache step, {layout!r}")
 
 
+@pytest.mark.cpu_only  # asserts cuDNN is absent
 def test_cudnn_on_cpu_warns_once():
     warn_once.cache_clear()
     qkv, kw = _case("causal")
@@ -146,6 +147,7 @@ def test_cudnn_on_cpu_warns_once():
         assert_self_consistent(a, r, f"attention[cudnn] vs xla d{name}", unit_scale=True)
 
 
+@pytest.mark.cpu_only  # asserts cuDNN is absent
 def test_cudnn_fallback_names_what_cudnn_raised(monkeypatch):
     """Past our own checks (pretend they pass), jax.nn's cuDNN path raises while tracing: here a
     RuntimeError (no cuDNN on a CPU); on a GPU NotImplementedError or ValueError for shapes it

@@ -1,7 +1,7 @@
 """The engine's 'auto' defaults (issue #19): what a user gets without flags is the fast path, with
 the same numbers.
 
-- ``scan_unroll='auto'``: every layer in one scan iteration on the CPU, rolled elsewhere.
+- ``scan_unroll='auto'``: every layer in one scan iteration on the CPU and GPU, rolled elsewhere.
 - ``import jaxgpt`` asks XLA for one CPU device per core, up to ``host_devices.AUTO_MAX``, unless the user chose
   (``JAXGPT_HOST_DEVICES``, ``XLA_FLAGS``); checked in fresh interpreters.
 - ``TrainConfig.mesh='auto'``: the train step splits the batch over those devices. Self-consistency
@@ -33,9 +33,9 @@ SELF_TOL = 1e-6
 CFG = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=4, max_len=16)
 
 
-def test_scan_unroll_auto_unrolls_on_cpu():
+def test_scan_unroll_auto_unrolls_on_cpu_and_gpu():
     assert CFG.scan_unroll == "auto"
-    assert scan_unroll(CFG) == (CFG.n_layer if jax.default_backend() == "cpu" else 1)
+    assert scan_unroll(CFG) == (CFG.n_layer if jax.default_backend() in ("cpu", "gpu") else 1)
     assert scan_unroll(CFG.replace(scan_unroll=1)) == 1
     with pytest.raises(ValueError, match="scan_unroll must be a positive int, got 'fast'"):
         CFG.replace(scan_unroll="fast")
@@ -310,13 +310,13 @@ def test_cpu_steps_leave_dots_to_eigen(monkeypatch):
         pytest.skip("a CPU compiler option")
     tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
     state, batch = init_state(CFG, tc, mesh=None), _batch(4)
-    assert step_module.cpu_compiler_options() == step_module.CPU_OPTIONS
+    assert step_module.compiler_options() == step_module.CPU_OPTIONS
     ours = make_train_step(CFG, tc, mesh=None).lower(state, batch).compile().as_text()
     xla = jax.jit(lambda s, b: make_train_step(CFG, tc, mesh=None)(s, b)).lower(state, batch).compile().as_text()
     assert _ynn_dots(ours) == 0 and _ynn_dots(xla) > 0
     monkeypatch.setattr(step_module, "CPU_OPTIONS", {"xla_cpu_experimental_ynn_fusion_type": "NO_SUCH_TYPE"})
-    step_module.cpu_compiler_options.cache_clear()
+    step_module.compiler_options.cache_clear()
     try:
-        assert step_module.cpu_compiler_options() == {}
+        assert step_module.compiler_options() == {}
     finally:
-        step_module.cpu_compiler_options.cache_clear()
+        step_module.compiler_options.cache_clear()

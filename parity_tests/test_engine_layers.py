@@ -180,7 +180,7 @@ def test_unroll_and_scan_layers_change_the_lowered_loop():
         text = jax.jit(lambda p, t, cfg=cfg: build(cfg).apply({"params": p}, t)).lower(relayout(p0, BASE, cfg),
                                                                                       tok).as_text()
         loops[name] = text.count("stablehlo.while")
-    auto = 0 if jax.default_backend() == "cpu" else 1  # scan_unroll='auto': fully unrolled on the CPU
+    auto = 0 if jax.default_backend() in ("cpu", "gpu") else 1  # scan_unroll='auto': fully unrolled on the CPU and GPU
     assert loops == {"default": auto, "rolled": 1, "unrolled": 0, "unroll-2": 1, "no-scan": 0, "remat-full": 1,
                      "remat-dots": 1, "no-scan-remat": 0, "norm-ffi": auto}  # 'auto' with remat: rolled, which keeps its saving
 

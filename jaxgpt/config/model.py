@@ -36,6 +36,10 @@ NORM_IMPLS = ("auto", "xla", "ffi")
 # The exact GELU (engine knob, same math): 'xla', 'ffi' the C++ CPU kernel (jaxgpt.nn.kernels.gelu_ffi),
 # 'auto' the kernel on the CPU in float32 where it is built, else 'xla'. Other activations run XLA's.
 ACT_IMPLS = ("auto", "xla", "ffi")
+# float32 matmul precision (engine knob; jaxgpt/nn/precision.py): 'auto' full float32 for float32 compute
+# (a GPU's default is TF32, which torch keeps off), the backend default for bf16/fp16 compute;
+# 'default' the backend's default (TF32 on NVIDIA GPUs), 'high', 'highest' jax.lax.Precision's.
+MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
@@ -95,13 +99,14 @@ class ModelConfig(_Config):
     # Engine knobs: how the layer stack is compiled; they change neither the math nor torch_ref.
     scan_layers: bool = True  # nn.scan over one Block (params (L, ...) under 'layers'); False: layers_0, layers_1, ...
     # layers per iteration of the scanned loop (1 = rolled; >= n_layer = fully unrolled). 'auto': fully
-    # unrolled on the CPU without remat (same params, the step of unrolled layers; measured 1.2x), else rolled.
+    # unrolled on the CPU and GPU without remat (same params, the step of unrolled layers; measured 1.2x), else rolled.
     scan_unroll: int | str = "auto"
     remat: str = "none"  # one of REMATS: what each layer keeps for the backward pass
     attention_impl: str = "auto"  # one of ATTENTION_IMPLS
     attention_block: int = 128  # key/value block length of attention_impl='blocked' (128: fastest measured on CPU)
     norm_impl: str = "auto"  # one of NORM_IMPLS
     act_impl: str = "auto"  # one of ACT_IMPLS
+    matmul_precision: str = "auto"  # one of MATMUL_PRECISIONS
     dtype: str = "float32"  # compute dtype (DTYPES); bfloat16 with param_dtype float32 = mixed precision
     param_dtype: str = "float32"  # dtype the weights are stored (and optimised) in
     # Mixture of Experts (jaxgpt/config/moe.py): None = every layer's FFN is the dense ``mlp``.
@@ -128,6 +133,7 @@ class ModelConfig(_Config):
         _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _choice("norm_impl", self.norm_impl, NORM_IMPLS)
         _choice("act_impl", self.act_impl, ACT_IMPLS)
+        _choice("matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
         _positive("attention_block", self.attention_block)
         _choice("dtype", self.dtype, DTYPES)
         _choice("param_dtype", self.param_dtype, DTYPES)

@@ -151,7 +151,7 @@ ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
                   ("attnres_variant", "attnres_blocks", "attnres_eps", "attnres_key_gain")}
 # How jaxgpt compiles the layer stack: the same weights and logits whatever their values.
 ENGINE_UNUSED = {name: unused("engine knob (how jaxgpt compiles and computes), not part of the exported weights") for name in
-                 ("scan_layers", "scan_unroll", "remat", "attention_impl", "attention_block", "norm_impl", "act_impl",
+                 ("scan_layers", "scan_unroll", "remat", "attention_impl", "attention_block", "norm_impl", "act_impl", "matmul_precision",
                   "dtype", "param_dtype")}
 
 

@@ -18,6 +18,7 @@ from jaxgpt.core import validate
 from jaxgpt.config import BertConfig
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
 from jaxgpt.nn.norms import norm_from_config
+from jaxgpt.nn.precision import module_scope
 
 
 class BertOutput(NamedTuple):
@@ -43,6 +44,7 @@ class BertClassifier(nn.Module):
     config: BertConfig
 
     @nn.compact
+    @module_scope
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, deterministic=True,
                  return_weights=False, return_hidden=False):
         """input_ids: (B, T) int. attention_mask: (B, T), 1/True = real token (keys at 0 are masked).

@@ -17,6 +17,7 @@ from jaxgpt.models.bert import key_mask
 from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
+from jaxgpt.nn.precision import module_scope
 
 
 class Stack(nn.Module):
@@ -27,6 +28,7 @@ class Stack(nn.Module):
     cross: bool = False
 
     @nn.compact
+    @module_scope
     def __call__(self, ids, memory=None, memory_mask=None, self_mask=None, *, deterministic=True):
         """ids: (B, T) int; memory: (B, S, d); masks: (B, 1, 1, S|T) bool. Returns (B, T, d)."""
         cfg = self.config
@@ -59,12 +61,14 @@ class EncoderDecoder(nn.Module):
         """src_ids: (B, S) int; src_mask: (B, S), True = real token. Returns memory (B, S, d)."""
         return self.encoder(src_ids, self_mask=key_mask(src_mask, src_ids.shape), deterministic=deterministic)
 
+    @module_scope
     def decode(self, tgt_ids, memory, src_mask=None, *, deterministic=True):
         """tgt_ids: (B, T) int; memory: (B, S, d) from ``encode``. Returns logits (B, T, vocab)."""
         mask = key_mask(src_mask, memory.shape[:2])  # (B, 1, 1, S)
         h = self.decoder(tgt_ids, memory, mask, deterministic=deterministic)  # (B, T, d)
         return self.out_proj(h)
 
+    @module_scope
     def __call__(self, src_ids, tgt_ids, src_mask=None, *, deterministic=True):
         """Teacher-forced logits (B, T_tgt, decoder.vocab_size); src_mask (B, S), True = real token."""
         memory = self.encode(src_ids, src_mask, deterministic=deterministic)

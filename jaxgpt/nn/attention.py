@@ -17,6 +17,7 @@ from jaxgpt.nn.kernels import attend, keys_before, paged_ffi
 from jaxgpt.nn.kernels import causal_mask, scaled_dot_product_attention  # noqa: F401  (public names)
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.positions import apply_rope
+from jaxgpt.nn.precision import module_scope
 
 # KVCache.layout: how k and v are stored. S is the capacity; index is () except where noted.
 #   'heads'   (B, H_kv, S, D)                 one layer (KVCache.init); read as kv_layout 'heads'
@@ -118,8 +119,10 @@ class Attention(nn.Module):
     dtype: str = "float32"  # compute dtype of the projections and the attention core
     param_dtype: str = "float32"
     matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel (layers not scanned)
+    matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
 
     @nn.compact
+    @module_scope
     def __call__(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
                  return_weights=False, deterministic=True):
         """x: (B, T, d_model); context: (B, S, d_model) for cross-attention.
@@ -192,4 +195,4 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,
         init_std=config.init_std, out_init_std=config.out_init_std, attention_impl=config.attention_impl,
         attention_block=config.attention_block, dtype=config.dtype, param_dtype=config.param_dtype,
-        matvec=not config.scan_layers, name=name)
+        matvec=not config.scan_layers, matmul_precision=config.matmul_precision, name=name)

@@ -9,6 +9,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.nn.mlp import make_mlp
 from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.norms import norm_from_config
+from jaxgpt.nn.precision import module_scope
 
 
 class Block(nn.Module):
@@ -23,6 +24,7 @@ class Block(nn.Module):
     sparse: bool = False  # the feed-forward network is a Mixture of Experts (config.sparse_layer(i))
 
     @nn.compact
+    @module_scope
     def __call__(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
                  return_weights=False, deterministic=True):
         """mask: self-attention mask (True = attend); context (B, S, d_model) and context_mask

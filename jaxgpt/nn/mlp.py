@@ -1,14 +1,13 @@
 """Position-wise feed-forward networks: two-matrix MLP (relu / gelu / gelu_tanh) and SwiGLU."""
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jaxgpt.config import ACT_IMPLS
+from jaxgpt.nn import head
 from jaxgpt.nn.kernels import gelu_ffi, matvec_ffi, native
+from jaxgpt.nn.precision import module_scope
 
 
 def gelu(x):
@@ -98,7 +97,7 @@ def dense(features: int, use_bias: bool, std: float, name: str, dtype: str = "fl
     output would round the logits to 3 significant digits before the loss). ``matvec``: a few rows
     run the two-thread matvec kernel (``matvec_dot_general``; for layers that are not scanned)."""
     if f32_out:
-        dot = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+        dot = head.head_dot_general
     else:
         dot = matvec_dot_general if matvec else rows_dot_general
     return Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std), dtype=dtype,
@@ -128,8 +127,10 @@ class MLP(nn.Module):
     param_dtype: str = "float32"
     act_impl: str = "auto"  # ACT_IMPLS
     matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel
+    matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
 
     @nn.compact
+    @module_scope
     def __call__(self, x):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; expected one of {sorted(ACTIVATIONS)}")
@@ -150,8 +151,10 @@ class SwiGLU(nn.Module):
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"
     matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel
+    matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
 
     @nn.compact
+    @module_scope
     def __call__(self, x):
         dt = dict(dtype=self.dtype, param_dtype=self.param_dtype, matvec=self.matvec)
         gate = dense(self.d_ff, self.use_bias, self.init_std, "gate_proj", **dt)(x)  # (..., d_ff)
@@ -163,7 +166,8 @@ def make_mlp(config, name: str = "mlp") -> nn.Module:
     """The feed-forward network a ModelConfig names."""
     common = dict(d_model=config.d_model, d_ff=config.ffn_dim, use_bias=config.mlp_bias,
                   init_std=config.init_std, out_init_std=config.out_init_std, dtype=config.dtype,
-                  param_dtype=config.param_dtype, matvec=not config.scan_layers, name=name)
+                  param_dtype=config.param_dtype, matvec=not config.scan_layers,
+                  matmul_precision=config.matmul_precision, name=name)
     if config.mlp == "swiglu":
         return SwiGLU(**common)
     return MLP(activation=config.mlp, act_impl=config.act_impl, **common)

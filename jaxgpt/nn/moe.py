@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.nn.mlp import SwiGLU, dense
+from jaxgpt.nn.precision import module_scope
 
 
 def route(logits, top_k: int, norm_topk: bool):
@@ -100,6 +101,7 @@ class MoE(nn.Module):
     config: object  # ModelConfig
 
     @nn.compact
+    @module_scope
     def __call__(self, x):
         cfg, moe = self.config, self.config.moe
         dt = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)

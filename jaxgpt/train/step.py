@@ -30,19 +30,24 @@ from jaxgpt.train.optim import make_optimizer, schedule
 # REDUCE). Eigen's dots made the shakespeare-char step 1.06x faster (5.25 against 5.57 s, 4 process pairs A B A B;
 # cpu-small unchanged), so the train and eval steps keep YNNPACK for the reductions only (without them: slower).
 CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+# XLA:GPU (jaxlib 0.11.2) writes some GEMMs and their fused neighbours as Triton kernels; cuBLAS's GEMMs
+# made the gpt2-small B 12 x 1024 bf16 train step faster (H200, results/engine/gpu.md; docs/performance.md).
+GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 @functools.cache
-def cpu_compiler_options() -> dict:
-    """``CPU_OPTIONS`` where the backend is the CPU and this jaxlib takes them (they are experimental: a
-    jaxlib without them compiles the steps with its defaults), else {}: ``jax.jit``'s ``compiler_options``."""
-    if jax.default_backend() != "cpu":
+def compiler_options() -> dict:
+    """The train and eval steps' XLA options for this backend (``CPU_OPTIONS``, ``GPU_OPTIONS``) where this jaxlib
+    takes them (they are experimental or internal: a jaxlib without them compiles the steps with its
+    defaults), else {}: ``jax.jit``'s ``compiler_options``."""
+    options = {"cpu": CPU_OPTIONS, "gpu": GPU_OPTIONS}.get(jax.default_backend())
+    if not options:
         return {}
     try:
-        jax.jit(lambda x: x + 1, compiler_options=CPU_OPTIONS).lower(jnp.float32(0)).compile()
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(jnp.float32(0)).compile()
     except Exception:  # noqa: BLE001 - an unknown option or value: XLA's defaults, which are correct too
         return {}
-    return dict(CPU_OPTIONS)
+    return dict(options)
 
 
 def _traced(tree) -> bool:
@@ -50,12 +55,12 @@ def _traced(tree) -> bool:
 
 
 class _Jit:
-    """``jax.jit(fn, **kw)``, compiled with ``cpu_compiler_options()`` when called at the top level.
+    """``jax.jit(fn, **kw)``, compiled with ``compiler_options()`` when called at the top level.
     Inside another jit (JAX takes compiler_options only at the top) it is the plain jit, compiled
     with the outer program's options. Other attributes (``lower``, ...) are the top-level jit's."""
 
     def __init__(self, fn, **kw):
-        options = cpu_compiler_options()
+        options = compiler_options()
         self._plain = jax.jit(fn, **kw)
         self._top = jax.jit(fn, compiler_options=options, **kw) if options else self._plain
 
@@ -282,10 +287,10 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
         if checked:
             # checkify returns (error, output): the output shardings are left to propagation
             return _paced(checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"],
-                                         compiler_options=cpu_compiler_options() or None), mesh, keep=lambda out: out[1])
+                                         compiler_options=compiler_options() or None), mesh, keep=lambda out: out[1])
         return _paced(_Jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
     if checked:
-        return checks.checked(train_step, donate_argnums=0, compiler_options=cpu_compiler_options() or None)
+        return checks.checked(train_step, donate_argnums=0, compiler_options=compiler_options() or None)
     return _Jit(train_step, donate_argnums=0)
 
 
@@ -363,7 +368,7 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
         return loss_terms(config, params, batch, train=False)
 
     if checked:
-        return _paced(checks.checked(eval_step, compiler_options=cpu_compiler_options() or None), mesh)
+        return _paced(checks.checked(eval_step, compiler_options=compiler_options() or None), mesh)
     whole = _Jit(eval_step)
     if mesh is None:
         return whole

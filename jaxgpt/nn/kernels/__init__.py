@@ -10,7 +10,8 @@ same numbers (1e-5 in float32, forward and gradients); they differ in memory and
     'blocked'  blocked.py   flash-style online softmax, memory linear in T
     'ffi'      causal_ffi.py  a C++ kernel (CPU, float32): causal self-attention without a mask, cache
                             or dropout; other calls (decode, masks) run what 'auto' picks among the rest
-    'auto'     one of the above per call (auto_impl): the ModelConfig default
+    'auto'     one of the above per call, backend and shape (auto_impl): the ModelConfig default;
+               on a GPU, cuDNN flash attention for train steps in bf16/fp16, never (T, T) scores
 
 'auto' and 'ffi' run one more C++ kernel for causal calls over a KV cache of up to
 CACHE_KERNEL_MAX_TQ queries (decode steps, short prefills; CPU, float32, no mask):
@@ -23,11 +24,14 @@ call time (``xla.scaled_dot_product_attention``, ...), so a test can count which
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.core import validate
+from jaxgpt.nn import precision
 from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, paged_ffi, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
@@ -43,19 +47,36 @@ CACHE_KERNEL_MAX_TQ = 16  # it loops over the queries one by one: longer prefill
 FFI_AUTO_MAX_LEN = 1024  # 'auto' runs 'ffi' up to this length (it holds T x T scores per thread)
 
 
-def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0) -> str:
+def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, plain: bool = False) -> str:
     """The kernel attention_impl='auto' runs where 'ffi' cannot (attend runs 'ffi' first: causal
     float32 self-attention without a mask, cache or dropout, T <= FFI_AUTO_MAX_LEN, on the CPU;
-    it made the 4 x 128, T 64 train step 1.15x faster). By measurement (docs/performance.md). On the CPU:
-    'blocked' for training and prefill over more than one key block (its causal block skipping and
-    O(T) residuals made a 6 x 384, T 256 train step 1.3x faster than 'xla'), else 'xla' (decode
-    steps, short sequences: equal or faster). Elsewhere 'xla' (no accelerator measured yet).
-    Always 'xla' with attention dropout, the only kernel that has it."""
-    if dropout_rate > 0.0 or jax.default_backend() != "cpu":
+    it made the 4 x 128, T 64 train step 1.15x faster). By measurement (docs/performance.md):
+
+    - GPU: 'cudnn' (flash attention, memory linear in T) for ``plain`` calls (self-attention over the
+      call's own keys: no mask, no KV cache, causal from offset 0) on queries ``q`` cuDNN takes
+      (bfloat16/float16, head_dim a multiple of 8 up to 256; a call it still rejects runs 'blocked').
+      'xla' materialised (B, H, T, T) float32 scores per layer: gpt2-small at B 12, T 1024 ran out
+      of memory on an 80 GB H100.
+    - Every backend, for the rest: 'blocked' for training and prefill over more than one key block
+      (memory linear in T; on the CPU its causal block skipping made a 6 x 384, T 256 train step
+      1.3x faster than 'xla'), else 'xla' (decode steps, short sequences: equal or faster). TPUs
+      get this rule too: JAX's Pallas TPU kernels are not wired in (no TPU was measured).
+    - Always 'xla' with attention dropout, the only kernel that has it.
+    """
+    if dropout_rate > 0.0:
         return "xla"
+    if plain and tq > 1 and q is not None and jax.default_backend() == "gpu" and cudnn_unsupported(q) is None:
+        return "cudnn"
     return "blocked" if tq > 1 and tk > block else "xla"
 
 
+def _plain(q, mask, is_causal, q_offset, kv_layout, tk) -> bool:
+    """Self-attention over the call's own keys without a mask (a train step's attention)."""
+    static_zero = isinstance(q_offset, int) and q_offset == 0
+    return kv_layout == "tokens" and mask is None and (not is_causal or (static_zero and q.shape[1] == tk))
+
+
+@precision.float32_full  # alone: full-precision float32 matmuls off the CPU; in a model: the model's setting
 def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_offset=0, scale=None,
            return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
@@ -77,12 +98,15 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and \
             cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:
         return paged_ffi.cached_attention(q, k, v, q_offset, scale=scale)  # k, v as stored: no reshape
+    plain = _plain(q, mask, is_causal, q_offset, kv_layout, tk)
+    fallback = "xla"  # what a 'cudnn' call cuDNN rejects runs instead
     if impl == "ffi" and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is not None:
-        impl = auto_impl(tq, tk, block, dropout_rate)  # a KV cache, a mask, bf16: 'auto' without the kernel
+        impl = auto_impl(tq, tk, block, dropout_rate, q, plain)  # a KV cache, a mask, bf16: 'auto' without the kernel
     if impl == "auto":
         impl = "ffi" if (dropout_rate == 0.0 and not return_weights and tq <= FFI_AUTO_MAX_LEN
                          and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None) \
-            else auto_impl(tq, tk, block, dropout_rate)
+            else auto_impl(tq, tk, block, dropout_rate, q, plain)
+        fallback = "blocked" if tq > 1 and tk > block else "xla"  # never (T, T) scores where 'blocked' can run
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
                          f"set attn_dropout=0.0 or attention_impl='xla'")
@@ -97,7 +121,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if impl == "blocked":
         return blocked.blocked_attention(q, k, v, block=block, kv_layout=kv_layout, **kw)
     return jax_sdpa.jax_attention(q, k, v, kv_layout=kv_layout, implementation="cudnn" if impl == "cudnn" else None,
-                                  **kw)
+                                  fallback=functools.partial(blocked.blocked_attention, block=block)
+                                  if fallback == "blocked" else None, **kw)
 
 
 def cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) -> str | None:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask, keys_before
 
 class _Static(NamedTuple):
@@ -18,6 +19,9 @@ class _Static(NamedTuple):
     bq: int  # query block
     bk: int  # key/value block
     tk: int  # true key length (keys at or past it are padding)
+    # the matmul precision in force at the forward call (jaxgpt.nn.precision): the backward pass is
+    # traced after the module call returns, outside its precision scope
+    precision: str | None = None
 
 
 def _block_scores(cfg: _Static, qi, kj, i, j, mask, q_offset):
@@ -92,6 +96,13 @@ def _flash_fwd(cfg, q, k, v, mask, q_offset):
 def _flash_bwd(cfg, res, dout):
     """FlashAttention-2 backward: for each key block, recompute the scores of the query blocks that
     can see it from the saved logsumexp; dk, dv per key block, dq accumulated in a carry."""
+    if cfg.precision is None:
+        return _flash_bwd_body(cfg, res, dout)
+    with jax.default_matmul_precision(cfg.precision):
+        return _flash_bwd_body(cfg, res, dout)
+
+
+def _flash_bwd_body(cfg, res, dout):
     q, k, v, mask, q_offset, out, lse = res
     b, hk, g, tqp, d = q.shape
     nq, nk = tqp // cfg.bq, k.shape[2] // cfg.bk
@@ -140,6 +151,7 @@ def _pad_to(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+@precision.float32_full
 def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_layout="tokens",
                       block=128):
     """Flash-style attention: loops over query blocks and key/value blocks of ``block`` positions with
@@ -157,7 +169,8 @@ def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=
     if h % hk:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
     g = h // hk
-    cfg = _Static(bool(is_causal), float(d ** -0.5 if scale is None else scale), min(block, tq), min(block, tk), tk)
+    cfg = _Static(bool(is_causal), float(d ** -0.5 if scale is None else scale), min(block, tq), min(block, tk), tk,
+                  precision.current())
     tqp, tkp = -(-tq // cfg.bq) * cfg.bq, -(-tk // cfg.bk) * cfg.bk
     qg = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4)  # (B, K, G, Tq, D); head = kv_head * G + group
     qg, k, v = _pad_to(qg, 3, tqp), _pad_to(k, 2, tkp), _pad_to(v, 2, tkp)

@@ -9,6 +9,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import as_4d, both, causal_mask
 
 _HALF = (jnp.bfloat16, jnp.float16)
@@ -40,10 +41,26 @@ def cudnn_unsupported(q) -> str | None:
     return None
 
 
+@precision.float32_full
 def jax_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_layout="tokens",
-                  implementation=None):
+                  implementation=None, fallback=None):
     """``jax.nn.dot_product_attention``; k, v in kv_layout 'tokens' or 'heads'. ``implementation``:
-    None or 'cudnn'. A 'cudnn' call cuDNN cannot run falls back to 'xla' with one warning naming why."""
+    None or 'cudnn'. A 'cudnn' call cuDNN cannot run falls back, with one warning naming why, to
+    ``fallback`` (a kernel with this function's contract: attention_impl='auto' passes the
+    memory-linear 'blocked') or else to jax.nn's 'xla' implementation."""
+    if implementation == "cudnn" and fallback is not None:
+        why = cudnn_unsupported(q)
+        if why is None:
+            try:
+                return _jax_attention(q, k, v, mask, is_causal, q_offset, scale, kv_layout, "cudnn", strict=True)
+            except CUDNN_FAILURES as e:
+                why = f"cuDNN rejected the call ({type(e).__name__}: {e})"
+        warn_once(f"attention_impl='auto' runs 'blocked' instead of cuDNN flash attention: {why}")
+        return fallback(q, k, v, mask=mask, is_causal=is_causal, q_offset=q_offset, scale=scale, kv_layout=kv_layout)
+    return _jax_attention(q, k, v, mask, is_causal, q_offset, scale, kv_layout, implementation)
+
+
+def _jax_attention(q, k, v, mask, is_causal, q_offset, scale, kv_layout, implementation, strict=False):
     if kv_layout == "heads":  # jax.nn wants (B, Tk, H_kv, D)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     tq, tk = q.shape[1], k.shape[1]
@@ -61,7 +78,7 @@ def jax_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None
     try:
         out = call(implementation=implementation)
     except CUDNN_FAILURES as e:
-        if implementation != "cudnn":
+        if implementation != "cudnn" or strict:
             raise
         warn_once(f"attention_impl='cudnn' falls back to the XLA implementation: cuDNN rejected the call "
                   f"({type(e).__name__}: {e})")

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.core import validate
+from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask
 
 # How a kernel reads k and v (the queries are always (B, Tq, H, D)):
@@ -26,6 +27,7 @@ def kv_shape(k, kv_layout: str, batch: int) -> tuple[int, int]:
     return (k.shape[1], k.shape[2]) if kv_layout == "heads" else (k.shape[2], k.shape[1])
 
 
+@precision.float32_full
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
                                  return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None):
     """softmax(q k^T * scale + mask) v, per head, with grouped key/value heads.
