@@ -120,3 +120,44 @@ def test_bench_train_quick_smoke(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "| jaxgpt-unrolled-dp2 | scan_layers=False, host_devices=2 |" in table and "Best jaxgpt: " in table
 
+
+
+def test_bench_gpu_flops_and_batch_fit():
+    """bench_gpu's MFU numerator is nanoGPT's estimate (its GPT-2 124M: 123,587,328 weights without the
+    position table), and the 80 GB batch estimate is the line through two measured peaks."""
+    from scripts.benchmarks import bench_gpu
+
+    d, layers, t = 768, 12, 1024
+    n = 50304 * d + layers * 12 * d * d + (2 * layers + 1) * d
+    assert n == 123_587_328  # nanoGPT's GPT(bias=False).get_num_params() at vocab 50304, block 1024
+    assert bench_gpu.flops_per_step("gpt2-small", 12, t) == (6 * n + 12 * layers * d * t) * 12 * t
+    assert bench_gpu.fit_max_batch([(12, 10e9), (32, 20e9)]) == 152  # 4 GB fixed + 0.5 GB a row
+    assert bench_gpu.fit_max_batch([(12, 10e9)]) is None
+
+
+@pytest.mark.smoke  # the script end to end in subprocesses: make test-slow
+def test_bench_gpu_quick_smoke(tmp_path):
+    """bench_gpu --quick on whatever backend is here: nanoGPT's model.py (eager) and jaxgpt's default
+    step in their own processes, a variant, every row of the table."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import SHARED, require_shared
+
+    nanogpt = require_shared(SHARED / "reference" / "nanogpt" / "model.py").parent
+    out = tmp_path / "gpu.md"
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "scripts.benchmarks.bench_gpu", "--quick", "--no-decode", "--nanogpt",
+                        str(nanogpt), "--variant", 'rolled={"config": {"scan_unroll": 1}}', "--out", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    for b, arms in result["train"].items():
+        assert {"nanogpt-compile", "jaxgpt"} <= set(arms), arms
+        for name, r in arms.items():
+            assert "error" not in r, (name, r)
+            assert len(r["ms"]) == 3 and all(m > 0 for m in r["ms"]) and math.isfinite(r["loss"])
+    assert "jaxgpt-rolled" in result["train"]["2"]
+    table = out.read_text()
+    assert "| jaxgpt-rolled |" in table and "## Batch 4" in table
