@@ -48,11 +48,12 @@ import pytest
 # No JAX-wide matmul precision: on a GPU, float32 parity at 1e-5 is the library's own policy
 # (ModelConfig.matmul_precision='auto': full float32 for float32 compute; jaxgpt/nn/precision.py).
 # Tests marked cpu_only hold only on the CPU backend (its C++ kernels, no cuDNN): skipped elsewhere.
-ACCELERATOR = jax.default_backend() != "cpu"
 
 
 def pytest_collection_modifyitems(config, items):
-    if not ACCELERATOR:
+    # asked here, not at import: starting JAX's backend before jaxgpt is imported would keep
+    # jaxgpt.parallel.host_devices from making one CPU device per core
+    if jax.default_backend() == "cpu":
         return
     skip = pytest.mark.skip(reason=f"cpu_only: holds on the CPU backend only (this run: {jax.default_backend()})")
     for item in items:

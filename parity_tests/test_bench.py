@@ -137,8 +137,8 @@ def test_bench_gpu_flops_and_batch_fit():
 
 @pytest.mark.smoke  # the script end to end in subprocesses: make test-slow
 def test_bench_gpu_quick_smoke(tmp_path):
-    """bench_gpu --quick on whatever backend is here: nanoGPT's model.py (eager) and jaxgpt's default
-    step in their own processes, a variant, every row of the table."""
+    """bench_gpu --quick on whatever backend is here: nanoGPT's model.py (eager), jaxgpt's default step
+    and a variant in their own processes, every row of the table (one batch: about 20 s)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -148,8 +148,8 @@ def test_bench_gpu_quick_smoke(tmp_path):
     nanogpt = require_shared(SHARED / "reference" / "nanogpt" / "model.py").parent
     out = tmp_path / "gpu.md"
     root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-m", "scripts.benchmarks.bench_gpu", "--quick", "--no-decode", "--nanogpt",
-                        str(nanogpt), "--variant", 'rolled={"config": {"scan_unroll": 1}}', "--out", str(out)],
+    p = subprocess.run([sys.executable, "-m", "scripts.benchmarks.bench_gpu", "--quick", "--batches", "2", "--no-decode",
+                        "--nanogpt", str(nanogpt), "--variant", 'rolled={"config": {"scan_unroll": 1}}', "--out", str(out)],
                        cwd=root, capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads(out.with_suffix(".json").read_text())
@@ -160,4 +160,4 @@ def test_bench_gpu_quick_smoke(tmp_path):
             assert len(r["ms"]) == 3 and all(m > 0 for m in r["ms"]) and math.isfinite(r["loss"])
     assert "jaxgpt-rolled" in result["train"]["2"]
     table = out.read_text()
-    assert "| jaxgpt-rolled |" in table and "## Batch 4" in table
+    assert "| jaxgpt-rolled |" in table and "## Batch 2" in table and "## Batch 4" not in table
