@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(config, items):
     # jaxgpt.parallel.host_devices from making one CPU device per core
     if jax.default_backend() == "cpu":
         return
-    skip = pytest.mark.skip(reason=f"cpu_only: holds on the CPU backend only (this run: {jax.default_backend()})")
+    skip = pytest.mark.skip(reason=f"{ACCELERATOR_SKIP} cpu_only: holds on the CPU backend only "
+                                   f"(this run: {jax.default_backend()})")
     for item in items:
         if item.get_closest_marker("cpu_only"):
             item.add_marker(skip)
@@ -82,7 +83,7 @@ from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params  # noq
 
 torch.set_default_dtype(torch.float32)
 TOL = 1e-5  # float32 forward and gradient tolerance, max abs on unit-scale tensors
-SHARED = Path(os.environ.get("JAXGPT_SHARED") or Path(__file__).resolve().parents[2] / "shared")  # env: worktrees elsewhere
+from scripts.harness import SHARED  # noqa: E402  (the one rule for ../shared: $JAXGPT_SHARED, beside the clone)
 KINDS = {"parity": "parity: worst max-abs error vs an independent reference, per component",
          "self": "self-consistency: worst max-abs error of an implementation vs itself, per check"}
 WORST: dict[str, dict[str, float]] = {kind: defaultdict(float) for kind in KINDS}
@@ -91,6 +92,24 @@ TOLS: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}  # shown where 
 
 def on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+# The one skip CI accepts: a test that needs an accelerator it does not have, or the CPU backend it
+# is not on. Every such skip reason starts with this; under CI=true any other skip (no C++ compiler
+# for the CPU kernels, one host device, ...) is reported as a failure, since it would hide one.
+ACCELERATOR_SKIP = "accelerator:"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and on_ci() and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not reason.removeprefix("Skipped: ").startswith(ACCELERATOR_SKIP):
+            report.outcome = "failed"
+            report.longrepr = (f"CI=true: a skip hides a failure here; only '{ACCELERATOR_SKIP} ...' skips are "
+                               f"accepted (parity_tests/conftest.py). The skip: {reason}")
 
 
 def require_shared(path: Path, what: str = "reference") -> Path:

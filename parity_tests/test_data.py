@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import require_module, require_shared
+from conftest import SHARED, require_module, require_shared
 from jaxgpt import data as D
 from jaxgpt.data import corpora
 
 ROOT = Path(__file__).resolve().parents[1]
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+SEEDS = SHARED / "seeds"
 
 
 def seed_source(name: str) -> str:

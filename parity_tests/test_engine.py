@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from jaxgpt.inference import engine as engine_module
 from jaxgpt.inference.engine import Engine
@@ -20,7 +21,6 @@ from jaxgpt.inference.generate import generate
 from jaxgpt.inference.paged_cache import plan_prefill, pool_bytes
 from jaxgpt.inference.sampling import SamplingParams, select_tokens
 
-torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")

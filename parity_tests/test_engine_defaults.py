@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import ACCELERATOR_SKIP
 from jaxgpt.config import ModelConfig, TrainConfig
 from jaxgpt.models.decoder import scan_unroll
 from jaxgpt.nn.mlp import gelu
@@ -307,7 +308,7 @@ def test_cpu_steps_leave_dots_to_eigen(monkeypatch):
     from jaxgpt.train import step as step_module
 
     if jax.default_backend() != "cpu":
-        pytest.skip("a CPU compiler option")
+        pytest.skip(f"{ACCELERATOR_SKIP} a CPU compiler option (this backend: {jax.default_backend()})")
     tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
     state, batch = init_state(CFG, tc, mesh=None), _batch(4)
     assert step_module.compiler_options() == step_module.CPU_OPTIONS

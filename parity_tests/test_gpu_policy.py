@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_self_consistent
+from conftest import ACCELERATOR_SKIP, assert_self_consistent
 from jaxgpt import build
 from jaxgpt.config import ModelConfig
 from jaxgpt.models import abstract_params
@@ -33,13 +33,14 @@ def backend(monkeypatch):
     return set_to
 
 
-@pytest.mark.skipif(not os.environ.get("JAXGPT_EXPECT_BACKEND"), reason="make test-gpu sets JAXGPT_EXPECT_BACKEND")
+@pytest.mark.skipif(not os.environ.get("JAXGPT_EXPECT_BACKEND"),
+                    reason=f"{ACCELERATOR_SKIP} make test-gpu sets JAXGPT_EXPECT_BACKEND")
 def test_the_gpu_tier_runs_on_its_backend():
     """make test-gpu on a machine whose JAX sees no GPU fails here, instead of passing on the CPU."""
     assert jax.default_backend() == os.environ["JAXGPT_EXPECT_BACKEND"], jax.devices()
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA:GPU options")
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason=f"{ACCELERATOR_SKIP} XLA:GPU options")
 def test_gpu_steps_compile_with_the_gpu_options():
     """On a GPU the train and eval steps take train.step.GPU_OPTIONS (cuBLAS GEMMs, no Triton GEMM)."""
     from jaxgpt.train import step as step_module

@@ -15,12 +15,12 @@ from argparse import Namespace
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import require_module
 
 pytestmark = pytest.mark.e2e  # a real uvicorn server: make test-slow
 
-torch = pytest.importorskip("torch")
 openai = require_module("openai", allow_module_level=True)
 require_module("fastapi", allow_module_level=True)
 require_module("uvicorn", allow_module_level=True)

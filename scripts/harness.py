@@ -22,7 +22,19 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-SHARED = ROOT.parent / "shared"  # seeds and data, beside the repository
+
+
+def _shared() -> Path:
+    """The shared folder (seeds, data, references): $JAXGPT_SHARED, else ``shared`` beside the clone,
+    else one level further up (a worktree under the clone's folder). The one rule: the tests, the
+    benchmarks and the experiments all use this."""
+    if os.environ.get("JAXGPT_SHARED"):
+        return Path(os.environ["JAXGPT_SHARED"])
+    beside = ROOT.parent / "shared"
+    return next((d for d in (beside, ROOT.parent.parent / "shared") if d.is_dir()), beside)
+
+
+SHARED = _shared()
 
 # ---------------------------------------------------------------- worker subprocesses
 

@@ -17,14 +17,12 @@ import time
 
 import numpy as np
 
-from scripts.harness import RESULTS, ROOT, SHARED, LoadSampler, timing_note, write_result
+from scripts.harness import RESULTS, SHARED, LoadSampler, timing_note, write_result
 
 
 def char_data():
     """Tiny Shakespeare as character ids: (train, val, chars)."""
-    # the shared folder beside the clone (a worktree under wt/ finds it one level further up)
-    path = next((d / "data" / "tinyshakespeare.txt" for d in (SHARED, ROOT.parent.parent / "shared")
-                 if (d / "data" / "tinyshakespeare.txt").is_file()), SHARED / "data" / "tinyshakespeare.txt")
+    path = SHARED / "data" / "tinyshakespeare.txt"
     text = path.read_text(encoding="utf-8")
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
