@@ -8,6 +8,7 @@
 #   make test-gpu      the parity suite on a GPU with default settings (no precision flag), in GPU_PYTHON's
 #                      environment (a CUDA jax, torch, transformers; run from the repo root); tests marked
 #                      cpu_only are skipped there. CI stays on the CPU: the README records GPU runs
+#   make lint          ruff over the code (pyproject.toml's [tool.ruff]; CI runs it)
 #   make parity-margins   regenerate docs/parity-margins.md (float32 errors against a float64 reference)
 #   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
 #                      EXPERIMENTS_ARGS=--full: the seeds' full budgets (~2 h), the committed results
@@ -40,7 +41,7 @@ GPU_TESTS := $(addprefix parity_tests/,test_gpu_policy.py test_norms.py test_mlp
 	test_block.py test_decoder.py test_bert.py test_encdec.py test_attnres.py test_moe.py test_attention_backends.py \
 	test_precision.py)
 
-.PHONY: demo test test-slow test-all test-gpu parity-margins experiments clean
+.PHONY: demo test test-slow test-all test-gpu lint parity-margins experiments clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +66,10 @@ test-slow: $(VENV)/.test
 	$(BIN)/python -m pytest $(XDIST) -m "$(SLOW_TIERS)" --durations 15 $(PYTEST_ARGS)
 
 test-all: test test-slow
+
+# ruff, configured in pyproject.toml ([tool.ruff]); CI runs it after the fast tier
+lint: $(VENV)/.test
+	$(BIN)/ruff check jaxgpt torch_ref parity_tests scripts
 
 test-gpu:
 	JAXGPT_EXPECT_BACKEND=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PYTHON) -m pytest \

@@ -7,7 +7,7 @@ from jaxgpt.parallel.host_devices import default_host_devices
 
 default_host_devices()  # before JAX starts: one CPU device per core (jaxgpt.parallel.host_devices)
 
-from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset  # noqa: E402
+from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset  # noqa: E402 - after the setup above, which must run first
 
 __all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "TrainConfig", "build", "get_preset"]
 __version__ = "0.1.0"

@@ -70,16 +70,16 @@ def pytest_collection_modifyitems(config, items):
 # error is never fatal). JAXGPT_TEST_JAX_CACHE=off turns it off. Only this process uses it: the
 # subprocesses the tests start do not (JAX writes an entry in place, so a test that SIGKILLs a run
 # could leave a truncated one behind).
-from jaxgpt.cli import compile_cache  # noqa: E402
+from jaxgpt.cli import compile_cache  # noqa: E402 - after the setup above, which must run first
 
 compile_cache.enable(os.environ.get("JAXGPT_TEST_JAX_CACHE",
                                     str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-cache")))
 # ...and the commands the tests start keep out of the user's cache (jaxgpt.cli.compile_cache)
 os.environ["JAXGPT_COMPILE_CACHE"] = "off"
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after the setup above, which must run first
 
-from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params  # noqa: E402
+from jaxgpt.core.layout import params_to_state_dict, state_dict_to_params  # noqa: E402 - after the setup above, which must run first
 
 torch.set_default_dtype(torch.float32)
 TOL = 1e-5  # float32 forward and gradient tolerance, max abs on unit-scale tensors

@@ -81,7 +81,7 @@ def nanogpt_ckpt(path: Path, *, bias: bool = True, compiled: bool = False) -> Pa
     random weights, written the way nanoGPT's train.py saves it."""
     g = torch.Generator().manual_seed(3)
     d, v, t, n_layer = 32, 64, 32, 2
-    rnd = lambda *shape: torch.randn(*shape, generator=g) / shape[-1] ** 0.5  # noqa: E731
+    rnd = lambda *shape: torch.randn(*shape, generator=g) / shape[-1] ** 0.5
     sd = {"transformer.wte.weight": rnd(v, d), "transformer.wpe.weight": rnd(t, d)}
     for i in range(n_layer):
         h = f"transformer.h.{i}."
@@ -111,7 +111,7 @@ def randomize_moe_(model, seed: int = 3):
     a rounding could flip): every matrix N(0, 1/fan_in), then randomize_."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.copy_(p.shape[-1] ** -0.5 * torch.randn(p.shape, generator=g))
     return randomize_(model, seed)

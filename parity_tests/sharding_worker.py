@@ -18,9 +18,9 @@ import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig  # noqa: E402
-from jaxgpt.parallel.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch  # noqa: E402
-from jaxgpt.train.step import init_state, make_train_step  # noqa: E402
+from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.parallel.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.train.step import init_state, make_train_step  # noqa: E402 - after the setup above, which must run first
 
 MODELS = {  # tiny, so the 8 compilations per model stay a few seconds each
     "gpt": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_len=16, pos="learned", norm="layernorm",

@@ -16,7 +16,7 @@ HEADS = [(4, 4), (4, 2), (4, 1), (6, 3)]  # (n_head, n_kv_head): MHA, GQA, MQA, 
 
 
 def _qkv(rng, b, tq, tk, h, h_kv, d):
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
     return f(b, tq, h, d), f(b, tk, h_kv, d), f(b, tk, h_kv, d)
 
 
@@ -74,10 +74,10 @@ def test_sdpa_kv_layouts(rng):
     q, k, v = _qkv(rng, 2, 3, 9, 6, 2, 8)
     mask = rng.random((2, 1, 1, 9)) > 0.3
     a = sdpa(q, k, v, mask=mask, is_causal=True, q_offset=6)
-    heads = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    heads = lambda x: x.transpose(0, 2, 1, 3)
     b = sdpa(q, heads(k), heads(v), mask=mask, is_causal=True, q_offset=6, kv_layout="heads")
     assert_self_consistent(a, b, "sdpa: 'heads' vs 'tokens' layout")
-    rows = lambda x: heads(x).reshape(2 * 2, 9, 8)  # noqa: E731
+    rows = lambda x: heads(x).reshape(2 * 2, 9, 8)
     c = sdpa(q, rows(k), rows(v), mask=mask, is_causal=True, q_offset=6, kv_layout="rows")
     assert_self_consistent(a, c, "sdpa: 'rows' vs 'tokens' layout")
     with pytest.raises(ValueError, match=r"kv_layout='bhtd' is not one of \('tokens', 'heads', 'rows'\)"):

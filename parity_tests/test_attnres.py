@@ -57,8 +57,8 @@ def lm_grads_torch(cfg, p, x, y):
 
 def lm_grads_jax(cfg, p, x, y):
     """jaxgpt's logits and cross-entropy gradients, jitted (one compilation beats eager dispatch)."""
-    f = lambda q: DecoderLM(cfg).apply({"params": q}, x)  # noqa: E731
-    loss = lambda q: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(f(q)), y[..., None], -1))  # noqa: E731
+    f = lambda q: DecoderLM(cfg).apply({"params": q}, x)
+    loss = lambda q: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(f(q)), y[..., None], -1))
     return jax.jit(f)(p), jax.jit(jax.grad(loss))(p)
 
 

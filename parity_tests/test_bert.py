@@ -67,7 +67,7 @@ def test_bert_matches_torch_ref(name, config):
 def test_padding_mask_hides_padded_tokens():
     ids, mask, types = batch()
     params = init_params(BERT)
-    run = lambda i, m: np.asarray(BertClassifier(BERT).apply({"params": params}, i, m, types))  # noqa: E731
+    run = lambda i, m: np.asarray(BertClassifier(BERT).apply({"params": params}, i, m, types))
     other = np.where(mask == 1, ids, (ids + 7) % 50)  # change only the padded ids
     assert np.abs(run(ids, mask) - run(other, mask)).max() == 0.0
     assert np.abs(run(ids, None)[1:] - run(other, None)[1:]).max() > 1e-3  # without the mask they leak

@@ -57,7 +57,7 @@ def test_block_dropout_is_a_function_of_the_rng(rng):
     x = rng.standard_normal((2, 4, 16)).astype(np.float32)
     blk = Block(cfg)
     p = blk.init(jax.random.PRNGKey(0), x)["params"]
-    run = lambda k: np.asarray(blk.apply({"params": p}, x, deterministic=False, rngs={"dropout": k})[0])  # noqa: E731
+    run = lambda k: np.asarray(blk.apply({"params": p}, x, deterministic=False, rngs={"dropout": k})[0])
     assert np.array_equal(run(jax.random.PRNGKey(3)), run(jax.random.PRNGKey(3)))
     assert not np.array_equal(run(jax.random.PRNGKey(3)), run(jax.random.PRNGKey(4)))
     assert np.array_equal(np.asarray(blk.apply({"params": p}, x)[0]), np.asarray(blk.apply({"params": p}, x)[0]))

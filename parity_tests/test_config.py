@@ -46,7 +46,7 @@ def test_dict_round_trip():
 
 # --- types: every field of every config, from its annotation -------------------------------------
 
-from jaxgpt.config import BertConfig, EncDecConfig, TrainConfig  # noqa: E402
+from jaxgpt.config import BertConfig, EncDecConfig, TrainConfig  # noqa: E402 - after the setup above, which must run first
 
 _BASES = {ModelConfig: ModelConfig(), TrainConfig: TrainConfig(), BertConfig: BertConfig(ModelConfig(pos="learned")),
           EncDecConfig: EncDecConfig(ModelConfig(), ModelConfig())}

@@ -79,10 +79,10 @@ def test_cached_attention_gradients_match_xla():
     dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32))
     for layout, offset in (("heads", 4), ("rows", 4), ("rows", 10)):
         kk, vv = (k.reshape(4, 12, 16), v.reshape(4, 12, 16)) if layout == "rows" else (k, v)
-        loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * dout)  # noqa: E731
-        got = jax.grad(loss(lambda q, k, v: paged_ffi.cached_attention(q, k, v, jnp.int32(offset))), (0, 1, 2))(q, kk, vv)
+        loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * dout)
+        got = jax.grad(loss(lambda q, k, v: paged_ffi.cached_attention(q, k, v, jnp.int32(offset))), (0, 1, 2))(q, kk, vv)  # noqa: B023 - called in this iteration
         want = jax.grad(loss(lambda q, k, v: kernels.xla.scaled_dot_product_attention(
-            q, k, v, is_causal=True, q_offset=offset, kv_layout=layout)), (0, 1, 2))(q, kk, vv)
+            q, k, v, is_causal=True, q_offset=offset, kv_layout=layout)), (0, 1, 2))(q, kk, vv)  # noqa: B023 - called in this iteration
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6, rtol=0)
 

@@ -173,7 +173,7 @@ def test_psum_flat_equals_psum():
     mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
     tree = {"a": jnp.arange(12.0).reshape(2, 2, 3), "b": jnp.arange(4, dtype=jnp.int32).reshape(2, 2),
             "c": jnp.ones((2, 5), jnp.bfloat16)}
-    run = lambda f: jax.jit(jax.shard_map(lambda t: f(jax.tree.map(lambda x: x[0], t), "d"), mesh=mesh,  # noqa: E731
+    run = lambda f: jax.jit(jax.shard_map(lambda t: f(jax.tree.map(lambda x: x[0], t), "d"), mesh=mesh,
                                           in_specs=P("d"), out_specs=P()))(tree)
     want = run(jax.lax.psum)
     # int_bound: the integers travel as float32 below 2^24 (one all-reduce fewer), on their own above
@@ -183,7 +183,7 @@ def test_psum_flat_equals_psum():
         assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-        jaxpr = str(jax.make_jaxpr(lambda t: jax.shard_map(lambda u: f(u, "d"), mesh=mesh, in_specs=P("d"),
+        jaxpr = str(jax.make_jaxpr(lambda t: jax.shard_map(lambda u: f(u, "d"), mesh=mesh, in_specs=P("d"),  # noqa: B023 - called in this iteration
                                                             out_specs=P())(t))(tree))
         assert jaxpr.count("psum") == n_psums, (bound, jaxpr.count("psum"))
 
@@ -272,7 +272,7 @@ def test_fit_runs_several_updates_per_call_with_the_numbers_of_one():
     # updates 1 | 2-4 (log) | 5-6 (eval) | 7-8 (log) | 9-12 (log, eval) | 13 (the end)
     assert calls == [1, 3, 2, 2, 4, 1]
     one = loop.fit(config, tc.replace(steps_per_call=1), task, progress=False, checkpoints=False)
-    strip = lambda h: [{k: v for k, v in r.items() if k != "tok_s"} for r in h]  # noqa: E731
+    strip = lambda h: [{k: v for k, v in r.items() if k != "tok_s"} for r in h]
     assert strip(many["history"]) == strip(one["history"]) and len(many["history"]) == 13 + 3
 
 

@@ -44,7 +44,7 @@ CHUNKED = dict(max_seqs=4, max_tokens_per_step=16, num_pages=9)  # chunked prefi
 
 
 @pytest.mark.parametrize("draft", ["itself", "perturbed"])  # a draft of another shape: the sampling test's
-def test_greedy_with_a_draft_identical_to_hf(llama, references, draft):  # noqa: F811
+def test_greedy_with_a_draft_identical_to_hf(llama, references, draft):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     _, config, params = llama
     prompts, news, hf, _ = references
     eng = Engine(config, params, page_size=8, draft=_drafts(config, params)[draft], num_speculative_tokens=K,
@@ -58,7 +58,7 @@ def test_greedy_with_a_draft_identical_to_hf(llama, references, draft):  # noqa:
 
 
 @pytest.mark.slow  # ~14 s: make test-slow (make test keeps the fast tier under 10 min)
-def test_precompile_covers_the_speculative_shapes(llama, references):  # noqa: F811
+def test_precompile_covers_the_speculative_shapes(llama, references):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     _, config, params = llama
     prompts, news, hf, _ = references
     eng = Engine(config, params, page_size=8, draft=_drafts(config, params)["perturbed"], num_speculative_tokens=K,
@@ -114,7 +114,7 @@ def test_sampling_with_a_draft_keeps_the_target_distribution():
         assert np.all(np.abs(freq - want) <= 4.5 * se), (col, freq, want)
 
 
-def test_draft_errors_name_the_value(llama):  # noqa: F811
+def test_draft_errors_name_the_value(llama):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     _, config, params = llama
     small = ModelConfig(vocab_size=50, d_model=16, n_layer=1, n_head=2, max_len=64, pos="rope")
     with pytest.raises(ValueError, match=r"draft's vocabulary \(50\) differs from the target's \(96\)"):

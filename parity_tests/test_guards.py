@@ -62,7 +62,7 @@ def _attention():
 
 def test_attention_cache_overflow_eager_jit_checked_and_torch():
     a, p = _attention()
-    write = lambda c, x: a.apply({"params": p}, x, is_causal=True, cache=c)[1]  # noqa: E731
+    write = lambda c, x: a.apply({"params": p}, x, is_causal=True, cache=c)[1]
     cache = write(KVCache.init(1, 2, 4, 4), jnp.ones((1, 3, 8)))
     with pytest.raises(ValueError, match=OVERFLOW):
         write(cache, jnp.ones((1, 2, 8)))  # eager: the index is concrete
@@ -79,7 +79,7 @@ def test_attention_cache_overflow_eager_jit_checked_and_torch():
 def test_decoder_cache_overflow_eager_checked_and_torch(params, tmodel):
     m, tok = build(CFG), jnp.ones((1, 3), jnp.int32)
     cache = m.apply({"params": params}, tok, cache=init_cache(CFG, 1, 4)).cache
-    step = lambda c, t: m.apply({"params": params}, t, cache=c).cache  # noqa: E731
+    step = lambda c, t: m.apply({"params": params}, t, cache=c).cache
     with pytest.raises(ValueError, match=OVERFLOW):
         step(cache, tok[:, :2])
     with pytest.raises(ValueError, match=OVERFLOW):
@@ -96,7 +96,7 @@ def test_bad_token_ids_eager_checked_and_torch(params, tmodel, bad, pos):
     tokens = np.array([[1, 2], [3, 4]], np.int32)
     tokens[pos] = bad
     msg = rf"token id {bad} is outside the vocabulary \[0, 20\) at position \({pos[0]}, {pos[1]}\)"
-    forward = lambda p, t: build(CFG).apply({"params": p}, t)  # noqa: E731
+    forward = lambda p, t: build(CFG).apply({"params": p}, t)
     with pytest.raises(ValueError, match=msg):
         forward(params, tokens)
     with pytest.raises(ValueError, match=msg):
@@ -142,7 +142,7 @@ def test_cross_entropy_targets_eager_and_checked():
     logits = np.zeros((2, 3, 5), np.float32)
     ok = np.array([[0, 4, IGNORE_INDEX], [1, 2, 3]])
     assert int(cross_entropy(logits, ok)[1]) == 5
-    ce = lambda lg, t: cross_entropy(lg, t)[0]  # noqa: E731
+    ce = lambda lg, t: cross_entropy(lg, t)[0]
     for bad in (-1, 5):
         t = ok.copy()
         t[1, 2] = bad
@@ -262,7 +262,7 @@ def test_checks_compile_away_outside_checked_mode(params, monkeypatch):
         return collections.Counter(re.findall(r"= \S+ ([\w-]+)\(", text))
 
     m, tok = build(CFG), jnp.ones((2, 3), jnp.int32)
-    forward = lambda p, c, t: m.apply({"params": p}, t, cache=c).logits  # noqa: E731
+    forward = lambda p, c, t: m.apply({"params": p}, t, cache=c).logits
     args = (params, init_cache(CFG, 2, 8), tok)
     with_checks = ops(forward, *args)
     for module, name in [(checks, "check_in_range"), (checks, "check_cache_room"), (checkify, "debug_check")]:
@@ -277,7 +277,7 @@ def test_checks_leave_no_effect_outside_checked_mode(params):
     import jax._src.pjit as pjit_internals
 
     m, tok = build(CFG), jnp.ones((2, 3), jnp.int32)
-    forward = lambda p, c, t: m.apply({"params": p}, t, cache=c).logits  # noqa: E731
+    forward = lambda p, c, t: m.apply({"params": p}, t, cache=c).logits
     args = (params, init_cache(CFG, 2, 8), tok)
     assert jax.make_jaxpr(forward)(*args).effects == set()
     with checks.checking():  # a new function object: no trace cached from the call above

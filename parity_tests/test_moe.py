@@ -79,7 +79,7 @@ def test_dense_and_grouped_layers_agree_forward_and_backward():
     out = {}
     for impl in ("dense", "grouped"):
         layer = MoE(cfg.replace(moe=cfg.moe.replace(impl=impl)))
-        out[impl] = jax.value_and_grad(lambda q, a: jnp.sum(layer.apply({"params": q}, a) * cot), (0, 1))(p, x)
+        out[impl] = jax.value_and_grad(lambda q, a: jnp.sum(layer.apply({"params": q}, a) * cot), (0, 1))(p, x)  # noqa: B023 - called in this iteration
     assert_self_consistent(out["grouped"][0], out["dense"][0], "MoE layer grouped vs dense (sum y * cot)")
     for a, b in zip(jax.tree.leaves(out["grouped"][1]), jax.tree.leaves(out["dense"][1])):
         assert_self_consistent(a, b, "MoE layer grouped vs dense grads", unit_scale=True)

@@ -165,7 +165,7 @@ def test_dense_takes_the_wide_kernel_gradient_on_the_cpu():
     for feats in (16, 96):
         m = mlp.Dense(feats)
         p = m.init(jax.random.PRNGKey(0), x)
-        grads = lambda mod: jax.grad(lambda p, x: jnp.sum(jnp.sin(mod.apply(p, x))), argnums=(0, 1))
+        grads = lambda mod: jax.grad(lambda p, x: jnp.sum(jnp.sin(mod.apply(p, x))), argnums=(0, 1))  # noqa: B023 - called in this iteration
         got, want = grads(m)(p, x), grads(nn.Dense(feats))(p, x)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert_self_consistent(a, b, f"Dense {48}->{feats} grads vs nn.Dense")

@@ -225,7 +225,7 @@ def _replicated_over(specs, params, axis: str) -> int:
     import jax
     from jax.sharding import PartitionSpec as P
 
-    named = lambda s: {a for e in s for a in ((e,) if isinstance(e, str) else e or ())}  # noqa: E731
+    named = lambda s: {a for e in s for a in ((e,) if isinstance(e, str) else e or ())}
     return sum(int(np.prod(x.shape)) for x, s in zip(jax.tree.leaves(params),
                                                      jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P)))
                if axis not in named(s))

@@ -95,7 +95,7 @@ def check_tensorboard(run: Path) -> None:
 
     (path,) = (run / "tensorboard").glob("events.out.tfevents.*")
     raw, events = path.read_bytes(), []
-    masked = lambda b: (((crc32c(b) >> 15) | (crc32c(b) << 17)) + 0xA282EAD8) & 0xFFFFFFFF  # noqa: E731
+    masked = lambda b: (((crc32c(b) >> 15) | (crc32c(b) << 17)) + 0xA282EAD8) & 0xFFFFFFFF
     while raw:
         (n,), head = struct.unpack("<Q", raw[:8]), raw[:8]
         assert struct.unpack("<I", raw[8:12])[0] == masked(head)

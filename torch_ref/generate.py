@@ -44,7 +44,7 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, *, tem
     model.eval()
     b, t0 = prompt.shape
     fits = t0 + max_new_tokens <= cfg.max_len
-    sample = lambda lg: sample_logits(lg, temperature=temperature, top_k=top_k, top_p=top_p,  # noqa: E731
+    sample = lambda lg: sample_logits(lg, temperature=temperature, top_k=top_k, top_p=top_p,
                                       generator=generator)
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
     tokens = prompt

@@ -31,7 +31,7 @@ def _init_from(args, **train_sets):
     config, params, extras = _load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
     config, tc = apply_sets(config, _train_sets(args))
     tc = tc.replace(**train_sets)
-    shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)  # noqa: E731
+    shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
     if shapes(abstract_params(config)) != shapes(params):
         raise ValueError(f"--set changes the shapes of {args.init}'s parameters; only shape-free settings "
                          "(dropout, training keys) apply to --init")

@@ -19,4 +19,4 @@ from jaxgpt.models import abstract_params, count_params
 __all__ = ["abstract_params", "count_params", "from_hf", "from_nanogpt", "from_seed_attnres", "from_seed_gpt",
            "from_seed_minibert", "from_seed_minigpt", "load_hf", "load_safetensors", "params_to_state_dict",
            "save_hf", "save_safetensors", "state_dict_to_params", "to_hf", "to_numpy"]
-from jaxgpt.convert import torch_nn  # noqa: E402,F401  torch nn.Transformer / Encoder/DecoderLayer state dicts (seed 004)
+from jaxgpt.convert import torch_nn  # noqa: F401  torch nn.Transformer / Encoder/DecoderLayer state dicts (seed 004)

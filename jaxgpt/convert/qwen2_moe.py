@@ -56,7 +56,7 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, template=None) -> dict:
-    skip = lambda key: key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_embeddings)  # noqa: E731
+    skip = lambda key: key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_embeddings)
     tensors = mixtral.gather_experts({k: v for k, v in tensors.items() if not skip(k)}, _NAMES)
     return load_ref(config, rename(tensors, RULES), template)
 

@@ -357,7 +357,7 @@ class Engine:
             req.first_token_time = time.perf_counter()
         try:
             req.finish_reason = self._finish_reason(req, tok)
-        except Exception as e:  # one request's failure (a decode callable, a stop check) ends it alone
+        except Exception as e:  # noqa: BLE001 - one request's failure (a decode callable, a stop check) ends it alone
             req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
         if req.finish_reason is not None:
             self.running.remove(req)

@@ -176,7 +176,7 @@ def propose(params, pools, last, pos, page_table, temperature, top_k, top_p, see
             return q, jax.vmap(jax.random.categorical)(keys_i, jnp.log(q)).astype(jnp.int32)
 
         # the sort and draws only when a row samples: a greedy batch skips them (vocabulary-sized work)
-        q, drawn = jax.lax.cond(sampled, draw, lambda: (jnp.zeros_like(logits), jnp.zeros(last.shape, jnp.int32)))
+        q, drawn = jax.lax.cond(sampled, draw, lambda: (jnp.zeros_like(logits), jnp.zeros(last.shape, jnp.int32)))  # noqa: B023 - called in this iteration
         tok = jnp.where(temperature > 0, drawn, argmax(logits))
         toks.append(tok)
         qs.append(q)
@@ -196,7 +196,7 @@ def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, t
     v = logits.shape[-1]
 
     def rule():
-        rep = lambda x: jnp.repeat(x, k + 1)  # noqa: E731  per-row settings for each of its k+1 positions
+        rep = lambda x: jnp.repeat(x, k + 1)  # per-row settings for each of its k+1 positions
         p = _row_probs(logits.reshape(-1, v), rep(temperature), rep(top_k), rep(top_p)).reshape(b, k + 1, v)
         return jax.vmap(accept_reject)(p, q, draft, _keys(seeds, counters, 2))
 

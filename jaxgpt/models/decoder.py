@@ -69,7 +69,7 @@ def unstack_layers(config: ModelConfig, params, name: str = "layers"):
     if not config.scan_layers:
         return config, params
     out = {k: v for k, v in params.items() if k != name}
-    out.update({f"{name}_{i}": jax.tree.map(lambda a: a[i], params[name]) for i in range(config.n_layer)})  # noqa: B023
+    out.update({f"{name}_{i}": jax.tree.map(lambda a: a[i], params[name]) for i in range(config.n_layer)})  # noqa: B023 - called in this iteration
     return config.replace(scan_layers=False), out
 
 

@@ -111,7 +111,7 @@ class MoE(nn.Module):
         probs, weights, idx = route(logits, moe.top_k, moe.norm_topk)
         gate, up, down = Experts(moe.n_experts, cfg.d_model, cfg.expert_dim, cfg.init_std, cfg.out_init_std,
                                  cfg.param_dtype, name="experts")()
-        cast = lambda a: a.astype(cfg.dtype)  # noqa: E731
+        cast = lambda a: a.astype(cfg.dtype)
         y = EXPERT_IMPLS[moe.impl](x, cast(gate), cast(up), cast(down), weights, idx)
         if moe.shared_d_ff:
             shared = SwiGLU(cfg.d_model, moe.shared_d_ff, False, cfg.init_std, cfg.out_init_std, name="shared_expert",

@@ -34,7 +34,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config.mesh import AXES, BATCH_AXES, batch_devices, mesh_devices, parse_mesh  # noqa: F401 - re-exported
+from jaxgpt.config.mesh import AXES, BATCH_AXES, batch_devices, mesh_devices, parse_mesh
 
 BATCH = BATCH_AXES  # mesh axes the batch is split over: ('data', 'fsdp', 'expert')
 
@@ -187,7 +187,7 @@ def param_specs(config, params, mesh: Mesh):
     report = unsplit(config, params, mesh, specs)
     if report["failed"] and jax.process_index() == 0:  # multi-host: by process 0 only
         # issued from this one line: Python's default filter shows each message once per process
-        warnings.warn(replication_message(report), ReplicationWarning)
+        warnings.warn(replication_message(report), ReplicationWarning, stacklevel=2)
     return specs
 
 

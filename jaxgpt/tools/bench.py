@@ -105,7 +105,7 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
         if use_cache and not has_cache:
             result[key] = None
             continue
-        run = lambda: jax.block_until_ready(generate(config, params, prompt, new_tokens, use_cache=use_cache))  # noqa: E731
+        run = lambda: jax.block_until_ready(generate(config, params, prompt, new_tokens, use_cache=use_cache))  # noqa: B023 - called in this iteration
         run()  # compiles this (shape, cache) variant
         result[key] = decode_batch * new_tokens / _best_seconds(run)
     params = None  # drop jaxgpt's weights before torch builds its own copy (big presets)
@@ -141,7 +141,7 @@ def _bench_torch(config: ModelConfig, tc: TrainConfig, batches: list[dict], prom
         if use_cache and not has_cache:
             out[key] = None
             continue
-        run = lambda: torch_generate(model, tp, new_tokens, use_cache=use_cache)  # noqa: E731
+        run = lambda: torch_generate(model, tp, new_tokens, use_cache=use_cache)  # noqa: B023 - called in this iteration
         run()
         out[key] = prompt.shape[0] * new_tokens / _best_seconds(run)
     return out
@@ -166,7 +166,7 @@ def format_table(result: dict) -> str:
             line += [num(tv), "n/a" if not (jv and tv) else f"{jv / tv:.2f}x"]
         lines.append(line)
     widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     title = (f"{result.get('preset') or 'config'}: {result['params']:,} params, {result['backend']} "
              f"({result['device']}); train {result['batch_size']}x{result['seq_len']}, "
              f"{result['train_ms_step']:.1f} ms/step, compile {result['compile_s']:.1f}s; "

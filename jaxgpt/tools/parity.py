@@ -223,7 +223,7 @@ def _grads_and_adamw(side, params, inputs, tol):
 
     config, model = side["config"], side["torch"]
     args = (inputs["ids"], inputs["mask"]) if isinstance(config, BertConfig) else (inputs["ids"],)
-    loss = lambda p, *a: _loss(build(config).apply({"params": p}, *a), a[0], jnp)  # noqa: E731
+    loss = lambda p, *a: _loss(build(config).apply({"params": p}, *a), a[0], jnp)
     g = jax.jit(jax.grad(loss))(params, *args)  # compiled: eager backward through the scan is ~10x slower
     model.zero_grad()
     logits, _ = torch_forward(side, inputs, grad=True)
@@ -298,7 +298,7 @@ def _generation(side, params, prompt, n: int, judged: bool) -> dict:
     for c in (True, False):
         try:
             ours[c] = np.asarray(generate(config, params, prompt, n, use_cache=c))[0, prompt.shape[1]:].tolist()
-        except Exception as e:  # reported as this path's result (e.g. a dtype the cached path rejects)
+        except Exception as e:  # noqa: BLE001 - reported as this path's result (e.g. a dtype the cached path rejects)
             ours[c] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
     ids = torch.from_numpy(prompt).long()
     with torch.no_grad():
@@ -327,7 +327,7 @@ def format_table(report: dict) -> str:
     rows = [f"{report['source']} ({report['kind']}, {report['model']}, {report['dtype']}, input "
             f"{'x'.join(map(str, report['input_shape']))}); error = max|jax-torch| / max(1, max|torch|), "
             f"tol {tol:.0e}", f"{'check':<36}{'max abs':>11}{'mean abs':>11}{'error':>11}  result"]
-    mark = lambda ok: "ok" if ok else "FAIL"  # noqa: E731
+    mark = lambda ok: "ok" if ok else "FAIL"
     for r in report["layers"]:
         rows.append(f"{'layer ' + str(r['layer']):<36}{r['max_abs']:>11.2e}{r['mean_abs']:>11.2e}"
                     f"{r['scaled']:>11.2e}  {mark(r['ok'])}")

@@ -70,7 +70,7 @@ def load_sides(source: str | Path, dtype: str = "float32") -> dict:
         model = getattr(transformers, arch).from_pretrained(source, local_files_only=True,
                                                             attn_implementation="eager").eval()
         tok = HFTokenizer.from_dir(source) if (Path(source) / "tokenizer.json").is_file() else None
-        grads = lambda g: _through_from_hf(model, g)  # noqa: E731
+        grads = lambda g: _through_from_hf(model, g)
         side = {"kind": "hf", "tokenizer": tok}
     elif fmt == "torch":
         obj = torch.load(source, map_location="cpu", weights_only=False)
@@ -80,8 +80,8 @@ def load_sides(source: str | Path, dtype: str = "float32") -> dict:
             config, params = from_nanogpt(obj)
             model = _nanogpt_as_gpt2(obj)
             own = {k.removeprefix("_orig_mod.") for k in obj["model"]}
-            t2n = lambda k, v: v.T if v.ndim == 2 and ".h." in k else v  # noqa: E731
-            grads = lambda g: from_nanogpt({"model_args": obj["model_args"],  # noqa: E731
+            t2n = lambda k, v: v.T if v.ndim == 2 and ".h." in k else v
+            grads = lambda g: from_nanogpt({"model_args": obj["model_args"],
                                             "model": {k: t2n(k, v) for k, v in g.items() if k in own}})[1]
             side = {"kind": "nanogpt", "tokenizer": None}
         else:
@@ -96,7 +96,7 @@ def load_sides(source: str | Path, dtype: str = "float32") -> dict:
             model.load_state_dict(obj["state_dict"], strict=True)
             model.eval()
             template, stacked = abstract_params(config), stacked_paths(config)
-            grads = lambda g: state_dict_to_params(g, template, stacked=stacked)  # noqa: E731
+            grads = lambda g: state_dict_to_params(g, template, stacked=stacked)
             side = {"kind": "torch_ref", "tokenizer": None}
     else:
         raise ValueError(f"{source}: jaxgpt parity compares a torch checkpoint (HF directory, nanoGPT ckpt.pt or "

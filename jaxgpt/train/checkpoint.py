@@ -298,7 +298,7 @@ class Checkpoints:
         self._check_files(step, "meta")
         try:
             meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 - any failure to read the item is damage, named below
+        except Exception as e:  # any failure to read the item is damage, named below
             raise DamagedCheckpoint(self.dir, step, "meta", f"is unreadable ({_short(e)})") from e
         if not isinstance(meta, dict) or "format" not in meta:
             raise DamagedCheckpoint(self.dir, step, "meta", "holds no jaxgpt checkpoint format")
@@ -310,7 +310,7 @@ class Checkpoints:
         self._check_files(step, name)
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(target)}))[name]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if "RESOURCE_EXHAUSTED" in str(e) or isinstance(e, MemoryError):
                 raise  # out of memory is not damage
             _quiet_abandoned_reads()

@@ -63,7 +63,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     # Multi-host: every process looks for checkpoints before any of them starts fit (which creates the
     # directory), so they all agree on fresh run vs resume and open orbax the same number of times.
     barrier("jaxgpt prepare")
-    quiet = lambda _: None  # noqa: E731 - the fallback is reported below, in one line with what was moved
+    quiet = lambda _: None  # the fallback is reported below, in one line with what was moved
     has_ckpts = (Path(out) / "checkpoints").is_dir()
     ckpts = Checkpoints(out, create=False, log=quiet, mesh=_mesh(tc)) if has_ckpts else None
     if ckpts is None or ckpts.latest_step() is None:

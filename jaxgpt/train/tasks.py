@@ -42,7 +42,7 @@ class Task:
         target = {"pairs": "y", "seq2seq": "labels"}.get(self.kind)  # next-token / decoder targets
         for split, arrays in (("training", self.train), ("validation", self.val)):
             a = dict(zip(("ids",) if self.kind == "lm" else self.keys, arrays))
-            where = lambda k: f"{self.source} {split} {k!r}"  # noqa: E731
+            where = lambda k: f"{self.source} {split} {k!r}"  # noqa: B023 - called in this iteration
             for k in ("ids", "x", "src", "tgt", "input_ids"):
                 if k in a:
                     check_ids(a[k], v, where=where(k))

@@ -56,7 +56,7 @@ def build_model(path: Path, quick: bool) -> None:
 def _stats(starts, firsts, ends, counts, wall) -> dict:
     ttft = np.array(firsts) - np.array(starts)
     tpot = np.array([(e - f) / (c - 1) for f, e, c in zip(firsts, ends, counts) if c > 1])
-    q = lambda a, p: float(np.percentile(a, p)) * 1000 if len(a) else None  # noqa: E731
+    q = lambda a, p: float(np.percentile(a, p)) * 1000 if len(a) else None
     return dict(wall_s=wall, requests_per_s=len(counts) / wall, output_tok_per_s=sum(counts) / wall,
                 ttft_ms_p50=q(ttft, 50), ttft_ms_p99=q(ttft, 99), tpot_ms_p50=q(tpot, 50), tpot_ms_p99=q(tpot, 99))
 
@@ -242,12 +242,12 @@ def table(rows, ref, note) -> str:
     lines = ["| arm | req/s | output tok/s | vs hf-one | vs hf-batch | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
              "tokens = hf-one |", "|---|---|---|---|---|---|---|---|"]
     by = {r["arm"]: r for r in rows if "error" not in r}
-    f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    f = lambda v: "-" if v is None else f"{v:.0f}"
     for r in rows:
         if "error" in r:
             lines.append(f"| {r.get('arm', '?')} | error: {r['error'][:80]} | | | | | | |")
             continue
-        rel = lambda k: f"{r['output_tok_per_s'] / by[k]['output_tok_per_s']:.2f}x" if k in by else "-"  # noqa: E731
+        rel = lambda k: f"{r['output_tok_per_s'] / by[k]['output_tok_per_s']:.2f}x" if k in by else "-"  # noqa: B023 - called in this iteration
         same = r.get("identical", "-")
         lines.append(f"| {r['arm']} | {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.0f} | {rel('hf-one')} | "
                      f"{rel('hf-batch')} | {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} | "

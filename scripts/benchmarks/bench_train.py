@@ -35,12 +35,12 @@ import sys
 import time
 from pathlib import Path
 
-# Issue 9's GPU rows (gpt2-small, B 8-16, T 1024, bf16, attention_impl='cudnn', MFU against the bf16 dense peak;
-# the parity suite with jax_default_matmul_precision='highest') need a GPU machine.
-GPU_NOTE = ("not measured: no GPU on this machine (none was lent to this work), so the gpt2-small bf16/cudnn MFU "
-            "row and the GPU parity run are missing; every figure here is the CPU's")
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset  # imports no framework
 from scripts.harness import RESULTS, load_average, matmul_peak, report, spawn, write_result
+
+# This script races the CPU; the GPU race is scripts/benchmarks/bench_gpu.py.
+GPU_NOTE = ("this script measures the CPU only; the GPU race (gpt2-small bf16 against nanoGPT + torch.compile) is "
+            "scripts/benchmarks/bench_gpu.py, results/engine/gpu.md")
 
 # nanoGPT style: learned positions, LayerNorm, exact GELU 4x MLP, no biases, tied embeddings, no dropout.
 _NANO = dict(vocab_size=65, pos="learned", norm="layernorm", norm_eps=1e-5, norm_bias=False, mlp="gelu",
@@ -145,7 +145,7 @@ def _worker_torch(shape: str, setting: str, steps: int) -> dict:
         opt, sched = make_optimizer(model, tc)
         if setting == "compile":
             model = torch.compile(model)
-        step = lambda b: train_step(model, opt, sched, tc, b)  # noqa: E731  (syncs: returns Python floats)
+        step = lambda b: train_step(model, opt, sched, tc, b)  # syncs: returns Python floats
     n_params = sum(p.numel() for p in model.parameters())
     batches = random_batches(config, batch, seq_len, steps + 1)
     t = time.perf_counter()
@@ -167,7 +167,7 @@ def _nanogpt_model(config, tc):
 
     import torch
     sys.path.insert(0, os.environ["NANOGPT_DIR"])
-    from model import GPT, GPTConfig  # noqa: PLC0415  (nanoGPT's, not shipped here)
+    from model import GPT, GPTConfig
 
     with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter count; stdout is the report
         model = GPT(GPTConfig(block_size=tc.seq_len, vocab_size=config.vocab_size, n_layer=config.n_layer,

@@ -44,8 +44,8 @@ def main() -> None:
         jax.block_until_ready(m)
         runs[name] = [step, state, [], time.perf_counter() - t]
     for _ in range(args.steps):
-        for name, run in runs.items():
-            (run[1], m), seconds = timed(lambda: jax.block_until_ready(run[0](run[1], batch)))  # noqa: B023
+        for run in runs.values():
+            (run[1], m), seconds = timed(lambda: jax.block_until_ready(run[0](run[1], batch)))  # noqa: B023 - called in this iteration
             run[2].append(seconds)
     ref = statistics.median(runs["scan (default)"][2])
     print(f"{args.preset}, batch {tc.batch_size} x {tc.seq_len}, median of {args.steps} steps, "

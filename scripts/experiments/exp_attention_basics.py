@@ -489,7 +489,7 @@ def sampling_figs(out: Path, pyplot, n_draws: int) -> tuple[dict, list]:
 
     t = res["temperature"]
     sh, fl = res["top_k_vs_top_p"]["sharp"], res["top_k_vs_top_p"]["flat"]
-    low_mass = lambda tt: float(np.sum(t[tt]["probs"][5:]))  # noqa: E731
+    low_mass = lambda tt: float(np.sum(t[tt]["probs"][5:]))
     kept = {k: res["top_k"][str(k)]["distinct_tokens_drawn"] for k in TOP_KS}
     rows = [
         ["003", "T = 0.1: extremely sharp, almost always token_0",

@@ -79,7 +79,7 @@ def main():
     per_epoch = parts.steps_per_epoch()
     long_steps = 8 if smoke else max(args.epochs * per_epoch, args.steps)
     timings, results = {}, {"smoke": smoke, "seeds": seeds, "steps": args.steps, "threshold": THRESH}
-    x = lambda l: list(range(1, len(l) + 1))  # noqa: E731
+    x = lambda l: list(range(1, len(l) + 1))
     runs: dict = {label: [] for label in CONFIGS}
 
     def train_seed(seed):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxgpt.config import ModelConfig  # noqa: F401  (framework-free; used by exp_minigpt.py)
+from jaxgpt.config import ModelConfig
 from scripts.experiments import expkit, torch_side as torch_worker
 from scripts.experiments.torch_side import flatten, unflatten
 

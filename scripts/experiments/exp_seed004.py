@@ -187,7 +187,7 @@ def encdec(args, budget: dict) -> tuple[dict, list]:
             base = base.replace(encoder=base.encoder.replace(max_len=16), decoder=base.decoder.replace(max_len=16))
             config = fit_config(base, task)
             tok = task.tokenizer
-            on_eval = lambda step, params: {"exact": translate_all(config, params, tok, test_pairs)["accuracy"]}  # noqa: E731,B023
+            on_eval = lambda step, params: {"exact": translate_all(config, params, tok, test_pairs)["accuracy"]}  # noqa: B023 - called in this iteration
             r = expkit.train(config, tc.replace(eval_every=budget["encdec_eval_every"]), task, on_eval=on_eval)
             pts = [(h["step"], h["exact"]) for h in r["history"] if "exact" in h]
             runs.append(([s for s, _ in pts], [a for _, a in pts]))

@@ -81,12 +81,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay: str = "nano
     """nanoGPT's configure_optimizers groups: decay on dim >= 2, none on the rest."""
     params = [p for p in model.parameters() if p.requires_grad]
     if decay == "nanogpt":
-        is_decayed = lambda p: p.dim() >= 2  # noqa: E731
+        is_decayed = lambda p: p.dim() >= 2
     elif decay == "all":
-        is_decayed = lambda p: True  # noqa: E731
+        is_decayed = lambda p: True
     elif decay == "linear":
         linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-        is_decayed = lambda p: id(p) in linear  # noqa: E731
+        is_decayed = lambda p: id(p) in linear
     else:
         raise ValueError(f"decay must be 'nanogpt', 'all' or 'linear', got {decay!r}")
     return [{"params": [p for p in params if is_decayed(p)], "weight_decay": weight_decay},

@@ -87,7 +87,7 @@ def write_claims(root: Path) -> Path:
             key = "holds" if v.startswith("holds") else "does not hold" if v.startswith("does not") else \
                 "not measurable here" if v.startswith("not measurable") else "other"
             counts[key] = counts.get(key, 0) + 1
-        cell = lambda t: str(t).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        cell = lambda t: str(t).replace("|", "\\|").replace("\n", " ")
         parts.append(f"\n## {name} ([details]({name}/README.md))\n\n| source | claim | measured | verdict |\n|---|---|---|---|\n"
                      + "".join(f"| {cell(r['source'])} | {cell(r['claim'])} | {cell(r['measured'])} | {cell(r['verdict'])} |\n"
                                for r in rows))

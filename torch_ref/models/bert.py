@@ -41,7 +41,7 @@ class BertClassifier(nn.Module):
         if config.type_vocab_size > 0:
             self.type_embed = nn.Embedding(config.type_vocab_size, enc.d_model)
             nn.init.normal_(self.type_embed.weight, std=enc.init_std)
-        norm = lambda: make_norm(enc.norm, enc.d_model, enc.norm_eps, enc.norm_bias)  # noqa: E731
+        norm = lambda: make_norm(enc.norm, enc.d_model, enc.norm_eps, enc.norm_bias)
         self.embed_norm = norm() if config.embed_norm else None
         self.drop = nn.Dropout(enc.dropout)
         self.layers = nn.ModuleList(Block(enc, causal=False) for _ in range(enc.n_layer))

@@ -17,7 +17,7 @@ class Block(nn.Module):
         super().__init__()
         cfg = self.config = config
         self.causal, self.cross = causal, cross
-        norm = lambda: make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)  # noqa: E731
+        norm = lambda: make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
         self.attn_norm, self.attn = norm(), attention_from_config(cfg)
         if cross:
             self.cross_norm, self.cross_attn = norm(), attention_from_config(cfg, rope=False)
