@@ -1,7 +1,7 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
-#               every parity test and the unit tests, in parallel (pytest-xdist), under 10 min on 2 CPU cores
+#               every parity test and the unit tests, in parallel (pytest-xdist), 8-11 min on 2 CPU cores
 #   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
 #                      SIGKILL tests (-m multiprocess), whole command-line runs and the server (-m e2e),
 #                      long unit tests (-m slow); CI (.ci/run) runs make test, then this
