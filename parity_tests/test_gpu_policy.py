@@ -27,7 +27,17 @@ GPT = ModelConfig(vocab_size=61, d_model=32, n_layer=2, n_head=4, max_len=16, po
 
 @pytest.fixture
 def backend(monkeypatch):
-    """Set what jax.default_backend() answers (only the jaxgpt rules read it; nothing is run on it)."""
+    """Set what jax.default_backend() answers (only the jaxgpt rules read it; nothing is run on it).
+    The answers jaxgpt caches per process (whether each C++ kernel is available, the step's compiler
+    options) are asked first, on the real backend: asked under a faked one, they would be cached for
+    every later test in this process (the CPU kernels 'unavailable' on the CPU)."""
+    from jaxgpt.nn.kernels import causal_ffi, gelu_ffi, matvec_ffi, norm_ffi, paged_ffi
+    from jaxgpt.train.step import compiler_options
+
+    for cached in (causal_ffi.available, gelu_ffi.available, matvec_ffi.available, norm_ffi.available,
+                   paged_ffi.available, compiler_options):
+        cached()
+
     def set_to(name):
         monkeypatch.setattr(jax, "default_backend", lambda: name)
     return set_to
@@ -53,7 +63,7 @@ def _dots(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             yield eqn
-        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _params_jaxprs(eqn):
+        for sub in _params_jaxprs(eqn):
             yield from _dots(sub)
 
 
@@ -173,7 +183,8 @@ def test_auto_attention_picks_cudnn_in_a_gpu_train_step(backend, monkeypatch):
 
 
 @pytest.mark.cpu_only  # needs a cuDNN that rejects the call: none at all
-def test_auto_falls_back_to_blocked_when_cudnn_rejects(monkeypatch):
+@pytest.mark.parametrize("impl", ["auto", "ffi"])  # 'ffi' on a call its kernel cannot run: what 'auto' picks
+def test_auto_falls_back_to_blocked_when_cudnn_rejects(impl, monkeypatch):
     """'auto' chose cuDNN but cuDNN raises while tracing (here: no cuDNN on a CPU): the call runs
     'blocked', never the (T, T) 'xla' path, with one warning naming what cuDNN raised."""
     warn_once.cache_clear()
@@ -186,7 +197,7 @@ def test_auto_falls_back_to_blocked_when_cudnn_rejects(monkeypatch):
     q, k, v = (jnp.asarray(rng.standard_normal((2, 12, 4, 8)), jnp.bfloat16) for _ in range(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = attend(q, k, v, impl="auto", block=4, is_causal=True)
+        out = attend(q, k, v, impl=impl, block=4, is_causal=True)
     msgs = [str(w.message) for w in caught if "cuDNN" in str(w.message)]
     assert len(msgs) == 1 and msgs[0].startswith("attention_impl='auto' runs 'blocked' instead of cuDNN flash "
                                                  "attention: cuDNN rejected the call (RuntimeError"), msgs

@@ -46,12 +46,14 @@ def report(result: Any) -> None:
     print(RESULT + json.dumps(result), flush=True)
 
 
-def spawn(module: str, *args, timeout: float | None = None, check: bool = False) -> Any:
+def spawn(module: str, *args, timeout: float | None = None, check: bool = False, env: dict | None = None) -> Any:
     """Run ``python -m module *args`` from the repository root in a fresh interpreter and return what it
     passed to ``report`` (its last RESULT line). A worker that reports nothing: ``{'error': ...}`` with
-    the end of its stderr, or RuntimeError with ``check``. Timeouts raise subprocess.TimeoutExpired."""
+    the end of its stderr, or RuntimeError with ``check``. Timeouts raise subprocess.TimeoutExpired.
+    ``env``: variables set for the worker on top of this process's environment."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+                       env=None if env is None else {**os.environ, **env})
     lines = [line for line in p.stdout.splitlines() if line.startswith(RESULT)]
     if lines:
         return json.loads(lines[-1][len(RESULT):])
@@ -80,13 +82,13 @@ def median_of(fn: Callable[[], Any], n: int = 3) -> float:
     return statistics.median(timed(fn)[1] for _ in range(n))
 
 
-def matmul_peak(framework: str, n: int = 2048) -> float:
-    """float32 n^3 matmul rate in GFLOP/s, best of 5 after a warm-up, in 'jax' or 'torch'."""
+def matmul_peak(framework: str, n: int = 2048, dtype: str = "float32") -> float:
+    """n^3 matmul rate in GFLOP/s, best of 5 after a warm-up, in 'jax' (on its default device, in
+    ``dtype``) or 'torch' (the CPU, float32)."""
     if framework == "jax":
         import jax
-        import jax.numpy as jnp
 
-        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+        a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
         mm = jax.jit(lambda x, y: x @ y)
         mm(a, a).block_until_ready()
         seconds = best_of(lambda: mm(a, a).block_until_ready())

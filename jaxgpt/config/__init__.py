@@ -7,8 +7,8 @@
 from jaxgpt.config.base import _Config
 from jaxgpt.config.mesh import AXES, mesh_devices, parse_mesh
 from jaxgpt.config.model import (ACT_IMPLS, ATTENTION_IMPLS, ATTNRES_VARIANTS, DTYPES, FLOAT32_EPS, MATMUL_PRECISIONS, MLPS,
-                                 NORM_IMPLS,                                 NORMS, PLACEMENTS, POOLERS, POS, REMATS, RESIDUALS, ROPE_LAYOUTS, BertConfig, EncDecConfig,
-                                 ModelConfig, check_sampling, config_from_dict)
+                                 NORM_IMPLS, NORMS, PLACEMENTS, POOLERS, POS, REMATS, RESIDUALS, ROPE_LAYOUTS, BertConfig,
+                                 EncDecConfig, ModelConfig, check_sampling, config_from_dict)
 from jaxgpt.config.moe import MOE_IMPLS, MoEConfig
 from jaxgpt.config.overrides import apply_sets, parse_value
 from jaxgpt.config.presets import PRESETS, get_preset

@@ -14,7 +14,7 @@ one after the other:
   jaxgpt-NAME      the same with a --variant's ModelConfig overrides / XLA_FLAGS (exploration).
 Each process compiles, runs 3 warm-up steps, then 3 rounds of --steps steps (one sync a round): ms/step
 is the median round. MFU = nanoGPT's FLOP estimate (6 N + 12 L d T per token; N without the position
-table) / the bf16 matmul peak measured here (8192^3, best of 10, in JAX). Peak memory: JAX's
+table) / the bf16 matmul peak measured here (8192^3, best of 5, in JAX). Peak memory: JAX's
 ``peak_bytes_in_use``, torch's ``max_memory_allocated``. The largest batch that fits 80 GB is a
 linear fit through two measured batches (memory is linear in B): an estimate, labelled so.
 Decoding: gpt2-small float32 greedy decoding of 256 tokens after an 8-token prompt, batch 1:
@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from scripts.harness import RESULT, RESULTS, ROOT, report
+from scripts.harness import RESULTS, best_of, matmul_peak, report, spawn
 
 GB80 = 80e9  # the H100's memory, as the issue counts it (80 GB)
 SHAPES = {"gpt2-small": dict(d_model=768, n_layer=12, n_head=12), "gpt2-medium": dict(d_model=1024, n_layer=24, n_head=16),
@@ -174,18 +172,8 @@ def worker_nanogpt_train(spec: dict) -> dict:
 
 def worker_jax_peak(spec: dict) -> dict:
     import jax
-    import jax.numpy as jnp
 
-    n = spec["n"]
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda x, y: x @ y)
-    mm(a, a).block_until_ready()
-    best = math.inf
-    for _ in range(10):
-        t = time.perf_counter()
-        mm(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return {"tflops": 2 * n ** 3 / best / 1e12, "device": jax.devices()[0].device_kind}
+    return {"tflops": matmul_peak("jax", spec["n"], "bfloat16") / 1e3, "device": jax.devices()[0].device_kind}
 
 
 def worker_jax_decode(spec: dict) -> dict:
@@ -201,7 +189,7 @@ def worker_jax_decode(spec: dict) -> dict:
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, (1, spec["prompt"]), dtype=np.int32)
     run = lambda: jax.block_until_ready(generate(config, params, prompt, spec["new"]))
     run()
-    best = min(_timed(run) for _ in range(3))
+    best = best_of(run, 3)
     return {"tok_s": spec["new"] / best, "matmul_precision": config.matmul_precision}
 
 
@@ -221,14 +209,8 @@ def worker_hf_decode(spec: dict) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
     run()
-    best = min(_timed(run) for _ in range(3))
+    best = best_of(run, 3)
     return {"tok_s": spec["new"] / best, "transformers": __import__("transformers").__version__}
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 WORKERS = {"jax-train": worker_jax_train, "nanogpt-train": worker_nanogpt_train, "jax-peak": worker_jax_peak,
@@ -239,16 +221,11 @@ WORKERS = {"jax-train": worker_jax_train, "nanogpt-train": worker_nanogpt_train,
 
 def run_worker(kind: str, spec: dict, env: dict | None = None, timeout: float = 900) -> dict:
     """``kind`` in a fresh interpreter (each framework alone in its process); its RESULT line, or an error."""
-    cmd = [sys.executable, "-m", "scripts.benchmarks.bench_gpu", "--worker", kind, json.dumps(spec)]
     t = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                           env={**os.environ, **(env or {})})
+        out = spawn("scripts.benchmarks.bench_gpu", "--worker", kind, json.dumps(spec), timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"error": f"{kind} timed out after {timeout:.0f} s"}
-    lines = [x for x in p.stdout.splitlines() if x.startswith(RESULT)]
-    out = json.loads(lines[-1][len(RESULT):]) if lines else \
-        {"error": f"{kind} exited with {p.returncode}: " + " | ".join((p.stderr or p.stdout).strip().splitlines()[-6:])}
+        out = {"error": f"{kind} timed out after {timeout:.0f} s"}
     out["wall_s"] = round(time.perf_counter() - t, 1)
     print(f"  {kind} {json.dumps(spec)[:120]}: {json.dumps(out)[:400]}", flush=True)
     return out

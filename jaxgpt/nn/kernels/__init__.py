@@ -99,14 +99,14 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
             cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:
         return paged_ffi.cached_attention(q, k, v, q_offset, scale=scale)  # k, v as stored: no reshape
     plain = _plain(q, mask, is_causal, q_offset, kv_layout, tk)
-    fallback = "xla"  # what a 'cudnn' call cuDNN rejects runs instead
+    picked = impl == "auto"  # a kernel auto_impl picks falls back to 'blocked' where it can run: never (T, T) scores
     if impl == "ffi" and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is not None:
-        impl = auto_impl(tq, tk, block, dropout_rate, q, plain)  # a KV cache, a mask, bf16: 'auto' without the kernel
+        impl, picked = auto_impl(tq, tk, block, dropout_rate, q, plain), True  # a cache, a mask, bf16: 'auto' without it
     if impl == "auto":
         impl = "ffi" if (dropout_rate == 0.0 and not return_weights and tq <= FFI_AUTO_MAX_LEN
                          and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None) \
             else auto_impl(tq, tk, block, dropout_rate, q, plain)
-        fallback = "blocked" if tq > 1 and tk > block else "xla"  # never (T, T) scores where 'blocked' can run
+    fallback = picked and tq > 1 and tk > block  # else a 'cudnn' call cuDNN rejects runs jax.nn's 'xla'
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
                          f"set attn_dropout=0.0 or attention_impl='xla'")
@@ -121,8 +121,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if impl == "blocked":
         return blocked.blocked_attention(q, k, v, block=block, kv_layout=kv_layout, **kw)
     return jax_sdpa.jax_attention(q, k, v, kv_layout=kv_layout, implementation="cudnn" if impl == "cudnn" else None,
-                                  fallback=functools.partial(blocked.blocked_attention, block=block)
-                                  if fallback == "blocked" else None, **kw)
+                                  fallback=functools.partial(blocked.blocked_attention, block=block) if fallback else None,
+                                  **kw)
 
 
 def cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) -> str | None:
