@@ -62,7 +62,7 @@ def _stats(starts, firsts, ends, counts, wall) -> dict:
 
 
 # ---------------------------------------------------------------- workers
-def run_hf_one(path, prompts, outs):
+def run_hf_one(path, prompts, outs, warm=True):
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
@@ -92,13 +92,13 @@ def run_hf_one(path, prompts, outs):
             ends.append(time.perf_counter())
         return tokens, [t0] * len(prompts), firsts, ends, time.perf_counter() - t0
 
-    once_small = (prompts[:2], outs[:2])  # warm-up: allocator and kernels
-    model.generate(torch.tensor([once_small[0][0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    if warm:  # allocator and kernels
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     tokens, starts, firsts, ends, wall = once()
     return tokens, _stats(starts, firsts, ends, [len(t) for t in tokens], wall)
 
 
-def run_hf_batch(path, prompts, outs):
+def run_hf_batch(path, prompts, outs, warm=True):
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -106,8 +106,15 @@ def run_hf_batch(path, prompts, outs):
     model = AutoModelForCausalLM.from_pretrained(path).eval()  # the manager switches to paged attention
     gc = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
 
+    # The same KV capacity as the engine's default (one full context per request). transformers' own CPU
+    # default is 60% of RAM, zeroed inside the timed run when the manager starts (~14 GiB here: 5-40 s).
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page, ctx = ContinuousBatchingConfig().page_size, model.config.max_position_embeddings
+    cbc = ContinuousBatchingConfig(num_blocks=len(prompts) * -(-ctx // page))
+
     def once():
-        manager = model.init_continuous_batching(generation_config=gc)
+        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
         manager.start()
         t0 = time.perf_counter()
         ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True) for p, n in zip(prompts, outs)]
@@ -128,7 +135,8 @@ def run_hf_batch(path, prompts, outs):
             firsts = ends = [t0 + wall] * len(ids)
         return tokens, _stats([t0] * len(ids), firsts, ends, [len(t) for t in tokens], wall)
 
-    once()  # warm-up
+    if warm:
+        once()
     return once()
 
 
@@ -140,7 +148,7 @@ def _engine(path, max_seqs):
     return Engine(config, params, max_seqs=max_seqs, page_size=16, max_tokens_per_step=512)
 
 
-def run_engine(path, prompts, outs):
+def run_engine(path, prompts, outs, warm=True):
     from jaxgpt.inference.sampling import SamplingParams
 
     engine = _engine(path, len(prompts))
@@ -163,12 +171,13 @@ def run_engine(path, prompts, outs):
         return tokens, _stats([t0] * len(ids), [firsts[i] for i in ids], [ends[i] for i in ids],
                               [len(t) for t in tokens], wall)
 
-    once()  # warm-up: compiles every bucket the workload reaches
+    if warm:  # compiles every bucket the workload reaches
+        once()
     tokens, stats = once()
     return tokens, dict(stats, compiled_shapes=engine.compilations, preemptions=engine.stats["preemptions"])
 
 
-def run_serve(path, prompts, outs):
+def run_serve(path, prompts, outs, warm=True):
     """``python -m jaxgpt serve`` in its own process (as a deployment runs it), 32 concurrent streams."""
     import asyncio
     import socket
@@ -183,7 +192,8 @@ def run_serve(path, prompts, outs):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "jaxgpt", "serve", str(path), "--port", str(port),
-                             "--max-seqs", str(len(prompts)), "--served-model-name", "bench"], cwd=ROOT)
+                             "--max-seqs", str(len(prompts)), "--served-model-name", "bench"]
+                            + ([] if warm else ["--no-precompile"]), cwd=ROOT)
     try:
         for _ in range(600):
             try:
@@ -217,7 +227,8 @@ def run_serve(path, prompts, outs):
             return tokens, _stats([r[1] for r in res], [r[2] for r in res], [r[3] for r in res],
                                   [len(t) for t in tokens], wall)
 
-        asyncio.run(once())  # warm-up: the server compiles its buckets
+        if warm:  # the server compiles the buckets the workload reaches
+            asyncio.run(once())
         return asyncio.run(once())
     finally:
         proc.terminate()
@@ -227,7 +238,9 @@ def run_serve(path, prompts, outs):
 def worker(arm, path, n, quick):
     prompts, outs = workload(n, vocab=512 if quick else 32000)
     fn = {"hf-one": run_hf_one, "hf-batch": run_hf_batch, "engine": run_engine, "serve": run_serve}[arm]
-    tokens, stats = fn(path, prompts, outs)
+    # --quick is a smoke run of the pipeline (token identity, the report), not a timing: no warm-up rounds,
+    # no precompilation (about half of its time in CI)
+    tokens, stats = fn(path, prompts, outs, warm=not quick)
     report({"arm": arm, "tokens": tokens, **stats})
 
 
