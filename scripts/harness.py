@@ -36,6 +36,25 @@ def _shared() -> Path:
 
 SHARED = _shared()
 
+# ---------------------------------------------------------------- instruction sets
+
+ISAS = ("native", "avx2")
+
+
+def isa_env(isa: str) -> dict[str, str]:
+    """Environment variables that cap both frameworks and jaxgpt's kernels at ``isa``, for the worker
+    processes of a benchmark: how an AVX-512 machine measures an AVX2 one (issue "every CPU").
+    torch: ATen's kernels, oneDNN and MKL; XLA:CPU: --xla_cpu_max_isa; the C++ kernels:
+    JAXGPT_KERNEL_ISA (jaxgpt/nn/kernels/native.py). 'native' changes nothing."""
+    if isa not in ISAS:
+        raise ValueError(f"isa {isa!r} is not one of {ISAS}")
+    if isa == "native":
+        return {}
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa"))
+    return {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "XLA_FLAGS": f"{flags} --xla_cpu_max_isa=AVX2".strip(), "JAXGPT_KERNEL_ISA": "avx2"}
+
+
 # ---------------------------------------------------------------- worker subprocesses
 
 RESULT = "RESULT "

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset  # imports no framework
-from scripts.harness import RESULTS, load_average, matmul_peak, report, spawn, write_result
+from scripts.harness import ISAS, RESULTS, isa_env, load_average, matmul_peak, report, spawn, write_result
 
 # This script races the CPU; the GPU race is scripts/benchmarks/bench_gpu.py.
 GPU_NOTE = ("this script measures the CPU only; the GPU race (gpt2-small bf16 against nanoGPT + torch.compile) is "
@@ -281,7 +281,8 @@ def markdown(result: dict) -> str:
     lines = [f"GPU: {result['gpu']}", ""] if "gpu" in result else []
     lines += [(f"float32 matmul peak ({result['peak_n']}^3, best of 5): jax {peak['jax']:.0f} GFLOP/s, "
               f"torch {peak['torch']:.0f} GFLOP/s; MFU against {result['peak']:.0f}. {result['rounds']} rounds, "
-              f"{result['machine']}, load average {load['start']:.1f} at start and {load['end']:.1f} at end."), ""]
+              f"{result['machine']}, instruction sets: {result.get('isa', 'native')}, load average "
+              f"{load['start']:.1f} at start and {load['end']:.1f} at end."), ""]
     for shape, s in result["shapes"].items():
         c = s["config"]
         lines += [(f"**{shape}**: {c['n_layer']} layers, d_model {c['d_model']}, {c['n_head']} heads, "
@@ -324,12 +325,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-compile-time", action="store_true", help="skip it in the full run")
     ap.add_argument("--peak-n", type=int, default=2048)
     ap.add_argument("--nanogpt", help="a karpathy/nanoGPT checkout: runner nanogpt-eager trains its model.py")
-    ap.add_argument("--out", default=str(RESULTS / "engine" / "bench_train.json"))
+    ap.add_argument("--isa", choices=ISAS, default="native", help="cap torch, XLA and jaxgpt's kernels at this "
+                    "instruction set in every worker (avx2: how an AVX-512 machine measures an AVX2 one)")
+    ap.add_argument("--out", default=None, help="results JSON (default results/engine/bench_train.json; with "
+                    "--isa avx2, bench_train_avx2.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shape", default="quick", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
+    os.environ.update(isa_env(args.isa))  # the workers inherit it
+    args.out = args.out or str(RESULTS / "engine" / f"bench_train{'' if args.isa == 'native' else '_' + args.isa}.json")
     if args.nanogpt:
         os.environ["NANOGPT_DIR"] = str(Path(args.nanogpt).resolve())  # the workers inherit it
     if args.compile_time:
@@ -352,7 +358,7 @@ def main(argv=None) -> dict:
     peak_n = 256 if args.quick else args.peak_n
     peaks = {}
     load_start = load_average()  # a loaded machine slows both frameworks, torch's OpenMP pool most
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "peak_n": peak_n, "peak_gflops": peaks,
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "isa": args.isa, "peak_n": peak_n, "peak_gflops": peaks,
               "rounds": rounds, "flops": "nanoGPT estimate: 6 N tokens + 12 L T d tokens (N without position table)",
               "jax_settings": JAX_SETTINGS, "shapes": {}}
     for shape in shapes:

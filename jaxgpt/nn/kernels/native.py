@@ -21,7 +21,26 @@ from pathlib import Path
 import jax
 
 CPU = Path(__file__).with_name("cpu")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17")
+# JAXGPT_KERNEL_ISA: what the kernels are compiled for. 'native' (default) is this CPU's instruction
+# sets; 'avx2' caps an x86 build at AVX2 + FMA (what most laptops and cloud VMs have: a benchmark on an
+# AVX-512 machine measures them with it, scripts/harness.py::isa_env); 'portable' is the compiler's
+# baseline for the architecture (its vectors are GCC's generic ones, simd.h).
+ISA_ENV = "JAXGPT_KERNEL_ISA"
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=haswell", "-mtune=generic"), "portable": ()}
+
+
+# JAXGPT_KERNELS=off: every kernel falls back to its pure-JAX path, with the one warning a failed build gives
+OFF_ENV = "JAXGPT_KERNELS"
+
+
+def isa_flags() -> tuple[str, ...]:
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r} is not one of {tuple(ISA_FLAGS)}")
+    if isa == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ValueError(f"{ISA_ENV}=avx2 is an x86 instruction set; this machine is {platform.machine()}")
+    return ISA_FLAGS[isa]
 
 
 def _cpu_id() -> str:
@@ -41,14 +60,15 @@ def build(source: Path) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include (simd.h)
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, cxx, jax.__version__, _cpu_id()]).encode())
+    flags = (*FLAGS, *isa_flags())
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, cxx, jax.__version__, _cpu_id()]).encode())
     out = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # then an atomic rename: parallel builds are safe
         so = Path(tmp) / out.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(so)]
+        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(so)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -90,6 +110,8 @@ def available(source: Path, targets: dict[str, str], fallback: str) -> bool:
     if jax.default_backend() != "cpu":
         return False
     try:
+        if os.environ.get(OFF_ENV, "").lower() in ("0", "off", "false"):
+            raise RuntimeError(f"{OFF_ENV}={os.environ[OFF_ENV]} turns the C++ kernels off")
         register(source, targets)
         return True
     except Exception as e:  # noqa: BLE001  any failure leaves the pure-JAX path, which is always there
@@ -98,4 +120,4 @@ def available(source: Path, targets: dict[str, str], fallback: str) -> bool:
         return False
 
 
-__all__ = ["AUTO_MIN_SIZE", "available", "build", "cache_dir", "register", "use_kernel"]
+__all__ = ["AUTO_MIN_SIZE", "ISA_ENV", "OFF_ENV", "available", "build", "cache_dir", "isa_flags", "register", "use_kernel"]
