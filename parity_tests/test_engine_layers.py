@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (assert_close, assert_grads_close, assert_self_consistent, load_into, randomize, require_module,
-                      torch_grads)
+from conftest import (assert_as_accurate_as_torch, assert_close, assert_grads_close, assert_self_consistent,
+                      float64_module, float64_torch, load_into, randomize, require_module, torch_grads)
 from jaxgpt import PRESETS, build
 from jaxgpt.config import REMATS, EncDecConfig
 from jaxgpt.convert import (from_hf, load_safetensors, params_to_state_dict, save_safetensors, state_dict_to_params,
@@ -35,6 +35,7 @@ SETTINGS = {  # against the default: scan_unroll='auto' (fully unrolled on the C
     "norm-ffi": dict(norm_impl="ffi"),  # the C++ RMSNorm ('auto' runs it on train-step-sized inputs only)
 }
 SELF_TOL = 1e-6
+KERNEL_SETTINGS = ("norm-ffi",)  # a C++ kernel instead of XLA's op: judged against float64, not the default path
 
 
 def _tokens(cfg, b=2, t=12, seed=0):
@@ -85,6 +86,19 @@ def test_each_setting_matches_torch_ref_and_the_default_layout(name):
     assert_grads_close(grads, torch_grads(t, p, stacked_paths(cfg)), f"DecoderLM engine knobs ({name}) grads")
 
     ref_logits, ref_grads = _default_reference()
+    if name in KERNEL_SETTINGS:
+        # A kernel sums in its own order: against the default float32 path the gradients differ by rounding
+        # alone (1.3e-6 on an AVX2 CPU, <= 1e-6 on AVX-512), so the judge is float64 torch_ref, as for every
+        # parity row: as accurate as torch_ref float32 is (conftest.assert_as_accurate_as_torch)
+        t64 = float64_module(t)
+        with float64_torch():
+            tlogits64 = t64(torch.from_numpy(x))
+            torch.nn.functional.cross_entropy(tlogits64.flatten(0, 1), torch.from_numpy(y).long().flatten()).backward()
+        assert_as_accurate_as_torch(logits, tlogits, tlogits64, f"engine knobs ({name}) logits", direct=False)
+        assert_as_accurate_as_torch(grads, torch_grads(t, p, stacked_paths(cfg)),
+                                    torch_grads(t64, p, stacked_paths(cfg), np.float64),
+                                    f"engine knobs ({name}) grads", grads=True, direct=False)
+        return
     assert_self_consistent(logits, ref_logits, f"engine knobs ({name}) vs default: logits", SELF_TOL, unit_scale=True)
     assert_grads_close(relayout(grads, cfg, BASE), ref_grads, f"engine knobs ({name}) vs default: grads", SELF_TOL,
                        kind="self")
