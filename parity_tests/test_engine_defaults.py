@@ -118,13 +118,13 @@ def test_auto_mesh_eval_step_equals_single_device_eval(rows):
 
 
 def test_auto_mesh_steps_keep_few_calls_in_flight():
-    """The 2-device train step waits for the step 4 calls back before dispatching (train.step.Paced):
+    """The 2-device train step waits for the step 4 calls back before dispatching (train.compiled.Paced):
     a loop that never reads a result had let XLA:CPU fill one device's in-flight slots with later
     steps, and the all-reduce of the step the other device ran aborted the process (CI, 2026-11-25).
     Self-consistency: 12 unread steps give the losses of 12 steps read one by one."""
     if jax.device_count() < 2:
         pytest.skip("one CPU device: no collectives")
-    from jaxgpt.train.step import Paced
+    from jaxgpt.train.compiled import Paced
 
     tc = TrainConfig(batch_size=4, seq_len=8, steps=12, warmup_steps=1)
     step = make_train_step(CFG, tc)
@@ -249,14 +249,37 @@ def test_train_steps_give_the_updates_of_one_step_calls(mesh):
     assert all(jax.tree.leaves(same))
 
 
+def test_fit_resolves_the_mesh_once_and_trains_and_evaluates_on_it(monkeypatch):
+    """TrainConfig.mesh becomes devices once a run (train.plan.resolve_mesh): the state's init, the train
+    program and the eval step all get that one mesh, not a decision of their own."""
+    from jaxgpt.parallel import sharding
+    from jaxgpt.train import loop, plan
+    from jaxgpt.train.tasks import fit_config, load_task
+
+    resolved, given = [], {}
+    real_mesh, real_eval, real_steps = sharding.train_mesh, plan.make_eval_step, plan.make_train_steps
+    monkeypatch.setattr(sharding, "train_mesh", lambda *a, **kw: resolved.append(real_mesh(*a, **kw)) or resolved[-1])
+    monkeypatch.setattr(plan, "make_eval_step", lambda c, **kw: given.setdefault("eval", kw["mesh"]) and None
+                        or real_eval(c, **kw))
+    monkeypatch.setattr(plan, "make_train_steps", lambda *a, **kw: given.setdefault("train", kw["mesh"]) and None
+                        or real_steps(*a, **kw))
+    config = ModelConfig(d_model=32, n_layer=1, n_head=4, max_len=16)
+    tc = TrainConfig(steps=4, batch_size=4, seq_len=8, log_every=2, eval_every=4, eval_batches=1, warmup_steps=1)
+    task = load_task(config, tc, corpus="seed-synthetic")
+    out = loop.fit(fit_config(config, task), tc, task, progress=False, checkpoints=False)
+    assert len(resolved) == 1, f"the mesh was decided {len(resolved)} times"
+    assert given["train"] is resolved[0] and given["eval"] is resolved[0]
+    assert out["val_loss"] is not None
+
+
 def test_fit_runs_several_updates_per_call_with_the_numbers_of_one():
     """fit's calls end where it logs, evaluates or saves, the first update alone (it is timed as the
     compile); steps_per_call=1 dispatches every update by itself. Self-consistency: the same history."""
-    from jaxgpt.train import loop, step as step_module
+    from jaxgpt.train import loop, plan
     from jaxgpt.train.tasks import fit_config, load_task
 
     calls = []
-    real = step_module.make_train_steps
+    real = plan.make_train_steps
 
     def spy(*args, **kw):
         fn = real(*args, **kw)
@@ -267,7 +290,7 @@ def test_fit_runs_several_updates_per_call_with_the_numbers_of_one():
     task = load_task(config, tc, corpus="seed-synthetic")
     config = fit_config(config, task)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "make_train_steps", spy)
+        mp.setattr(plan, "make_train_steps", spy)
         many = loop.fit(config, tc, task, progress=False, checkpoints=False)
     # updates 1 | 2-4 (log) | 5-6 (eval) | 7-8 (log) | 9-12 (log, eval) | 13 (the end)
     assert calls == [1, 3, 2, 2, 4, 1]
@@ -303,21 +326,21 @@ def _ynn_dots(hlo: str) -> int:
 
 
 def test_cpu_steps_leave_dots_to_eigen(monkeypatch):
-    """train.step.CPU_OPTIONS reach the compiled steps: no YNNPACK fusion holds a dot (XLA's default
+    """train.compiled.CPU_OPTIONS reach the compiled steps: no YNNPACK fusion holds a dot (XLA's default
     gives YNNPACK every dot); a jaxlib that does not know the option compiles with its defaults."""
-    from jaxgpt.train import step as step_module
+    from jaxgpt.train import compiled
 
     if jax.default_backend() != "cpu":
         pytest.skip(f"{ACCELERATOR_SKIP} a CPU compiler option (this backend: {jax.default_backend()})")
     tc = TrainConfig(batch_size=4, seq_len=8, steps=3, warmup_steps=1)
     state, batch = init_state(CFG, tc, mesh=None), _batch(4)
-    assert step_module.compiler_options() == step_module.CPU_OPTIONS
+    assert compiled.compiler_options() == compiled.CPU_OPTIONS
     ours = make_train_step(CFG, tc, mesh=None).lower(state, batch).compile().as_text()
     xla = jax.jit(lambda s, b: make_train_step(CFG, tc, mesh=None)(s, b)).lower(state, batch).compile().as_text()
     assert _ynn_dots(ours) == 0 and _ynn_dots(xla) > 0
-    monkeypatch.setattr(step_module, "CPU_OPTIONS", {"xla_cpu_experimental_ynn_fusion_type": "NO_SUCH_TYPE"})
-    step_module.compiler_options.cache_clear()
+    monkeypatch.setattr(compiled, "CPU_OPTIONS", {"xla_cpu_experimental_ynn_fusion_type": "NO_SUCH_TYPE"})
+    compiled.compiler_options.cache_clear()
     try:
-        assert step_module.compiler_options() == {}
+        assert compiled.compiler_options() == {}
     finally:
-        step_module.compiler_options.cache_clear()
+        compiled.compiler_options.cache_clear()

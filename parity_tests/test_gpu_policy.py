@@ -32,7 +32,7 @@ def backend(monkeypatch):
     options) are asked first, on the real backend: asked under a faked one, they would be cached for
     every later test in this process (the CPU kernels 'unavailable' on the CPU)."""
     from jaxgpt.nn.kernels import causal_ffi, gelu_ffi, matvec_ffi, norm_ffi, paged_ffi
-    from jaxgpt.train.step import compiler_options
+    from jaxgpt.train.compiled import compiler_options
 
     for cached in (causal_ffi.available, gelu_ffi.available, matvec_ffi.available, norm_ffi.available,
                    paged_ffi.available, compiler_options):
@@ -52,10 +52,10 @@ def test_the_gpu_tier_runs_on_its_backend():
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason=f"{ACCELERATOR_SKIP} XLA:GPU options")
 def test_gpu_steps_compile_with_the_gpu_options():
-    """On a GPU the train and eval steps take train.step.GPU_OPTIONS (cuBLAS GEMMs, no Triton GEMM)."""
-    from jaxgpt.train import step as step_module
+    """On a GPU the train and eval steps take train.compiled.GPU_OPTIONS (cuBLAS GEMMs, no Triton GEMM)."""
+    from jaxgpt.train import compiled
 
-    assert step_module.compiler_options() == step_module.GPU_OPTIONS
+    assert compiled.compiler_options() == compiled.GPU_OPTIONS
 
 
 def _dots(jaxpr):

@@ -28,8 +28,8 @@ from jaxgpt.data.prefetch import Prefetch
 from jaxgpt.train.progress import Progress
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.parallel.hosts import barrier, is_primary
-from jaxgpt.train.step import (TrainState, abstract_state, compile_ahead, init_state, make_eval_step,
-                               make_train_step, make_train_steps)
+from jaxgpt.train.plan import Plan, make_plan, resolve_mesh
+from jaxgpt.train.step import TrainState, init_state, make_eval_step
 from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
 
@@ -41,15 +41,6 @@ ENGINE = ("mesh", "steps_per_call")  # TrainConfig fields a run may change when 
 def _differences(a, b) -> list[str]:
     da, db = a.to_dict(), b.to_dict()
     return [f"{k}={da[k]!r} (saved: {db[k]!r})" for k in da if da[k] != db[k] and k not in ENGINE]
-
-
-def _mesh(tc: TrainConfig):
-    """The jax Mesh of ``tc.mesh`` (None: the single-device path, unchanged; 'auto': sharding.auto_mesh)."""
-    if not tc.mesh:
-        return None
-    from jaxgpt.parallel.sharding import train_mesh
-
-    return train_mesh(tc)
 
 
 def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None, corpus: str | None = None
@@ -65,7 +56,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     barrier("jaxgpt prepare")
     quiet = lambda _: None  # the fallback is reported below, in one line with what was moved
     has_ckpts = (Path(out) / "checkpoints").is_dir()
-    ckpts = Checkpoints(out, create=False, log=quiet, mesh=_mesh(tc)) if has_ckpts else None
+    ckpts = Checkpoints(out, create=False, log=quiet, mesh=resolve_mesh(tc)) if has_ckpts else None
     if ckpts is None or ckpts.latest_step() is None:
         task = load_task(config, tc, data=data, corpus=corpus)
         return fit_config(config, task), with_epochs(tc, task), task, None
@@ -87,38 +78,6 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
 
 class NonFiniteLoss(FloatingPointError):
     """Training met a NaN/inf loss, gradient norm or weight with ``on_nonfinite='stop'``."""
-
-
-def _placer(mesh):
-    """Host batch -> global arrays on ``mesh``, rows split over ('data', 'fsdp', 'expert'), each
-    process handing over its own rows: ``lead`` axes before the rows (``sharding.batch_sharding``:
-    2 for a chunk of train batches, 1 for one). Eval batches (``lead=0``) too when their rows divide,
-    else replicated (a short last batch of a classification set)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxgpt.config.mesh import batch_devices
-    from jaxgpt.parallel.sharding import shard_batch
-
-    rows = batch_devices(mesh.shape)
-
-    def place(batch: dict, lead: int) -> dict:
-        if lead or all(len(x) % rows == 0 for x in batch.values()):
-            return shard_batch(batch, mesh, lead)
-        whole = NamedSharding(mesh, PartitionSpec())
-        return {k: jax.make_array_from_process_local_data(whole, np.asarray(x)) for k, x in batch.items()}
-
-    return place
-
-
-def _chunk_shapes(task: Task, tc: TrainConfig, k: int, mesh) -> dict:
-    """Shapes of a call's stacked batches, (k, grad_accum, micro_batch, ...), as ``fit`` places them."""
-    sharding = None
-    if mesh is not None:
-        from jaxgpt.parallel.sharding import batch_sharding
-
-        sharding = batch_sharding(mesh, lead=2)
-    return {key: jax.ShapeDtypeStruct((k, *np.shape(x)), np.asarray(x).dtype, sharding=sharding)
-            for key, x in task.batch(tc, 0).items()}
 
 
 def evaluate(config, params, batches: list[dict], eval_step=None, place=None) -> dict:
@@ -172,187 +131,221 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     out = None if out is None else Path(out)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    mesh = _mesh(tc)
-    ckpts = Checkpoints(out, keep=tc.keep, mesh=mesh) if checkpoints else None
-    # several updates per call (make_train_steps) unless the caller brought its own one-update step
-    k = 1 if train_step is not None else tc.updates_per_call
-    multi = k > 1
-    ahead = None
-    if multi:  # compiled on a thread while the state is initialised (with a persistent cache)
-        train_steps = make_train_steps(config, tc, k, mesh=mesh)
-        abstract = abstract_state(config, tc, mesh)
-        ahead = compile_ahead(train_steps, abstract, _chunk_shapes(task, tc, k, mesh), jax.ShapeDtypeStruct((), np.int32))
-    else:
-        train_step = train_step or make_train_step(config, tc, mesh=mesh)
-    if state is None:
-        state = init_state(config, tc, mesh=mesh)  # with a mesh: created in its sharding
-    elif mesh is not None:  # restored or --init weights: split over the mesh (a no-op when already placed)
-        from jaxgpt.parallel.sharding import state_shardings
+    plan = make_plan(config, tc, task, train_step=train_step, eval_step=eval_step)  # the mesh: decided here, once
+    run = _Run(config, tc, task, plan, out, checkpoints=checkpoints, progress=progress,
+               hooks=_Hooks(on_log=on_log, on_eval=on_eval, loggers=loggers))
+    try:
+        run.start(state, until)
+        run.train()
+    finally:
+        run.close()
+    return run.summary(log)
 
-        state = jax.device_put(state, state_shardings(config, state, mesh))
-    place = (lambda b, lead: b) if mesh is None else _placer(mesh)
-    start = int(state.step)
-    end = tc.steps if until is None else min(until, tc.steps)
-    for s in ckpts.steps() if ckpts is not None else ():
-        if s > start:  # damaged steps the resume skipped: out of the way, but not deleted
-            warn(f"checkpoint step {s} is newer than the starting step {start}: moved to {ckpts.set_aside(s)}")
-    metrics_path = None if out is None else out / "metrics.jsonl"
-    history = _read_metrics(metrics_path, start) if metrics_path else []  # drop lines written after the checkpoint
-    if metrics_path and is_primary():  # multi-host: process 0 writes the run's files; the others read them
-        tmp = metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
-        tmp.replace(metrics_path)  # atomic: a process reading it meanwhile sees the old lines or the new ones
-    meta = None if ckpts is None else {  # saved with each step
-        "config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(), "source": task.source,
-        "kind": task.kind}
-    eval_step = eval_step or make_eval_step(config, mesh=mesh)
-    eval_batches = task.eval_batches(tc)
-    bar = Progress(end, enabled=progress)
-    tokens = task.tokens_per_step(tc)
-    pending: list[tuple[range, dict]] = []  # (the updates of a call, their metrics still on the device)
-    t_flush = time.perf_counter()
-    compile_s, train_s, windows, stop_requested = None, 0.0, [], False  # windows: seconds per step, steady state
-    skipped = sum(1 for r in history if r.get("nonfinite"))
 
-    def record(rows: list[dict]) -> None:
-        if metrics_path and is_primary():
-            with metrics_path.open("a") as f:
+class _Hooks:
+    """The caller's callbacks: ``loggers`` get every metrics row (process 0); ``on_log(rows)`` each fetch
+    of training rows (a true result stops the run); ``on_eval(step, params)`` scores for eval rows."""
+
+    def __init__(self, on_log=None, on_eval=None, loggers=()):
+        self.on_log, self.on_eval, self.loggers = on_log, on_eval, tuple(loggers)
+
+
+class _Run:
+    """One ``fit``: the loop's state (history, metrics still on the device, timing), and its steps:
+    dispatch the calls, fetch and record metrics (a NaN stops here), evaluate, save."""
+
+    def __init__(self, config, tc: TrainConfig, task: Task, plan: Plan, out: Path | None, *, checkpoints: bool,
+                 progress: bool, hooks: _Hooks):
+        self.config, self.tc, self.task, self.plan, self.out, self.hooks = config, tc, task, plan, out, hooks
+        self.ckpts = Checkpoints(out, keep=tc.keep, mesh=plan.mesh) if checkpoints else None
+        self.meta = None if self.ckpts is None else {  # saved with each step
+            "config": config.to_dict(), "train": tc.to_dict(), "tokenizer": task.tokenizer.to_dict(),
+            "source": task.source, "kind": task.kind}
+        self.metrics_path = None if out is None else out / "metrics.jsonl"
+        self.eval_batches = task.eval_batches(tc)
+        self.tokens = task.tokens_per_step(tc)
+        self.progress = progress
+        self.pending: list[tuple[range, dict]] = []  # (the updates of a call, their metrics still on the device)
+        self.compile_s, self.train_s, self.windows = None, 0.0, []  # windows: seconds per step, steady state
+        self.stop_requested = False
+
+    def start(self, state: TrainState | None, until: int | None) -> None:
+        """The state to train (initialised, or placed on the mesh), the history up to it, the range of updates."""
+        plan = self.plan
+        if state is None:
+            state = init_state(self.config, self.tc, mesh=plan.mesh)  # with a mesh: created in its sharding
+        elif plan.mesh is not None:  # restored or --init weights: split over the mesh (a no-op when already placed)
+            from jaxgpt.parallel.sharding import state_shardings
+
+            state = jax.device_put(state, state_shardings(self.config, state, plan.mesh))
+        self.state, self.start_step = state, int(state.step)
+        self.end = self.tc.steps if until is None else min(until, self.tc.steps)
+        for s in self.ckpts.steps() if self.ckpts is not None else ():
+            if s > self.start_step:  # damaged steps the resume skipped: out of the way, but not deleted
+                warn(f"checkpoint step {s} is newer than the starting step {self.start_step}: moved to "
+                     f"{self.ckpts.set_aside(s)}")
+        # drop lines written after the checkpoint
+        self.history = _read_metrics(self.metrics_path, self.start_step) if self.metrics_path else []
+        if self.metrics_path and is_primary():  # multi-host: process 0 writes the run's files; the others read them
+            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            tmp.replace(self.metrics_path)  # atomic: a process reading it meanwhile sees the old lines or the new
+        self.skipped = sum(1 for r in self.history if r.get("nonfinite"))
+        self.bar = Progress(self.end, enabled=self.progress)
+        if plan.ahead is not None:  # meanwhile, what the first save runs, into the persistent cache too
+            _all_finite.lower(plan.abstract.params).compile()
+            if self.ckpts is not None:
+                self.ckpts.compile_ahead(plan.abstract)
+            plan.ahead.join()  # the first call loads what the thread compiled
+        self.t_flush = time.perf_counter()
+
+    def record(self, rows: list[dict]) -> None:
+        if self.metrics_path and is_primary():
+            with self.metrics_path.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         if is_primary():
-            for logger in loggers:
+            for logger in self.hooks.loggers:
                 logger(rows)
-        history.extend(rows)
+        self.history.extend(rows)
 
-    def stop(what: str) -> NonFiniteLoss:
-        last = None if ckpts is None else ckpts.latest_step()
+    def nonfinite(self, what: str) -> NonFiniteLoss:
+        last = None if self.ckpts is None else self.ckpts.latest_step()
         kept = f"the last checkpoint, step {last}, holds finite weights" if last is not None else \
-            "no checkpoint saved" if ckpts is not None else "no checkpoints kept (checkpoints=False)"
-        return NonFiniteLoss(f"{what}; training stopped without saving it ({kept}). Lower lr (now {tc.lr:g}) or "
-                             "add warmup, or set on_nonfinite=skip to skip such updates")
+            "no checkpoint saved" if self.ckpts is not None else "no checkpoints kept (checkpoints=False)"
+        return NonFiniteLoss(f"{what}; training stopped without saving it ({kept}). Lower lr (now {self.tc.lr:g}) "
+                             "or add warmup, or set on_nonfinite=skip to skip such updates")
 
-    def flush(step: int, timed: bool = True) -> None:
+    def flush(self, step: int, timed: bool = True) -> None:
         """Fetch the pending metrics (a NaN stops here); timed: the window since the last fetch is steady state."""
-        nonlocal t_flush, skipped, train_s, stop_requested
-        calls, metrics = zip(*pending)
+        calls, metrics = zip(*self.pending)
         # the fetch waits for the pending updates: dispatch runs ahead of the device, so their compute
         # belongs to the window (timed before the fetch, a 1-device run on the CPU read 2x too fast)
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
         n = sum(len(c) for c in calls)
         if timed:
-            train_s += now - t_flush
-            windows.append((now - t_flush) / n)
-        tok_s = tokens * n / max(now - t_flush, 1e-9)
+            self.train_s += now - self.t_flush
+            self.windows.append((now - self.t_flush) / n)
+        tok_s = self.tokens * n / max(now - self.t_flush, 1e-9)
+        multi = self.plan.multi
         rows = [{"step": s, **{k: float(v[i] if multi else v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
                 for c, m in zip(calls, metrics) for i, s in enumerate(c)]
-        pending.clear()
+        self.pending.clear()
         bad = [r for r in rows if r["nonfinite"]]
         for r in rows:  # written only where it happened
             if not r["nonfinite"]:
                 del r["nonfinite"]
-        if bad and tc.on_nonfinite == "stop":
-            record(rows[:rows.index(bad[0]) + 1])  # the bad step is logged, nothing after it
+        if bad and self.tc.on_nonfinite == "stop":
+            self.record(rows[:rows.index(bad[0]) + 1])  # the bad step is logged, nothing after it
             r = bad[0]
             what = "loss" if not math.isfinite(r["loss"]) else "gradient"
-            raise stop(f"non-finite {what} at step {r['step']} (loss {r['loss']:.6g}, grad norm {r['grad_norm']:.6g})")
-        record(rows)
-        skipped += len(bad)
-        bar.update(step, history[-1]["loss"], tok_s, f", {skipped} skipped" if skipped else "")
-        if on_log is not None and on_log(rows):
-            stop_requested = True
-        t_flush = time.perf_counter()  # the fetch and the callback are not training time
+            raise self.nonfinite(f"non-finite {what} at step {r['step']} (loss {r['loss']:.6g}, grad norm "
+                                 f"{r['grad_norm']:.6g})")
+        self.record(rows)
+        self.skipped += len(bad)
+        self.bar.update(step, self.history[-1]["loss"], tok_s, f", {self.skipped} skipped" if self.skipped else "")
+        if self.hooks.on_log is not None and self.hooks.on_log(rows):
+            self.stop_requested = True
+        self.t_flush = time.perf_counter()  # the fetch and the callback are not training time
 
-    def save() -> None:
-        if pending:  # a NaN in the unflushed steps must stop the save
-            flush(int(state.step))
-        if ckpts is None:  # nothing saved; the weights are still checked at the end
-            return
-        if ckpts.latest_step() == int(state.step):
-            return
-        if not bool(_all_finite(state.params)):
-            raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
-        ckpts.save(state, meta)
+    def save(self) -> None:
+        if self.pending:  # a NaN in the unflushed steps must stop the save
+            self.flush(int(self.state.step))
+        if self.ckpts is None or self.ckpts.latest_step() == int(self.state.step):
+            return  # without checkpoints the weights are still checked at the end
+        if not bool(_all_finite(self.state.params)):
+            raise self.nonfinite(f"the weights hold NaN/inf at step {int(self.state.step)} (the update overflowed)")
+        self.ckpts.save(self.state, self.meta)
 
-    def calls() -> list[range]:
+    def calls(self) -> list[range]:
         """The updates of each call: the first alone (it compiles), then up to ``k`` at a time, each call
         ending where the loop logs, evaluates or saves."""
-        out, s = [], start
-        while s < end:
-            stops = [end, s + 1 if s == start else s + k]
-            every = (tc.log_every, tc.eval_every, tc.ckpt_every if ckpts is not None else 0)
+        tc, out, s = self.tc, [], self.start_step
+        while s < self.end:
+            stops = [self.end, s + 1 if s == self.start_step else s + self.plan.k]
+            every = (tc.log_every, tc.eval_every, tc.ckpt_every if self.ckpts is not None else 0)
             stops += [(s // e + 1) * e for e in every if e]
             out.append(range(s + 1, min(stops) + 1))  # the step counts after each update
             s = min(stops)
         return out
 
-    def chunk(c: range) -> dict:
-        """The batches of call ``c`` stacked, (k, ...): the slots after the last update repeat its batch."""
-        got = [task.batch(tc, s - 1) for s in c]
-        got += got[-1:] * (k - len(got))
+    def batches_of(self, c: range) -> dict:
+        """Call ``c``'s batches: one, or ``k`` stacked (k, ...), the slots after its last update repeating that
+        update's batch (a pure function of the step: the prefetch thread builds them)."""
+        if not self.plan.multi:
+            return self.task.batch(self.tc, c[0] - 1)
+        got = [self.task.batch(self.tc, s - 1) for s in c]
+        got += got[-1:] * (self.plan.k - len(got))
         return {key: np.stack([b[key] for b in got]) for key in got[0]}
 
-    if ahead is not None:  # meanwhile, what the first save runs, into the persistent cache too
-        _all_finite.lower(abstract.params).compile()
-        if ckpts is not None:
-            ckpts.compile_ahead(abstract)
-        ahead.join()  # the first call loads what the thread compiled
-    # host-side prefetch: a thread builds the next batches (pure functions of the step) while the device runs
-    work = calls()
-    batches = Prefetch(chunk if multi else (lambda c: task.batch(tc, c[0] - 1)), work, depth=PREFETCH_DEPTH)
-    lead = 2 if multi else 1  # axes before the batch rows: (k, A, B, ...) or (A, B, ...)
-    try:
+    def evaluate(self, step: int) -> None:
+        row = {"step": step}
+        if self.eval_batches:
+            place = None if self.plan.mesh is None else self.plan.place
+            row |= evaluate(self.config, self.state.params, self.eval_batches, self.plan.eval_step, place)
+        self.record([row | (self.hooks.on_eval(step, self.state.params) if self.hooks.on_eval else {})])
+
+    def train(self) -> None:
+        tc, plan = self.tc, self.plan
+        work = self.calls()
+        # host-side prefetch: a thread builds the next batches (pure functions of the step) while the device runs
+        self.prefetch = Prefetch(self.batches_of, work, depth=PREFETCH_DEPTH)
         try:
             for c in work:
                 # dispatch is asynchronous: the thread is already building the batches after these
-                b = place(check_batch(batches.get(c), config), lead)  # jit would not raise
-                state, m = train_steps(state, b, np.int32(len(c))) if multi else train_step(state, b)
+                b = plan.place(check_batch(self.prefetch.get(c), self.config), plan.lead)  # jit would not raise
+                self.state, m = plan.run(self.state, b, len(c))
                 done = c[-1]
-                pending.append((c, m))
-                evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == end
-                save_now = ckpts is not None and ((tc.ckpt_every and done % tc.ckpt_every == 0) or done == end)
-                if c[0] == start + 1:  # this call's first update traces and compiles: timed apart, fetched at once
+                self.pending.append((c, m))
+                evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == self.end
+                save_now = self.ckpts is not None and ((tc.ckpt_every and done % tc.ckpt_every == 0)
+                                                       or done == self.end)
+                if c[0] == self.start_step + 1:  # this call's first update traces and compiles: timed apart
                     jax.block_until_ready(m)
-                    compile_s = time.perf_counter() - t_flush
-                    flush(done, timed=False)
+                    self.compile_s = time.perf_counter() - self.t_flush
+                    self.flush(done, timed=False)
                 elif done % tc.log_every == 0 or evaluate_now:
-                    flush(done)  # before evaluating (and save() flushes first): a NaN is seen before either
-                if evaluate_now and (eval_batches or on_eval):  # val_fraction=0: nothing to evaluate on
-                    row = {"step": done}
-                    if eval_batches:
-                        row |= evaluate(config, state.params, eval_batches, eval_step, None if mesh is None else place)
-                    record([row | (on_eval(done, state.params) if on_eval else {})])
+                    self.flush(done)  # before evaluating (and save() flushes first): a NaN is seen before either
+                if evaluate_now and (self.eval_batches or self.hooks.on_eval):  # val_fraction=0: nothing to evaluate
+                    self.evaluate(done)
                 if save_now:
-                    save()
+                    self.save()
                 if evaluate_now or save_now:
-                    t_flush = time.perf_counter()  # steady-state timing leaves evaluation and saving out
-                if stop_requested:
+                    self.t_flush = time.perf_counter()  # steady-state timing leaves evaluation and saving out
+                if self.stop_requested:
                     break
         except KeyboardInterrupt:
-            save()
+            self.save()
             raise
-        save()
-        if ckpts is None and not bool(_all_finite(state.params)):  # what a save would have refused
-            raise stop(f"the weights hold NaN/inf at step {int(state.step)} (the update overflowed)")
-    finally:
-        batches.close()
-        bar.close()
-        if ckpts is not None:
-            ckpts.wait()  # the last save: finished, read back, older steps pruned
-            ckpts.close()
-    train_rows = [r for r in history if "loss" in r and not r.get("nonfinite")]  # skipped updates: not in the means
-    val_rows = [r for r in history if "val_loss" in r]
-    ms = 1e3 * float(np.median(windows)) if windows else None
-    summary = {"steps": int(state.step),
-               "final_loss": float(np.mean([r["loss"] for r in train_rows[-20:]])) if train_rows else None,
-               "val_loss": val_rows[-1]["val_loss"] if val_rows else None,
-               "tok_s": tokens * 1e3 / ms if ms else None, "skipped": skipped,
-               "compile_s": compile_s, "train_s": train_s, "ms_per_step": ms}
-    plot = None
-    if out is not None and is_primary():
-        plot = plot_losses(history, out / "loss.png", title=f"{task.source}")
-        if plot is None:
-            log("matplotlib is not installed: skipped loss.png (pip install 'jaxgpt[plots]')")
-    return summary | {"plot": str(plot) if plot else None, "history": history, "state": state}
+        self.save()
+        if self.ckpts is None and not bool(_all_finite(self.state.params)):  # what a save would have refused
+            raise self.nonfinite(f"the weights hold NaN/inf at step {int(self.state.step)} (the update overflowed)")
+
+    def close(self) -> None:
+        if getattr(self, "prefetch", None) is not None:
+            self.prefetch.close()
+        if getattr(self, "bar", None) is not None:
+            self.bar.close()
+        if self.ckpts is not None:
+            self.ckpts.wait()  # the last save: finished, read back, older steps pruned
+            self.ckpts.close()
+
+    def summary(self, log) -> dict:
+        history = self.history
+        train_rows = [r for r in history if "loss" in r and not r.get("nonfinite")]  # skipped: not in the means
+        val_rows = [r for r in history if "val_loss" in r]
+        ms = 1e3 * float(np.median(self.windows)) if self.windows else None
+        summary = {"steps": int(self.state.step),
+                   "final_loss": float(np.mean([r["loss"] for r in train_rows[-20:]])) if train_rows else None,
+                   "val_loss": val_rows[-1]["val_loss"] if val_rows else None,
+                   "tok_s": self.tokens * 1e3 / ms if ms else None, "skipped": self.skipped,
+                   "compile_s": self.compile_s, "train_s": self.train_s, "ms_per_step": ms}
+        plot = None
+        if self.out is not None and is_primary():
+            plot = plot_losses(history, self.out / "loss.png", title=f"{self.task.source}")
+            if plot is None:
+                log("matplotlib is not installed: skipped loss.png (pip install 'jaxgpt[plots]')")
+        return summary | {"plot": str(plot) if plot else None, "history": history, "state": self.state}
 
 
 def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None:

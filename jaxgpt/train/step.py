@@ -7,9 +7,7 @@ continues bit for bit as if it had never stopped.
 """
 from __future__ import annotations
 
-import collections
 import functools
-import threading
 from typing import Any
 
 import jax
@@ -22,53 +20,9 @@ from jaxgpt.config import TrainConfig
 from jaxgpt.config.mesh import batch_devices
 from jaxgpt.models import abstract_params, init_params
 from jaxgpt.parallel.data_parallel import data_parallel, replicated
+from jaxgpt.train.compiled import Jit, compiler_options, paced
 from jaxgpt.train.losses import loss_terms, objective
 from jaxgpt.train.optim import make_optimizer, schedule
-
-
-# XLA:CPU (jaxlib 0.10) hands each dot to YNNPACK and each reduction too (its fusion types INDIVIDUAL_DOT and
-# REDUCE). Eigen's dots made the shakespeare-char step 1.06x faster (5.25 against 5.57 s, 4 process pairs A B A B;
-# cpu-small unchanged), so the train and eval steps keep YNNPACK for the reductions only (without them: slower).
-CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
-# XLA:GPU (jaxlib 0.11.2) writes some GEMMs and their fused neighbours as Triton kernels; cuBLAS's GEMMs
-# made the gpt2-small B 12 x 1024 bf16 train step faster (H200, results/engine/gpu.md; docs/performance.md).
-GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
-@functools.cache
-def compiler_options() -> dict:
-    """The train and eval steps' XLA options for this backend (``CPU_OPTIONS``, ``GPU_OPTIONS``) where this jaxlib
-    takes them (they are experimental or internal: a jaxlib without them compiles the steps with its
-    defaults), else {}: ``jax.jit``'s ``compiler_options``."""
-    options = {"cpu": CPU_OPTIONS, "gpu": GPU_OPTIONS}.get(jax.default_backend())
-    if not options:
-        return {}
-    try:
-        jax.jit(lambda x: x + 1, compiler_options=options).lower(jnp.float32(0)).compile()
-    except Exception:  # noqa: BLE001 - an unknown option or value: XLA's defaults, which are correct too
-        return {}
-    return dict(options)
-
-
-def _traced(tree) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
-
-
-class _Jit:
-    """``jax.jit(fn, **kw)``, compiled with ``compiler_options()`` when called at the top level.
-    Inside another jit (JAX takes compiler_options only at the top) it is the plain jit, compiled
-    with the outer program's options. Other attributes (``lower``, ...) are the top-level jit's."""
-
-    def __init__(self, fn, **kw):
-        options = compiler_options()
-        self._plain = jax.jit(fn, **kw)
-        self._top = jax.jit(fn, compiler_options=options, **kw) if options else self._plain
-
-    def __call__(self, *args):
-        return (self._plain if _traced(args) else self._top)(*args)
-
-    def __getattr__(self, name):
-        return getattr(self._top, name)
 
 
 class TrainState(struct.PyTreeNode):
@@ -120,47 +74,13 @@ def abstract_state(config, tc: TrainConfig, mesh=None) -> TrainState:
 
 @functools.lru_cache(maxsize=32)  # a trace of init (0.3-0.4 s), asked for by every checkpoint read-back
 def _abstract_state(config, tc: TrainConfig, mesh) -> TrainState:
-    shapes = jax.eval_shape(lambda: init_state(config, tc))
+    shapes = jax.eval_shape(lambda: init_state(config, tc, mesh=None))  # shapes only: no mesh to decide
     if mesh is None:
         return shapes
     from jaxgpt.parallel.sharding import state_shardings
 
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                         state_shardings(config, shapes, mesh))
-
-
-class Paced:
-    """``fn`` with at most ``depth`` calls in flight: each call first waits for the outputs
-    (``keep(out)``) of the call ``depth`` before it. Why: XLA:CPU launches a multi-device program's
-    per-device parts as separate pool tasks and lets each device hold a bounded number of programs in
-    flight. A loop that dispatches many collective steps without reading a result (``for s in
-    range(60): state, _ = step(state, batch)``) could fill device 1's slots with later steps, which
-    wait for their inputs, while the step device 0 waits on in its all-reduce could not launch on
-    device 1: XLA's rendezvous aborted the process after 40 s (seen in CI, 2026-11-25, in the core
-    dump: device 1's launch blocked in ``max_inflight_computations_semaphore``). Any attribute other
-    than the call (``lower``, ...) is ``fn``'s."""
-
-    def __init__(self, fn, keep=lambda out: out, depth: int = 4):
-        self._fn, self._keep, self._depth, self._pending = fn, keep, depth, collections.deque()
-
-    def __call__(self, *args):
-        while len(self._pending) >= self._depth:
-            jax.block_until_ready(self._pending.popleft())
-        out = self._fn(*args)
-        kept = self._keep(out)
-        if not _traced(kept):  # traced under an outer jit
-            self._pending.append(kept)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._fn, name)
-
-
-def _paced(fn, mesh, keep=lambda out: out):
-    """``Paced(fn)`` for a program over several CPU devices (which has collectives); else ``fn``."""
-    if mesh is None or mesh.devices.size < 2 or mesh.devices.flat[0].platform != "cpu":
-        return fn
-    return Paced(fn, keep)
 
 
 def _row_sums(config) -> bool:
@@ -286,12 +206,12 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
         # the metrics are what is waited for: the state was donated to the next step
         if checked:
             # checkify returns (error, output): the output shardings are left to propagation
-            return _paced(checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"],
+            return paced(checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"],
                                          compiler_options=compiler_options() or None), mesh, keep=lambda out: out[1])
-        return _paced(_Jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
+        return paced(Jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
     if checked:
         return checks.checked(train_step, donate_argnums=0, compiler_options=compiler_options() or None)
-    return _Jit(train_step, donate_argnums=0)
+    return Jit(train_step, donate_argnums=0)
 
 
 def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
@@ -324,34 +244,13 @@ def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
         return jax.lax.fori_loop(0, n, body, (state, rows))
 
     if mesh is None:
-        return _Jit(train_steps, donate_argnums=0)
+        return Jit(train_steps, donate_argnums=0)
     from jaxgpt.parallel.sharding import batch_sharding
 
     state_sh, metrics_sh = shardings["out_shardings"]
     chunk = None if auto else batch_sharding(mesh, lead=2)
-    return _paced(_Jit(train_steps, donate_argnums=0, in_shardings=(state_sh, chunk, None),
+    return paced(Jit(train_steps, donate_argnums=0, in_shardings=(state_sh, chunk, None),
                        out_shardings=(state_sh, metrics_sh)), mesh, keep=lambda out: out[1])
-
-
-def compile_ahead(fn, *args) -> threading.Thread | None:
-    """Compile jitted ``fn`` for ``args`` (abstract: ``jax.ShapeDtypeStruct`` with the shardings the
-    real call will have) on a thread, into JAX's persistent compilation cache, while the caller goes
-    on; join the thread before the first call, which then loads the program instead of compiling it.
-    None (nothing started) when no persistent cache is on, since the program would be compiled twice.
-    Why: ``fit`` initialises the state (compiling its init on one core) while the train program
-    compiles on the other: the first ``jaxgpt train`` of nanoGPT's CPU config saves about 1 s."""
-    if not jax.config.jax_compilation_cache_dir:
-        return None
-
-    def run():
-        try:
-            fn.lower(*args).compile()
-        except Exception:  # noqa: BLE001 - the real call compiles it again, and raises what is wrong
-            pass
-
-    thread = threading.Thread(target=run, name="jaxgpt-compile-ahead", daemon=True)
-    thread.start()
-    return thread
 
 
 def make_eval_step(config, *, checked: bool = False, mesh=None):
@@ -368,14 +267,14 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
         return loss_terms(config, params, batch, train=False)
 
     if checked:
-        return _paced(checks.checked(eval_step, compiler_options=compiler_options() or None), mesh)
-    whole = _Jit(eval_step)
+        return paced(checks.checked(eval_step, compiler_options=compiler_options() or None), mesh)
+    whole = Jit(eval_step)
     if mesh is None:
         return whole
     from jaxgpt.parallel.sharding import param_shardings
 
     if not replicated(param_shardings(config, abstract_params(config), mesh)):
-        return _paced(whole, mesh)  # jit's propagation over several devices: collectives too
+        return paced(whole, mesh)  # jit's propagation over several devices: collectives too
     devices = batch_devices(mesh.shape)
 
     def split(params, batch):
@@ -383,10 +282,10 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
         return data_parallel(lambda p, b: loss_terms(config, p, b, train=False), mesh, micro_axis=False)(params, batch)
 
     split.__name__ = "eval_step_split"  # the program's name in profiles and compile logs
-    eval_step_split = _Jit(split)
+    eval_step_split = Jit(split)
 
     def step(params, batch):
         return eval_step_split(params, batch) if jax.tree.leaves(batch)[0].shape[0] % devices == 0 \
             else whole(params, batch)
 
-    return _paced(step, mesh)
+    return paced(step, mesh)

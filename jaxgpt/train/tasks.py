@@ -20,6 +20,7 @@ from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig
 from jaxgpt.data import (IGNORE_INDEX, CharTokenizer, PairTokenizer, builtin_corpus, builtin_pairs, encode_pairs,
                          get_batch, load_text, pad_batch, shuffled_batch, split_train_val, tokenizer_from_dict,
                          train_bpe)
+from jaxgpt.data.order import n_windows
 from jaxgpt.data.tokenfiles import is_token_dir
 from jaxgpt.core.validate import check_ids, check_padding_mask, check_targets
 
@@ -62,7 +63,7 @@ class Task:
     def batch(self, tc: TrainConfig, step: int) -> dict:
         """Batch of update ``step``: arrays (grad_accum, micro_batch, ...)."""
         if self.kind == "lm":
-            arrays = get_batch(self.train[0], tc.batch_size, tc.seq_len, tc.seed, step)
+            arrays = get_batch(self.train[0], tc.batch_size, tc.seq_len, tc.seed, step, tc.data_order)
         else:
             arrays = shuffled_batch(self.train, tc.batch_size, tc.seed, step)
         return {k: a.reshape(tc.grad_accum, tc.micro_batch, *a.shape[1:]) for k, a in zip(self.keys, arrays)}
@@ -86,6 +87,8 @@ class Task:
         each row once per epoch and drops the remainder). Text: ceil(windows / batch_size), as a
         DataLoader over every window (seed 000's CharDataset); the windows themselves are drawn at
         random (``get_batch``), so an epoch sees as many windows, not each window once."""
+        if self.kind == "lm" and tc.data_order == "epochs":  # each window of T + 1 tokens once (data.order)
+            return -(-n_windows(len(self.train[0]), tc.seq_len) // tc.batch_size)
         if self.kind == "lm":
             return -(-(len(self.train[0]) - tc.seq_len) // tc.batch_size)
         return len(self.train[0]) // tc.batch_size

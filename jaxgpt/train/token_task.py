@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxgpt.config import TrainConfig
+from jaxgpt.data.order import n_windows
 from jaxgpt.data.tokenfiles import TokenDir, global_batch, open_tokens
 from jaxgpt.data.tokenizers import IdTokenizer, tokenizer_from_dict
 from jaxgpt.train.tasks import Task
@@ -47,7 +48,7 @@ class TokenTask(Task):
 
     def batch(self, tc: TrainConfig, step: int) -> dict:
         rows = self._rows(tc)
-        x, y = global_batch(self.train[0], tc.batch_size, tc.seq_len, tc.seed, step, rows)
+        x, y = global_batch(self.train[0], tc.batch_size, tc.seq_len, tc.seed, step, rows, tc.data_order)
         return {k: a.reshape(tc.grad_accum, tc.micro_batch, tc.seq_len) for k, a in (("x", x), ("y", y))}
 
     def _rows(self, tc: TrainConfig):
@@ -65,6 +66,10 @@ class TokenTask(Task):
                 for i in range(tc.eval_batches)]
 
     def steps_per_epoch(self, tc: TrainConfig) -> int:
+        """'epochs' order: every window of seq_len + 1 tokens once (jaxgpt.data.order); 'random': as many
+        windows as there are start positions (the text task's rule, seed 000's CharDataset)."""
+        if tc.data_order == "epochs":
+            return -(-n_windows(len(self.train[0]), tc.seq_len) // tc.batch_size)
         return -(-(len(self.train[0]) - tc.seq_len) // tc.batch_size)
 
 

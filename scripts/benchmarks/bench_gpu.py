@@ -84,10 +84,10 @@ def worker_jax_train(spec: dict) -> dict:
             return jnp.einsum("...d,vd->...v" if w_rows else "...d,dv->...v", x, w.astype(x.dtype),
                               preferred_element_type=jnp.float32)
         decoder.logits_matmul = plain
-    if spec.get("patch") == "no-gpu-options":  # XLA:GPU's defaults (train.step.GPU_OPTIONS off)
-        from jaxgpt.train import step as step_module
+    if spec.get("patch") == "no-gpu-options":  # XLA:GPU's defaults (train.compiled.GPU_OPTIONS off)
+        from jaxgpt.train import compiled
 
-        step_module.GPU_OPTIONS = {}
+        compiled.GPU_OPTIONS = {}
     b, t = spec["batch"], spec["seq_len"]
     config = get_preset("gpt2-small").replace(**model_overrides(spec["shape"], t), **spec.get("config", {}))
     tc = TrainConfig(batch_size=b, seq_len=t, steps=10_000)
