@@ -10,6 +10,7 @@ SCHEDULES = ("cosine", "constant")
 DECAY = ("all", "linear", "matrices")
 TOKENIZERS = ("char", "bpe")
 ON_NONFINITE = ("stop", "skip")
+DATA_ORDERS = ("random", "epochs")
 MAX_STEPS_PER_CALL = 64  # 'auto' steps_per_call: the batches of one call are stacked on the device
 
 
@@ -38,6 +39,10 @@ class TrainConfig(_Config):
     decay: str = "all"
     grad_clip: float | None = 1.0  # global-norm clip; None = off
     seed: int = 0  # init, batch order and dropout all derive from it
+    # Language-model data (text and token files): 'random' draws each window start uniformly, with replacement
+    # (nanoGPT's get_batch); 'epochs' reads every window of seq_len + 1 tokens once an epoch, shuffled per
+    # (seed, epoch) (jaxgpt.data.order). Pair and classification data always read each row once an epoch.
+    data_order: str = "random"
     tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)
     bpe_vocab: int = 1024
     val_fraction: float = 0.1  # 0: train on everything (no validation split, no evaluation)
@@ -84,6 +89,7 @@ class TrainConfig(_Config):
         _choice("decay", self.decay, DECAY)
         _choice("tokenizer", self.tokenizer, TOKENIZERS)
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        _choice("data_order", self.data_order, DATA_ORDERS)
         if self.bpe_vocab < 257:
             raise ValueError(f"bpe_vocab must be >= 257 (256 byte tokens + merges), got {self.bpe_vocab!r}")
         if self.warmup_steps >= self.steps and self.schedule == "cosine" and self.warmup_steps:

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxgpt.core.validate import int_at_least as _int_at_least
 from jaxgpt.data.tokenizers import PairTokenizer
+from jaxgpt.data.order import epoch_windows, n_windows
 
 def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """ids (N,) -> (train (n,), val (N - n,)) with n = int((1 - val_fraction) * N): contiguous, the
@@ -27,10 +28,11 @@ def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndar
     return ids[:n], ids[n:]
 
 
-def get_batch(data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int
+def get_batch(data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int, order: str = "random"
               ) -> tuple[np.ndarray, np.ndarray]:
-    """Random windows of ``data`` (N,): x (B, T) int32 and y (B, T) int32 with y = x shifted left
-    by one token. The starts are uniform in [0, N - T - 1] and depend only on ``(seed, step)``."""
+    """Windows of ``data`` (N,): x (B, T) int32 and y (B, T) int32 with y = x shifted left by one token,
+    depending only on ``(seed, step)``. ``order`` (TrainConfig.data_order): 'random', starts uniform in
+    [0, N - T - 1]; 'epochs', every window of T + 1 tokens once an epoch (``jaxgpt.data.order``)."""
     data = np.asarray(data)
     if data.ndim != 1 or data.dtype.kind not in "iu":
         raise ValueError(f"data must be a 1-D integer array, got shape {data.shape} dtype {data.dtype}")
@@ -40,7 +42,11 @@ def get_batch(data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: 
     _int_at_least("step", step, 0)
     if len(data) < seq_len + 1:  # one window needs T inputs plus the target after the last one
         raise ValueError(f"data has {len(data)} tokens; seq_len={seq_len} needs at least {seq_len + 1}")
-    starts = np.random.default_rng([seed, step]).integers(0, len(data) - seq_len, size=batch_size)
+    if order == "epochs":
+        samples = step * batch_size + np.arange(batch_size, dtype=np.int64)
+        starts = epoch_windows(n_windows(len(data), seq_len), seed, samples) * seq_len
+    else:
+        starts = np.random.default_rng([seed, step]).integers(0, len(data) - seq_len, size=batch_size)
     windows = data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
     return windows[:, :-1], windows[:, 1:]
 

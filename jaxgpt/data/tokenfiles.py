@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxgpt.data.order import epoch_windows, n_windows
+
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SAMPLE_CHUNKS, CHUNK = 64, 1 << 15  # the sampled check reads 64 evenly spaced runs of 32k tokens
 
@@ -229,11 +231,19 @@ def window_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step:
     return np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len, size=batch_size)
 
 
+def epoch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int) -> np.ndarray:
+    """(batch_size,) starts of the global batch of ``step`` in epoch order (``jaxgpt.data.order``): global
+    samples step * batch_size ..., each window of seq_len + 1 tokens (one every seq_len) once an epoch."""
+    samples = step * batch_size + np.arange(batch_size, dtype=np.int64)
+    return epoch_windows(n_windows(n_tokens, seq_len), seed, samples) * seq_len
+
+
 def global_batch(tokens: Tokens, batch_size: int, seq_len: int, seed: int, step: int,
-                 rows: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 rows: Sequence[int] | None = None, order: str = "random") -> tuple[np.ndarray, np.ndarray]:
     """x, y (batch_size, seq_len) int32 of the global batch; with ``rows`` only those rows are read
-    (the others stay 0: another process holds them), so a host reads its slice and nothing else."""
-    starts = window_starts(len(tokens), batch_size, seq_len, seed, step)
+    (the others stay 0: another process holds them), so a host reads its slice and nothing else.
+    ``order``: TrainConfig.data_order ('random': ``window_starts``; 'epochs': ``epoch_starts``)."""
+    starts = (epoch_starts if order == "epochs" else window_starts)(len(tokens), batch_size, seq_len, seed, step)
     w = np.zeros((batch_size, seq_len + 1), np.int32)
     idx = np.arange(batch_size) if rows is None else np.asarray(rows, np.int64)
     w[idx] = tokens.windows(starts[idx], seq_len + 1)
