@@ -3,7 +3,10 @@ package: no transformers, no downloads.
 
 Special token ids come from the directory's ``config.json``, overridden by ``generation_config.json``
 where it sets them (as transformers' ``generate`` does). ``encode`` applies the tokenizer's own
-post-processor, so a LLaMA tokenizer adds its BOS exactly as ``AutoTokenizer`` does.
+post-processor, so a LLaMA tokenizer adds its BOS exactly as ``AutoTokenizer`` does;
+``encode(text, add_special_tokens=False)`` does not (a rendered chat template already holds them).
+The special tokens' strings (``special_tokens``: bos_token, eos_token, ...) come from
+``tokenizer_config.json``, as transformers' ``special_tokens_map``, which chat templates read.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 _SPECIALS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _read_json(path: Path) -> dict:
@@ -39,6 +43,18 @@ def special_ids(directory: str | Path) -> dict[str, list[int]]:
     return out
 
 
+def special_tokens(directory: str | Path) -> dict[str, str]:
+    """{'bos_token': '<s>', ...} from tokenizer_config.json (a string or an AddedToken dict each)."""
+    cfg = _read_json(Path(directory) / "tokenizer_config.json")
+    out = {}
+    for key in _TOKEN_NAMES:
+        value = cfg.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
 class HFTokenizer:
     """``tokenizer.json`` of an HF directory with its special ids. ``vocab_size`` is the model's
     (``config.json``), which may exceed the tokenizer's own count (padded embedding tables)."""
@@ -46,7 +62,7 @@ class HFTokenizer:
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, *, vocab_size: int | None = None,
-                 specials: dict[str, list[int]] | None = None):
+                 specials: dict[str, list[int]] | None = None, tokens: dict[str, str] | None = None):
         from tokenizers import Tokenizer  # optional dependency, needed for HF directories only
 
         self._tok = Tokenizer.from_str(tokenizer_json)
@@ -59,6 +75,7 @@ class HFTokenizer:
             bad = [i for i in ids if not 0 <= i < self._vocab_size]
             if bad:
                 raise ValueError(f"{key}={bad[0]} is outside the vocabulary [0, {self._vocab_size})")
+        self._tokens = dict(tokens or {})
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> HFTokenizer:
@@ -69,7 +86,8 @@ class HFTokenizer:
             raise FileNotFoundError(f"{str(d)!r} has no tokenizer.json (save one with "
                                     "PreTrainedTokenizerFast(...).save_pretrained(dir)); pass token ids instead")
         vocab = _read_json(d / "config.json").get("vocab_size")
-        return cls(path.read_text(encoding="utf-8"), vocab_size=vocab, specials=special_ids(d))
+        return cls(path.read_text(encoding="utf-8"), vocab_size=vocab, specials=special_ids(d),
+                   tokens=special_tokens(d))
 
     @property
     def vocab_size(self) -> int:
@@ -96,9 +114,21 @@ class HFTokenizer:
     def pad_id(self) -> int | None:
         return self._first("pad_token_id")
 
-    def encode(self, text: str) -> np.ndarray:
-        """``text`` -> ids (T,) int32, with the tokenizer's special tokens (its post-processor)."""
-        return np.asarray(self._tok.encode(text).ids, dtype=np.int32)
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """transformers' ``special_tokens_map``: tokenizer_config.json's strings, else the text of
+        the config's bos/eos/pad ids (a directory without tokenizer_config.json)."""
+        out = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            i = self._first(key + "_id")
+            if i is not None:
+                out[key] = self._tok.decode([i], skip_special_tokens=False)
+        return {**out, **self._tokens}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """``text`` -> ids (T,) int32, with the tokenizer's special tokens (its post-processor)
+        unless ``add_special_tokens=False``."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """ids (T,) -> text; special tokens (EOS padding after generation) are dropped by default."""
@@ -110,13 +140,14 @@ class HFTokenizer:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "json": self._tok.to_str(), "vocab_size": self._vocab_size,
-                "specials": self.specials}
+                "specials": self.specials, "special_tokens": self._tokens}
 
     @classmethod
     def from_dict(cls, d: dict) -> HFTokenizer:
         if d.get("kind") != cls.kind:
             raise ValueError(f"expected a tokenizer dict of kind {cls.kind!r}, got {d.get('kind')!r}")
-        return cls(d["json"], vocab_size=d.get("vocab_size"), specials=d.get("specials"))
+        return cls(d["json"], vocab_size=d.get("vocab_size"), specials=d.get("specials"),
+                   tokens=d.get("special_tokens"))
 
 
 def tokenizer_dict(directory: str | Path) -> dict | None:
