@@ -143,3 +143,19 @@ def test_new_sampling_fields_are_honoured_or_refused_by_name(field, value, param
         assert getattr(comp(**{field: value}).params[0], attr) == want
     else:
         refused(comp, param, "not supported by this engine", **{field: value})
+
+
+def test_logprob_formats_of_both_endpoints():
+    """responses' two formats on a hand-made update (the top pairs as the sampler returns them)."""
+    from jaxgpt.inference.responses import Update, chat_logprobs, completion_logprobs
+
+    u = Update(ids=[0, 1], logprobs=[-0.5, float("-inf")], tops=[[(0, -0.5), (2, -1.0)], [(2, -0.1), (3, -2.0)]],
+               text="ab")
+    c = completion_logprobs(CHAR, u, 1, offset=3)
+    assert c == {"tokens": ["a", "b"], "token_logprobs": [-0.5, -9999.0], "text_offset": [3, 4],
+                 "top_logprobs": [{"a": -0.5}, {"c": -0.1, "b": -9999.0}]}  # the sampled token always in
+    ch = chat_logprobs(CHAR, u, 2)
+    assert ch["refusal"] is None and [t["token"] for t in ch["content"]] == ["a", "b"]
+    assert ch["content"][1]["top_logprobs"] == [{"token": "c", "logprob": -0.1, "bytes": [99]},
+                                                {"token": "d", "logprob": -2.0, "bytes": [100]}]
+    assert ch["content"][0]["bytes"] == [97] and ch["content"][1]["logprob"] == -9999.0
