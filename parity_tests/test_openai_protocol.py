@@ -159,3 +159,11 @@ def test_logprob_formats_of_both_endpoints():
     assert ch["content"][1]["top_logprobs"] == [{"token": "c", "logprob": -0.1, "bytes": [99]},
                                                 {"token": "d", "logprob": -2.0, "bytes": [100]}]
     assert ch["content"][0]["bytes"] == [97] and ch["content"][1]["logprob"] == -9999.0
+
+
+def test_text_fields_without_a_tokenizer_are_refused():
+    for body, param in (({"stop": "x"}, "stop"), ({"echo": True}, "echo"), ({"prompt": "ab"}, "prompt")):
+        with pytest.raises(ApiError, match="tokenizer") as e:
+            parse_completion({"prompt": [1, 2], **body}, ENGINE, None)
+        assert e.value.status == 400 and e.value.param == param
+    assert parse_completion({"prompt": [1, 2], "stop_token_ids": [3]}, ENGINE, None).params[0].stop_token_ids == (3,)

@@ -261,7 +261,12 @@ def parse_completion(body: dict, engine, tokenizer) -> Parsed:
     if echo and top is not None:
         raise ApiError(400, "echo with logprobs is not supported: the engine computes no log-probabilities for "
                             "prompt tokens", param="echo")
+    if echo and tokenizer is None:
+        raise ApiError(400, "echo needs the model's tokenizer (the prompt's text); this model has none", param="echo")
     params, stop = _sampling(body, "completion", prompts, n, engine, top or 0, top is not None)
+    if stop and tokenizer is None:
+        raise ApiError(400, "stop strings need the model's tokenizer; this model has none: use stop_token_ids",
+                       param="stop")
     stream, usage_ = _stream(body)
     return Parsed("completion", prompts, params, n, stop, stream, usage_, top, echo, _bool(body, "return_token_ids"),
                   _user(body))
