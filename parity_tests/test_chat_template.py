@@ -117,3 +117,16 @@ def test_special_tokens_come_from_tokenizer_config(tok_dir):
     tok = HFTokenizer.from_dir(tok_dir)
     assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
     assert list(tok.encode("the cat"))[0] == 1 and list(tok.encode("the cat", add_special_tokens=False))[0] != 1
+
+
+def test_token_bytes_rebuild_the_text_and_partial_characters_are_written_as_bytes(tok_dir):
+    """Reference: the text encoded; byte-level tokens that split a character get OpenAI's 'bytes:' form."""
+    from jaxgpt.data.hf_tokenizer import HFTokenizer
+    from jaxgpt.inference.responses import token_text
+
+    tok = HFTokenizer.from_dir(tok_dir)
+    text = "caf\u00e9 \u2603 the cat"
+    ids = list(tok.encode(text, add_special_tokens=False))
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    names = [token_text(tok, i) for i in ids]
+    assert "bytes:\\xe2" in names and names[-1] == " cat" and token_text(tok, 1) == "<s>"

@@ -96,6 +96,11 @@ def pages_free(engine):
     return False
 
 
+def _bytes_of(token: str) -> bytes:
+    """A completions token's bytes: OpenAI writes 'bytes:\\xe2\\x80' for part of a UTF-8 character."""
+    return bytes.fromhex(token[6:].replace("\\x", "")) if token.startswith("bytes:") else token.encode("utf-8")
+
+
 def hf_logprobs(model, prompt, out):
     """transformers' log-softmax of each generated token and the greedy argmax at each position."""
     with torch.no_grad():
@@ -126,7 +131,8 @@ def test_completion_defaults_greedy_logprobs_match_transformers(server):
     assert ids == greedy
     np.testing.assert_allclose(ch.logprobs.token_logprobs, lp, atol=1e-4)
     assert [list(d) for d in ch.logprobs.top_logprobs] == [[t] for t in ch.logprobs.tokens]  # the sampled one
-    assert "".join(ch.logprobs.tokens).replace("<|endoftext|>", "") == ch.text  # the text skips special tokens
+    text = b"".join(_bytes_of(t) for t in ch.logprobs.tokens).decode("utf-8", "replace")
+    assert text.replace("<|endoftext|>", "") == ch.text  # the text skips special tokens
     assert ch.logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in ch.logprobs.tokens[:-1]]))
 
 
@@ -221,13 +227,14 @@ def test_chat_defaults_text_parts_logprobs_and_limits(server):
     lp, greedy, _ = hf_logprobs(model, prompt, ids)
     assert ids == greedy
     np.testing.assert_allclose([t.logprob for t in ch.logprobs.content], lp, atol=1e-4)
-    assert all(t.top_logprobs == [] and bytes(t.bytes).decode("utf-8", "replace") == t.token
-               for t in ch.logprobs.content)
+    assert all(t.top_logprobs == [] and _bytes_of(t.token) == bytes(t.bytes) for t in ch.logprobs.content)
+    assert b"".join(bytes(t.bytes) for t in ch.logprobs.content).decode("utf-8", "replace").replace(
+        "<|endoftext|>", "") == ch.message.content
     r2 = chat(url, messages=parts, temperature=0, ignore_eos=True, max_completion_tokens=4, logprobs=True, stream=True)
     streamed = [t.logprob for c in r2 for x in c.choices if x.logprobs for t in x.logprobs.content]
     np.testing.assert_allclose(streamed, lp[:4], atol=1e-4)
-    assert "".join(x.delta.content or "" for c in r2 for x in c.choices) == "".join(
-        t.token for t in ch.logprobs.content[:4])
+    assert "".join(x.delta.content or "" for c in r2 for x in c.choices) == b"".join(
+        bytes(t.bytes) for t in ch.logprobs.content[:4]).decode("utf-8", "replace").replace("<|endoftext|>", "")
     r3 = chat(url, messages=parts, temperature=0, max_tokens=3, n=2, response_format={"type": "text"},
               ignore_eos=True)
     assert [c.index for c in r3.choices] == [0, 1] and r3.usage.completion_tokens == 6

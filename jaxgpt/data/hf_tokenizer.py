@@ -43,6 +43,23 @@ def special_ids(directory: str | Path) -> dict[str, list[int]]:
     return out
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (``bytes_to_unicode`` inverted)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_alphabet()
+
+
 def special_tokens(directory: str | Path) -> dict[str, str]:
     """{'bos_token': '<s>', ...} from tokenizer_config.json (a string or an AddedToken dict each)."""
     cfg = _read_json(Path(directory) / "tokenizer_config.json")
@@ -129,6 +146,21 @@ class HFTokenizer:
         """``text`` -> ids (T,) int32, with the tokenizer's special tokens (its post-processor)
         unless ``add_special_tokens=False``."""
         return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
+
+    def token_bytes(self, i: int) -> bytes:
+        """Token i's own bytes, which its text cannot always show (half of a UTF-8 character): through
+        GPT-2's byte alphabet for a byte-level tokenizer, ``<0xNN>`` byte-fallback pieces as their byte,
+        else its decoded text. An id past the tokenizer's own tokens (a padded vocabulary) is b''."""
+        from tokenizers import decoders
+
+        piece = self._tok.id_to_token(int(i))
+        if piece is None:
+            return b""
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self._tok.decode([int(i)], skip_special_tokens=False).encode("utf-8")
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """ids (T,) -> text; special tokens (EOS padding after generation) are dropped by default."""

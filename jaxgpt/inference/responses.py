@@ -24,9 +24,18 @@ def _lp(x: float) -> float:
 
 
 def token_text(tokenizer, i: int) -> str:
-    """A token's own text; ``token_id:N`` without a tokenizer (vLLM's form)."""
+    """A token's own text; ``bytes:\\xe2\\x80`` for bytes that are not whole UTF-8 characters
+    (OpenAI's form: as '\ufffd' two such tokens would be one key); ``token_id:N`` without a
+    tokenizer (vLLM's form)."""
     if tokenizer is None:
         return f"token_id:{i}"
+    own = getattr(tokenizer, "token_bytes", None)
+    if own is not None:
+        b = own(i)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
     # jaxgpt's own tokenizers (char, BPE) decode special tokens as text already and take no such argument
     if "skip_special_tokens" in inspect.signature(tokenizer.decode).parameters:
         return tokenizer.decode([i], skip_special_tokens=False)
