@@ -91,11 +91,14 @@ class Run:
         self.id = base
         self.states = [ChoiceState(c, f"{base}-{c}", p.prompts[c // p.n], Detokenizer(tokenizer, p.stop))
                        for c in range(len(p.params))]
-        self.merged: asyncio.Queue = asyncio.Queue()
+        self.merged: asyncio.Queue = asyncio.Queue()  # (choice, output); one choice: its own queue of outputs
         self.pumps: list[asyncio.Task] = []
 
     def submit(self) -> None:
         """Every choice to the engine, or none (QueueFull after aborting those already in)."""
+        if len(self.states) == 1:  # one choice reads its own queue: no task hop per token
+            self.merged = self.el.submit(self.states[0].rid, self.states[0].prompt, self.p.params[0])
+            return
         try:
             for st, sp in zip(self.states, self.p.params):
                 q = self.el.submit(st.rid, st.prompt, sp)
@@ -116,14 +119,15 @@ class Run:
         live = len(self.states)
         while live:
             if request is None:
-                c, out = await self.merged.get()
+                item = await self.merged.get()
             else:
                 try:
-                    c, out = await asyncio.wait_for(self.merged.get(), timeout=0.5)
+                    item = await asyncio.wait_for(self.merged.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         raise ClientGone() from None
                     continue
+            c, out = item if self.pumps else (0, item)
             st = self.states[c]
             if st.finish is not None:  # after a stop string: outputs already on their way
                 continue
