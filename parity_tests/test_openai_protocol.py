@@ -70,7 +70,8 @@ def test_fields_reach_sampling_params():
         0.5, 0.9, 4, (3,), True, 5, True)
     assert s.stop == () and p.stop == ("x", "y")  # stop strings: the server's detokenizer decides them
     assert comp(echo=True).echo and p.user == "u1" and p.stream and p.include_usage and p.return_token_ids and p.logprobs == 0
-    c = chat(max_completion_tokens=7, logprobs=True, response_format={"type": "text"}, tools=None)
+    c = chat(max_completion_tokens=7, logprobs=True, response_format={"type": "text"}, tools=[], tool_choice="none",
+             store=False, parallel_tool_calls=None)
     assert c.params[0].max_tokens == 7 and c.logprobs == 0 and c.params[0].logprobs
 
 
@@ -82,6 +83,8 @@ def test_fields_reach_sampling_params():
     (chat, "tools", "no tool calling", {"tools": [{"type": "function"}]}),
     (chat, "tool_choice", "tool_choice", {"tool_choice": "required"}),
     (chat, "store", "store", {"store": True}),
+    (comp, "suffix", "suffix", {"suffix": "none"}),
+    (comp, "suffix", "suffix", {"suffix": 0}),
     (chat, "response_format", "JSON mode", {"response_format": {"type": "json_object"}}),
     (comp, "best_of", "best_of=3 must equal n=1", {"best_of": 3}),
     (comp, "n", "at most 128", {"n": 129}),

@@ -22,6 +22,7 @@ EXTENSIONS = {"ignore_eos", "top_k", "stop_token_ids", "return_token_ids"}  # vL
 COMMON = {"model", "frequency_penalty", "presence_penalty", "logit_bias", "max_tokens", "n", "seed", "stop", "stream",
           "stream_options", "temperature", "top_p", "user"} | EXTENSIONS
 # OpenAI fields this server does not implement: a 400 naming them, unless null / empty / false
+# (tool_choice also 'none'), which ask for nothing
 UNSUPPORTED = {
     "completion": {"suffix": "suffix (insertion) is not supported by this server"},
     "chat": {k: f"{k} is not supported by this server (no tool calling)"
@@ -83,7 +84,9 @@ def check_fields(body: dict, kind: str) -> None:
     for key in body:
         if key not in FIELDS[kind]:
             raise ApiError(400, f"Unrecognized request argument supplied: {key}", param=key)
-        if key in UNSUPPORTED[kind] and body[key] not in (None, False, [], {}, "none"):
+        v = body[key]
+        unset = v is None or v is False or v == [] or v == {} or (key == "tool_choice" and v == "none")
+        if key in UNSUPPORTED[kind] and not unset:
             raise ApiError(400, UNSUPPORTED[kind][key], param=key)
 
 
