@@ -33,6 +33,8 @@ from openai.types import Completion, Model  # noqa: E402  (after the dependency 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 from test_serve import CTX, _serve, model_dir  # noqa: E402, F401  (model_dir: the shared fixture)
 
+from jaxgpt.data.hf_tokenizer import HFTokenizer  # noqa: E402
+from jaxgpt.inference.responses import token_text  # noqa: E402
 from jaxgpt.inference.sampling import SamplingParams  # noqa: E402
 
 NAME = "tiny-llama"
@@ -45,7 +47,7 @@ NEEDS_SAMPLER = pytest.mark.xfail(not HAS_SAMPLER, strict=True,
 @pytest.fixture(scope="module")
 def server(model_dir):  # noqa: F811
     server, thread, engine, url = _serve(model_dir[0])
-    yield url, engine, model_dir[1]
+    yield url, engine, model_dir[1], model_dir[0]
     server.should_exit = True
     thread.join(timeout=10)
 
@@ -109,7 +111,7 @@ def hf_logprobs(model, prompt, out):
 
 
 def test_models_list_and_retrieve(server):
-    url, _, _ = server
+    url, _, _, _ = server
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     assert [m.id for m in c.models.list().data] == [NAME]
     m = Model.model_validate(httpx.get(url + "/v1/models/" + NAME).json())
@@ -121,7 +123,7 @@ def test_models_list_and_retrieve(server):
 def test_completion_defaults_greedy_logprobs_match_transformers(server):
     """max_tokens defaults to 16 (OpenAI), logprobs=0 gives the sampled token's log-probability,
     equal to transformers' log-softmax to 1e-4 (float32 engine against float64 of torch's logits)."""
-    url, _, model = server
+    url, _, model, _ = server
     r = completion(url, prompt=[5, 6, 7], temperature=0, logprobs=0, ignore_eos=True, return_token_ids=True)
     ch = r.choices[0]
     ids = ch.model_extra["token_ids"]
@@ -133,12 +135,17 @@ def test_completion_defaults_greedy_logprobs_match_transformers(server):
     text = b"".join(_bytes_of(t) for t in ch.logprobs.tokens).decode("utf-8", "replace")
     assert text.replace("<|endoftext|>", "") == ch.text  # the text skips special tokens
     assert ch.logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in ch.logprobs.tokens[:-1]]))
+    chunks = completion(url, prompt=[5, 6, 7], temperature=0, logprobs=0, ignore_eos=True, stream=True)
+    got = [c.logprobs for x in chunks for c in x.choices if c.logprobs]
+    assert sum((g.tokens for g in got), []) == ch.logprobs.tokens
+    assert sum((g.text_offset for g in got), []) == ch.logprobs.text_offset  # offsets run on across chunks
+    np.testing.assert_allclose(sum((g.token_logprobs for g in got), []), lp, atol=1e-4)
 
 
 def test_n_prompt_lists_seeds_and_streams_agree(server):
     """Choices prompt-major (index = prompt * n + j); a seed repeats, choices of one request differ,
     and the streamed request gives the same texts as the plain one."""
-    url, engine, _ = server
+    url, engine, _, _ = server
     body = dict(prompt=["the cat", "a dog"], n=2, seed=11, temperature=1, max_tokens=8, ignore_eos=True,
                 return_token_ids=True)
     a, b = completion(url, **body), completion(url, **body)
@@ -158,7 +165,7 @@ def test_n_prompt_lists_seeds_and_streams_agree(server):
 
 
 def test_unseeded_requests_differ_and_seeded_repeat(server):
-    url, _, _ = server
+    url, _, _, _ = server
     body = dict(prompt="the cat", temperature=1, max_tokens=16, ignore_eos=True, return_token_ids=True)
     ids = lambda r: r.choices[0].model_extra["token_ids"]
     assert ids(completion(url, **body)) != ids(completion(url, **body))
@@ -166,7 +173,7 @@ def test_unseeded_requests_differ_and_seeded_repeat(server):
 
 
 def test_echo_plain_and_streamed(server):
-    url, _, _ = server
+    url, _, _, _ = server
     r = completion(url, prompt="the cat", echo=True, max_tokens=4, temperature=0, ignore_eos=True)
     assert r.choices[0].text.startswith("the cat") and len(r.choices[0].text) > len("the cat")
     streamed = "".join(c.text for ch in completion(url, prompt="the cat", echo=True, max_tokens=4, temperature=0,
@@ -177,7 +184,7 @@ def test_echo_plain_and_streamed(server):
 def test_stop_strings_and_ids_plain_and_streamed(server):
     """A stop string cut from the text (finish 'stop'), decided by the server, the engine's request
     aborted: every page free afterwards; a stop id ends the choice at that token."""
-    url, engine, _ = server
+    url, engine, _, _ = server
     base = dict(prompt="to be or", max_tokens=24, temperature=0, ignore_eos=True, return_token_ids=True)
     full = completion(url, **base).choices[0]
     text = full.text
@@ -199,7 +206,7 @@ def test_stop_strings_and_ids_plain_and_streamed(server):
 
 
 def test_stream_usage_and_openai_client_streams(server):
-    url, _, _ = server
+    url, _, _, _ = server
     chunks = completion(url, prompt=[5, 6], max_tokens=5, temperature=0, ignore_eos=True, stream=True,
                         stream_options={"include_usage": True})
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
@@ -215,7 +222,7 @@ def test_stream_usage_and_openai_client_streams(server):
 def test_chat_defaults_text_parts_logprobs_and_limits(server):
     """Chat: max_tokens defaults to the rest of the context; text parts; logprobs in chat's format
     (token, logprob, bytes, top_logprobs) equal transformers' log-softmax, plain and streamed."""
-    url, _, model = server
+    url, _, model, _ = server
     parts = [{"role": "system", "content": "be brief"},
              {"role": "user", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "cat"}]}]
     r = chat(url, messages=parts, temperature=0, ignore_eos=True, logprobs=True, return_token_ids=True, user="me")
@@ -270,7 +277,7 @@ def test_openai_client_raises_bad_request_naming_the_field(server):
 def test_unknown_routes_and_injected_faults_are_openai_errors(server, monkeypatch):
     """A 404 route, a 405 method and an exception injected into the handler path: JSON error bodies,
     no traceback, and the server answers afterwards."""
-    url, engine, _ = server
+    url, engine, _, _ = server
     r = httpx.post(url + "/v1/nope", json={})
     assert r.status_code == 404 and r.json()["error"]["message"].startswith("Not Found")
     assert httpx.get(url + "/v1/completions").status_code == 405
@@ -309,7 +316,7 @@ def _penalised_greedy(model, prompt, n, presence, frequency, bias):
 
 @NEEDS_SAMPLER
 def test_penalties_and_logit_bias_follow_openai_rule(server):
-    url, _, model = server
+    url, _, model, _ = server
     bias = {7: 3.0, 9: -100.0}
     r = completion(url, prompt=[5, 6], max_tokens=12, temperature=0, ignore_eos=True, return_token_ids=True,
                    presence_penalty=0.7, frequency_penalty=1.3, logit_bias={str(k): v for k, v in bias.items()})
@@ -321,14 +328,18 @@ def test_penalties_and_logit_bias_follow_openai_rule(server):
 
 @NEEDS_SAMPLER
 def test_top_logprobs_in_both_formats_match_transformers(server):
-    url, _, model = server
+    url, _, model, _ = server
     r = completion(url, prompt=[5, 6], max_tokens=4, temperature=0, ignore_eos=True, logprobs=3, return_token_ids=True)
     ch = r.choices[0]
-    _, _, lp = hf_logprobs(model, [5, 6], ch.model_extra["token_ids"])
-    for d, row in zip(ch.logprobs.top_logprobs, lp):
-        assert 3 <= len(d) <= 4
-        top = torch.topk(row, 3)
-        np.testing.assert_allclose(sorted(d.values(), reverse=True)[:3], top.values.numpy(), atol=1e-4)
+    tok = HFTokenizer.from_dir(server[3])
+    ids = ch.model_extra["token_ids"]
+    _, _, lp = hf_logprobs(model, [5, 6], ids)
+    for d, row, i in zip(ch.logprobs.top_logprobs, lp, ids):
+        top = torch.topk(row, 3)  # the reference's top 3, written as the format says (texts as keys)
+        want = {token_text(tok, int(j)): float(x) for x, j in zip(top.values, top.indices)}
+        want.setdefault(token_text(tok, i), float(row[i]))
+        assert list(d) == list(want)
+        np.testing.assert_allclose(list(d.values()), list(want.values()), atol=1e-4)
     c = chat(url, max_tokens=3, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2).choices[0]
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
                for t in c.logprobs.content)
