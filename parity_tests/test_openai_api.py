@@ -52,15 +52,16 @@ def server(model_dir):  # noqa: F811
     thread.join(timeout=10)
 
 
-def post(url, path, body, stream=False):
-    """(status, JSON body or the list of SSE data objects) with httpx: the raw bytes, nothing parsed for us."""
+def post(url, path, body, stream=False, done=True):
+    """(status, JSON body or the list of SSE data objects) with httpx: the raw bytes, nothing parsed for us.
+    done: the stream must end with [DONE] (a failed one ends with its error event instead)."""
     with httpx.Client(timeout=60) as c:
         r = c.post(url + path, json=body)
         if not stream or r.status_code != 200:
             return r.status_code, r.json()
         lines = [ln[6:] for ln in r.text.split("\n\n") if ln.startswith("data: ")]
-        assert lines[-1] == "[DONE]", lines[-3:]
-        return r.status_code, [json.loads(x) for x in lines[:-1]]
+        assert (lines[-1] == "[DONE]") == done, lines[-3:]
+        return r.status_code, [json.loads(x) for x in lines[:-1 if done else None]]
 
 
 def completion(url, **body):
@@ -292,6 +293,16 @@ def test_unknown_routes_and_injected_faults_are_openai_errors(server, monkeypatc
         assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
         err = r.json()["error"]
         assert "RuntimeError" in err["message"] and "Traceback" not in r.text and err["type"] == "server_error"
+    monkeypatch.undo()
+    monkeypatch.setattr(srv.ChoiceState, "add", boom)  # a fault once the stream's headers are sent
+    status, events = post(url, "/v1/completions", {"prompt": [5], "max_tokens": 20, "stream": True,
+                                                   "ignore_eos": True}, stream=True, done=False)
+    assert status == 200 and "RuntimeError" in events[-1]["error"]["message"], events
+    with pytest.raises(openai.APIError, match="internal server error"):
+        list(openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).completions.create(
+            model=NAME, prompt=[5], max_tokens=20, stream=True))
+    r = httpx.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 2})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json" and "Traceback" not in r.text
     monkeypatch.undo()
     assert completion(url, prompt=[5], max_tokens=2).usage.completion_tokens >= 1
     assert pages_free(engine)
