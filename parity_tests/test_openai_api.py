@@ -154,8 +154,10 @@ def test_n_prompt_lists_seeds_and_streams_agree(server):
     ids = [c.model_extra["token_ids"] for c in a.choices]
     assert ids == [c.model_extra["token_ids"] for c in b.choices]
     assert ids[0] != ids[1] and ids[2] != ids[3]
-    assert a.usage.completion_tokens == 32 and a.usage.prompt_tokens == sum(
-        len(c.model_extra["prompt_token_ids"]) for c in a.choices[::2])
+    tok = HFTokenizer.from_dir(server[3])
+    p0, p1 = (list(map(int, tok.encode(t))) for t in ("the cat", "a dog"))
+    assert [c.model_extra["prompt_token_ids"] for c in a.choices] == [p0, p0, p1, p1]  # prompt-major
+    assert a.usage.completion_tokens == 32 and a.usage.prompt_tokens == len(p0) + len(p1)
     chunks = completion(url, stream=True, **body)
     streamed = {i: "" for i in range(4)}
     for ch in chunks:
