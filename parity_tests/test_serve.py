@@ -250,9 +250,10 @@ def test_queue_full_is_429_and_a_failing_request_fails_alone(model_dir, monkeypa
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
         assert all(r[2].get("retry-after") == "1" or r[2].get("Retry-After") == "1" for r in results if r[0] == 429)
 
-        real = engine.decode
-        monkeypatch.setattr(engine, "decode", lambda ids: 1 / 0 if len(ids) == 2 else real(ids))
-        bad = json.dumps({"prompt": [5, 6], "max_tokens": 4, "temperature": 0, "stop": ["zz"]}).encode()
+        real = engine._finish_reason  # a fault inside the engine, for one request's second token
+        monkeypatch.setattr(engine, "_finish_reason",
+                            lambda req, tok: 1 / 0 if req.prompt == [5, 6, 7] and len(req.output) == 2 else real(req, tok))
+        bad = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).encode()
         good = json.dumps({"prompt": [5, 6], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
         status, text, _ = _raw(url, "/v1/completions", bad)
         assert status == 500 and "ZeroDivisionError" in json.loads(text)["error"]["message"]

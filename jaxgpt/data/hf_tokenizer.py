@@ -3,7 +3,10 @@ package: no transformers, no downloads.
 
 Special token ids come from the directory's ``config.json``, overridden by ``generation_config.json``
 where it sets them (as transformers' ``generate`` does). ``encode`` applies the tokenizer's own
-post-processor, so a LLaMA tokenizer adds its BOS exactly as ``AutoTokenizer`` does.
+post-processor, so a LLaMA tokenizer adds its BOS exactly as ``AutoTokenizer`` does;
+``encode(text, add_special_tokens=False)`` does not (a rendered chat template already holds them).
+The special tokens' strings (``special_tokens``: bos_token, eos_token, ...) come from
+``tokenizer_config.json``, as transformers' ``special_tokens_map``, which chat templates read.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 _SPECIALS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _read_json(path: Path) -> dict:
@@ -39,6 +43,35 @@ def special_ids(directory: str | Path) -> dict[str, list[int]]:
     return out
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (``bytes_to_unicode`` inverted)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_alphabet()
+
+
+def special_tokens(directory: str | Path) -> dict[str, str]:
+    """{'bos_token': '<s>', ...} from tokenizer_config.json (a string or an AddedToken dict each)."""
+    cfg = _read_json(Path(directory) / "tokenizer_config.json")
+    out = {}
+    for key in _TOKEN_NAMES:
+        value = cfg.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
 class HFTokenizer:
     """``tokenizer.json`` of an HF directory with its special ids. ``vocab_size`` is the model's
     (``config.json``), which may exceed the tokenizer's own count (padded embedding tables)."""
@@ -46,7 +79,7 @@ class HFTokenizer:
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, *, vocab_size: int | None = None,
-                 specials: dict[str, list[int]] | None = None):
+                 specials: dict[str, list[int]] | None = None, tokens: dict[str, str] | None = None):
         from tokenizers import Tokenizer  # optional dependency, needed for HF directories only
 
         self._tok = Tokenizer.from_str(tokenizer_json)
@@ -59,6 +92,7 @@ class HFTokenizer:
             bad = [i for i in ids if not 0 <= i < self._vocab_size]
             if bad:
                 raise ValueError(f"{key}={bad[0]} is outside the vocabulary [0, {self._vocab_size})")
+        self._tokens = dict(tokens or {})
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> HFTokenizer:
@@ -69,7 +103,8 @@ class HFTokenizer:
             raise FileNotFoundError(f"{str(d)!r} has no tokenizer.json (save one with "
                                     "PreTrainedTokenizerFast(...).save_pretrained(dir)); pass token ids instead")
         vocab = _read_json(d / "config.json").get("vocab_size")
-        return cls(path.read_text(encoding="utf-8"), vocab_size=vocab, specials=special_ids(d))
+        return cls(path.read_text(encoding="utf-8"), vocab_size=vocab, specials=special_ids(d),
+                   tokens=special_tokens(d))
 
     @property
     def vocab_size(self) -> int:
@@ -96,9 +131,36 @@ class HFTokenizer:
     def pad_id(self) -> int | None:
         return self._first("pad_token_id")
 
-    def encode(self, text: str) -> np.ndarray:
-        """``text`` -> ids (T,) int32, with the tokenizer's special tokens (its post-processor)."""
-        return np.asarray(self._tok.encode(text).ids, dtype=np.int32)
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """transformers' ``special_tokens_map``: tokenizer_config.json's strings, else the text of
+        the config's bos/eos/pad ids (a directory without tokenizer_config.json)."""
+        out = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            i = self._first(key + "_id")
+            if i is not None:
+                out[key] = self._tok.decode([i], skip_special_tokens=False)
+        return {**out, **self._tokens}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """``text`` -> ids (T,) int32, with the tokenizer's special tokens (its post-processor)
+        unless ``add_special_tokens=False``."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
+
+    def token_bytes(self, i: int) -> bytes:
+        """Token i's own bytes, which its text cannot always show (half of a UTF-8 character): through
+        GPT-2's byte alphabet for a byte-level tokenizer, ``<0xNN>`` byte-fallback pieces as their byte,
+        else its decoded text. An id past the tokenizer's own tokens (a padded vocabulary) is b''."""
+        from tokenizers import decoders
+
+        piece = self._tok.id_to_token(int(i))
+        if piece is None:
+            return b""
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self._tok.decode([int(i)], skip_special_tokens=False).encode("utf-8")
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """ids (T,) -> text; special tokens (EOS padding after generation) are dropped by default."""
@@ -110,13 +172,14 @@ class HFTokenizer:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "json": self._tok.to_str(), "vocab_size": self._vocab_size,
-                "specials": self.specials}
+                "specials": self.specials, "special_tokens": self._tokens}
 
     @classmethod
     def from_dict(cls, d: dict) -> HFTokenizer:
         if d.get("kind") != cls.kind:
             raise ValueError(f"expected a tokenizer dict of kind {cls.kind!r}, got {d.get('kind')!r}")
-        return cls(d["json"], vocab_size=d.get("vocab_size"), specials=d.get("specials"))
+        return cls(d["json"], vocab_size=d.get("vocab_size"), specials=d.get("specials"),
+                   tokens=d.get("special_tokens"))
 
 
 def tokenizer_dict(directory: str | Path) -> dict | None:

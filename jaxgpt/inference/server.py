@@ -1,33 +1,156 @@
 """OpenAI-compatible HTTP server over the Engine (FastAPI; ``jaxgpt serve``).
 
-GET /health, GET /v1/models, POST /v1/completions (prompt as text or token ids, SSE streaming,
-usage), POST /v1/chat/completions (when the tokenizer has a chat template), GET /metrics
-(Prometheus text). vLLM's extensions: ``ignore_eos``, ``top_k``, ``stop_token_ids``,
-``return_token_ids`` (``choices[i].token_ids`` and ``prompt_token_ids``, in stream chunks too).
+GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (when the tokenizer
+has a chat template), GET /metrics (Prometheus text). Requests are parsed by ``protocol`` (every
+field honoured or refused by name), each choice (n x prompts) is its own engine request, and
+``responses`` writes the bodies. Stop strings are decided here, by each choice's detokenizer: the
+engine's request is aborted when one appears (the engine would otherwise decode on its thread).
 
-Bad input is a 4xx with OpenAI's error body {"error": {"message", "type", "param", "code"}};
-a full queue is 429 with Retry-After; a client that disconnects has its request aborted (pages
-freed); an exception inside one request fails that request alone (500 for it, the server goes on).
+Every failure is OpenAI's error body {"error": {"message", "type", "param", "code"}}: bad input a
+4xx naming the field, a full queue 429 with Retry-After, a request that fails inside the engine a
+500 for it alone, anything else a 500 from a catch-all (logged here with its traceback, which the
+client never sees); a stream that fails after its headers ends with an SSE error event. A client
+that disconnects has its requests aborted (pages freed).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxgpt.inference.engine_loop import EngineLoop, QueueFull
-from jaxgpt.inference.protocol import ApiError, Detokenizer, parse_completion, render_chat, usage
+from jaxgpt.inference.protocol import ApiError, Detokenizer, Parsed, context, parse_chat, parse_completion, usage
+from jaxgpt.inference.responses import ChoiceState, Update, choice, token_text
+
+log = logging.getLogger("jaxgpt.serve")
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
                    headers=None):
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def internal_error(e: BaseException, where: str) -> dict:
+    """Logs e with its traceback; the client gets its type only."""
+    log.error("%s failed", where, exc_info=e)
+    return error_body(f"internal server error ({type(e).__name__}); the server's log has the details",
+                      "server_error", code="internal_error")
+
+
+class CatchAll:
+    """ASGI middleware: an exception no handler took becomes a 500 with OpenAI's body (never
+    Starlette's plain-text page), or, after the response has started, ends the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception as e:  # noqa: BLE001 - the catch-all: a body for the client, the traceback for the log
+            body = internal_error(e, f"{scope.get('method')} {scope.get('path')}")
+            if not started:
+                await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+class RequestFailed(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Run:
+    """One request's choices in the engine: submit, merged updates, and cleanup (abort what is left)."""
+
+    def __init__(self, el: EngineLoop, p: Parsed, tokenizer):
+        self.el, self.p = el, p
+        base = f"{'chatcmpl' if p.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.id = base
+        self.states = [ChoiceState(c, f"{base}-{c}", p.prompts[c // p.n], Detokenizer(tokenizer, p.stop))
+                       for c in range(len(p.params))]
+        self.merged: asyncio.Queue = asyncio.Queue()  # (choice, output); one choice: its own queue of outputs
+        self.pumps: list[asyncio.Task] = []
+
+    def submit(self) -> None:
+        """Every choice to the engine, or none (QueueFull after aborting those already in)."""
+        if len(self.states) == 1:  # one choice reads its own queue: no task hop per token
+            self.merged = self.el.submit(self.states[0].rid, self.states[0].prompt, self.p.params[0])
+            return
+        try:
+            for st, sp in zip(self.states, self.p.params):
+                q = self.el.submit(st.rid, st.prompt, sp)
+                self.pumps.append(asyncio.create_task(self._pump(st.index, q)))
+        except QueueFull:
+            self.close()
+            raise
+
+    async def _pump(self, c: int, q: asyncio.Queue) -> None:
+        while True:
+            out = await q.get()
+            self.merged.put_nowait((c, out))
+            if isinstance(out, BaseException) or out.finished:
+                return
+
+    async def updates(self, request: Request | None = None):
+        """(choice state, Update) as outputs arrive; with a request, polls it for a disconnect."""
+        live = len(self.states)
+        while live:
+            if request is None:
+                item = await self.merged.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(self.merged.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise ClientGone() from None
+                    continue
+            c, out = item if self.pumps else (0, item)
+            st = self.states[c]
+            if st.finish is not None:  # after a stop string: outputs already on their way
+                continue
+            if isinstance(out, BaseException):
+                raise RequestFailed(str(out))
+            if out.finished and out.finish_reason == "error":
+                raise RequestFailed(out.error)
+            u = st.add(out)
+            if u.finish is not None:
+                live -= 1
+                if not out.finished:  # a stop string: the engine would go on decoding
+                    self.el.abort(st.rid)
+            yield st, u
+
+    def close(self) -> None:
+        for st in self.states:
+            if st.finish is None:
+                self.el.abort(st.rid)
+        for t in self.pumps:
+            t.cancel()
+
+    def usage(self) -> dict:
+        return usage(sum(len(x) for x in self.p.prompts), sum(len(st.ids) for st in self.states))
 
 
 def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_template: str | None = None,
@@ -42,6 +165,7 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
             loop_box["loop"].close()
 
     app = FastAPI(title="jaxgpt serve", lifespan=lifespan)
+    app.add_middleware(CatchAll)
 
     def engine_loop() -> EngineLoop:
         if "loop" not in loop_box:
@@ -54,15 +178,37 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
     async def _api_error(_, e: ApiError):
         return error_response(e.status, e.message, e.type, e.param, e.code)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
+                              "invalid_request_error" if e.status_code < 500 else "server_error",
+                              headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e: RequestValidationError):
+        first = (e.errors() or [{}])[0]
+        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return error_response(400, f"{loc or 'the request'}: {first.get('msg', 'invalid')}", param=loc)
+
     @app.get("/health")
     async def health():
         engine_loop()
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(started), "owned_by": "jaxgpt",
+                "max_model_len": context(engine)}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),
-                                            "owned_by": "jaxgpt", "max_model_len": engine.config.max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str):
+        if model != model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -99,102 +245,74 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
                            param="model", code="model_not_found")
         return body
 
-    async def _run(request: Request, prompt_ids, params, opts, kind: str):
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        el = engine_loop()
+    def _echo(p: Parsed, st: ChoiceState) -> str:
+        return tokenizer.decode(st.prompt) if p.echo and tokenizer is not None else ""
+
+    async def _generate(request: Request, p: Parsed):
+        request.state.user = p.user  # for an access log
+        run = Run(engine_loop(), p, tokenizer)
         try:
-            q = el.submit(rid, prompt_ids, params)
+            run.submit()
         except QueueFull as e:
             return error_response(429, f"the server is busy: {e}; retry later", "rate_limit_error",
                                   code="queue_full", headers={"Retry-After": "1"})
-        detok = Detokenizer(tokenizer, params.stop)
         created = int(time.time())
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-
-        def choice(text, ids, finish, logprobs, delta: bool):
-            c = {"index": 0, "finish_reason": finish}
-            if kind == "chat":
-                c["delta" if delta else "message"] = {"role": "assistant", "content": text}
-            else:
-                c["text"] = text
-                c["logprobs"] = ({"tokens": [str(i) for i in ids], "token_logprobs": logprobs}
-                                 if opts["logprobs"] else None)
-            if opts["return_token_ids"]:
-                c["token_ids"] = ids
-            return c
-
-        if opts["stream"]:
-            async def events():
-                n_out, done = 0, False
-                try:
-                    if opts["return_token_ids"]:
-                        head = {"id": rid, "object": obj + (".chunk" if kind == "chat" else ""), "created": created,
-                                "model": model_name, "prompt_token_ids": list(prompt_ids),
-                                "choices": [choice("", [], None, [], True)]}
-                        yield f"data: {json.dumps(head)}\n\n"
-                    while not done:
-                        out = await q.get()
-                        if isinstance(out, BaseException):
-                            err = {"error": {"message": str(out), "type": "internal_error", "param": None,
-                                             "code": None}}
-                            yield f"data: {json.dumps(err)}\n\n"
-                            done = True
-                            break
-                        n_out += len(out.new_token_ids)
-                        text = detok.add(out.new_token_ids, final=out.finished)
-                        done = out.finished
-                        finish = out.finish_reason if out.finish_reason != "error" else "error"
-                        chunk = {"id": rid, "object": obj + (".chunk" if kind == "chat" else ""), "created": created,
-                                 "model": model_name,
-                                 "choices": [choice(text, out.new_token_ids, finish if done else None,
-                                                    out.new_logprobs, True)]}
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                    if opts["include_usage"]:
-                        chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                                 "usage": usage(len(prompt_ids), n_out)}
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:
-                    if not done:  # the client went away (or the generator was closed): free its pages
-                        el.abort(rid)
-
-            return StreamingResponse(events(), media_type="text/event-stream",
+        head = {"id": run.id, "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
+                "created": created, "model": model_name}
+        if p.stream:
+            return StreamingResponse(_events(run, p, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-
-        ids, logprobs, finish = [], [], None
         try:
-            while True:
-                try:
-                    out = await asyncio.wait_for(q.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        el.abort(rid)
-                        return error_response(499, "the client closed the request", code="client_closed")
-                    continue
-                if isinstance(out, BaseException):
-                    return error_response(500, f"this request failed: {out}", "internal_error")
-                ids += out.new_token_ids
-                logprobs += out.new_logprobs
-                if out.finished:
-                    if out.finish_reason == "error":
-                        return error_response(500, f"this request failed: {out.error}", "internal_error")
-                    finish = out.finish_reason
-                    break
-        except asyncio.CancelledError:
-            el.abort(rid)
-            raise
-        text = detok.add(ids, final=True)
-        body = {"id": rid, "object": obj, "created": created, "model": model_name,
-                "choices": [choice(text, ids, finish, logprobs, False)], "usage": usage(len(prompt_ids), len(ids))}
-        if opts["return_token_ids"]:
-            body["prompt_token_ids"] = list(prompt_ids)
+            async for _ in run.updates(request):
+                pass
+        except ClientGone:
+            return error_response(499, "the client closed the request", code="client_closed")
+        except RequestFailed as e:
+            return error_response(500, f"this request failed: {e}", "server_error", code="request_failed")
+        finally:
+            run.close()
+        choices = []
+        for st in run.states:
+            echo = _echo(p, st)
+            u = Update(st.ids, st.logprobs, st.tops, echo + st.text, st.finish)
+            choices.append(choice(p, tokenizer, st, u, delta=False, first=True, offset=len(echo)))
+        body = dict(head, object="chat.completion" if p.kind == "chat" else "text_completion", choices=choices,
+                    usage=run.usage())
+        if p.return_token_ids and len(p.prompts) == 1:
+            body["prompt_token_ids"] = list(p.prompts[0])
         return JSONResponse(body)
+
+    async def _events(run: Run, p: Parsed, head: dict):
+        def data(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        offsets = [0] * len(run.states)
+        try:
+            for st in run.states:  # chat's role delta; completions' echo / prompt_token_ids
+                if p.kind == "chat" or p.echo or p.return_token_ids:
+                    echo = _echo(p, st)
+                    offsets[st.index] = len(echo)
+                    yield data(dict(head, choices=[choice(p, tokenizer, st, Update([], [], [], echo), delta=True,
+                                                          first=True)]))
+            async for st, u in run.updates():
+                c = choice(p, tokenizer, st, u, delta=True, first=False, offset=offsets[st.index])
+                if p.logprobs is not None:
+                    offsets[st.index] += sum(len(token_text(tokenizer, i)) for i in u.ids)
+                yield data(dict(head, choices=[c]))
+            if p.include_usage:
+                yield data(dict(head, choices=[], usage=run.usage()))
+            yield "data: [DONE]\n\n"
+        except RequestFailed as e:
+            yield data(error_body(f"this request failed: {e}", "server_error", code="request_failed"))
+        except Exception as e:  # noqa: BLE001 - the headers are sent: the error goes in the stream
+            yield data(internal_error(e, "a stream"))
+        finally:
+            run.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
-        prompt_ids, params, opts = parse_completion(body, engine, tokenizer)
-        return await _run(request, prompt_ids, params, opts, "completion")
+        return await _generate(request, parse_completion(body, engine, tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -202,8 +320,6 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
         if chat_template is None or tokenizer is None:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                            code="no_chat_template")
-        body = dict(body, prompt=render_chat(chat_template, body.get("messages"), tokenizer))
-        prompt_ids, params, opts = parse_completion(body, engine, tokenizer)
-        return await _run(request, prompt_ids, params, opts, "chat")
+        return await _generate(request, parse_chat(body, engine, tokenizer, chat_template))
 
     return app
