@@ -99,3 +99,61 @@ def test_an_epoch_of_steps_is_one_pass_over_the_windows():
     assert task.steps_per_epoch(tc.replace(data_order="random")) == -(-(len(task.train[0]) - 16) // 8)
     with pytest.raises(ValueError, match="data_order"):
         TrainConfig(data_order="sequential")
+
+
+def _char_dir(path, ids, chars):
+    """A nanoGPT-layout token directory (train.bin, val.bin, meta.pkl) over ``chars``."""
+    import pickle
+
+    path.mkdir()
+    np.asarray(ids, np.uint16).tofile(path / "train.bin")
+    np.asarray(ids[:200], np.uint16).tofile(path / "val.bin")
+    with open(path / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    return path
+
+
+@pytest.fixture
+def two_sources(tmp_path):
+    chars = [chr(ord("a") + i) for i in range(20)]
+    rng = np.random.default_rng(0)  # source A holds ids 0-9 only, B ids 10-19: every row names its source
+    a = _char_dir(tmp_path / "web", rng.integers(0, 10, 4001), chars)
+    b = _char_dir(tmp_path / "code", rng.integers(10, 20, 2001), chars)
+    return a, b, chars
+
+
+@pytest.mark.parametrize("order", ["random", "epochs"])
+def test_a_70_30_mixture_of_token_directories_realises_its_weights(two_sources, order):
+    from jaxgpt.config import ModelConfig, TrainConfig
+    from jaxgpt.train.mixture_task import MixtureTask
+    from jaxgpt.train.tasks import load_task
+
+    a, b, _ = two_sources
+    tc = TrainConfig(batch_size=4, seq_len=8, data_order=order, eval_batches=2)
+    task = load_task(ModelConfig(d_model=32, n_layer=1, n_head=4, max_len=8), tc, data=f"{a}=0.7,{b}=0.3")
+    assert isinstance(task, MixtureTask) and task.proportions == {"web": 0.7, "code": 0.3}
+    assert task.source == f"mixture:{a}=70.0%,{b}=30.0%"
+    from_a = [np.mean(task.batch(tc, s)["x"][..., 0] < 10) for s in range(10_000)]
+    assert abs(np.mean(from_a) - 0.7) <= 0.01
+    x = task.batch(tc, 5)["x"].reshape(4, 8)
+    assert all((row < 10).all() or (row >= 10).all() for row in x), "each row is one source's window"
+    assert len(task.eval_batches(tc)) == 2
+    if order == "epochs":  # source B (2000 targets: 250 windows of 9) is read without replacement
+        code = [r for s in range(250) for r in task.batch(tc, s)["x"].reshape(4, 8) if r[0] >= 10]
+        assert len({tuple(r) for r in code[:250]}) == 250
+
+
+def test_a_mixture_needs_one_tokenizer_and_whole_entries(two_sources, tmp_path):
+    from jaxgpt.config import ModelConfig, TrainConfig
+    from jaxgpt.train.tasks import load_task
+
+    a, _, chars = two_sources
+    other = _char_dir(tmp_path / "other", np.zeros(500, int), chars[:19] + ["!"])
+    cfg, tc = ModelConfig(d_model=32, n_layer=1, n_head=4, max_len=8), TrainConfig(batch_size=4, seq_len=8)
+    with pytest.raises(ValueError, match="has another tokenizer than"):
+        load_task(cfg, tc, data=f"{a}=0.5,{other}=0.5")
+    with pytest.raises(ValueError, match="no number after its last '='"):
+        load_task(cfg, tc, data=f"{a}=0.5,{other}=half")
+    with pytest.raises(ValueError, match="no epoch length"):
+        load_task(cfg, tc, data=f"{a}=0.5,{a}=0.5").steps_per_epoch(tc)

@@ -187,9 +187,16 @@ def read_tsv(path: str | Path) -> list[tuple[str, str]]:
 def load_task(config, tc: TrainConfig, *, data: str | None = None, corpus: str | None = None,
               tokenizer: dict | None = None) -> Task:
     """The task for ``config`` on a file (``.tsv``: pairs or labelled rows; anything else: text),
-    a token directory (train.bin/val.bin with meta.json or nanoGPT's meta.pkl) or a built-in corpus. ``tokenizer``: a saved tokenizer dict (resuming), else built from the data."""
+    a token directory (train.bin/val.bin with meta.json or nanoGPT's meta.pkl), a weighted mixture of
+    token directories ('dirA=0.7,dirB=0.3': ``mixture_task``) or a built-in corpus. ``tokenizer``: a saved tokenizer dict (resuming), else built from the data."""
     if (data is None) == (corpus is None):
         raise ValueError("give exactly one of data (a file) or corpus (a built-in name)")
+    if data is not None and "=" in str(data) and not Path(data).exists():  # 'dirA=0.7,dirB=0.3': a mixture
+        from jaxgpt.train.mixture_task import mixture_task
+
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"a mixture of token directories trains decoder LMs, not a {type(config).__name__}")
+        return mixture_task(str(data), tc, vocab_size=config.vocab_size, tokenizer=tokenizer)
     if data is not None and is_token_dir(data):  # train.bin/val.bin + meta: memory-mapped token files
         from jaxgpt.train.token_task import token_task
 
