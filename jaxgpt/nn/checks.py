@@ -16,7 +16,7 @@ Static arguments (a config, flags) must be closed over, not passed: checkify tra
 argument. Limitation (JAX 0.10): a check inside a ``lax.scan`` that is differentiated
 (``jax.grad`` of the scan) is lost, so the checks sit outside the scanned layers (DecoderLM checks
 ids and cache room before its ``nn.scan``) and the train step checks its whole batch up front
-(``check_batch``), which also names the batch key and the micro-batch in the message.
+(``debug_check_batch``), which also names the batch key and the micro-batch in the message.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def check_cache_room(cached, new: int, capacity: int) -> None:
                          f"KV cache overflow: {{cached}} cached + {new} new > capacity {capacity}", cached=cached)
 
 
-def check_batch(batch: dict, config) -> None:
+def debug_check_batch(batch: dict, config) -> None:
     """debug_check every id, target and label of a (possibly traced) batch; see validate.check_batch."""
     from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
 
@@ -120,5 +120,5 @@ def checked(fn, *, jit: bool = True, **jit_kwargs):
     return run
 
 
-__all__ = ["check_batch", "check_cache_room", "check_in_range", "checked", "checking", "debug_check", "is_traced",
+__all__ = ["check_cache_room", "check_in_range", "checked", "checking", "debug_check", "debug_check_batch", "is_traced",
            "raise_if_failed"]

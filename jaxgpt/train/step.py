@@ -138,7 +138,7 @@ def _train_program(config, tc: TrainConfig, mesh):
         return jax.lax.scan(body, zeros, (jnp.arange(n_micro), batch))[0]
 
     def train_step(state: TrainState, batch: dict):
-        checks.check_batch(batch, config)  # up front, outside grad: names the key and the micro-batch
+        checks.debug_check_batch(batch, config)  # up front, outside grad: names the key and the micro-batch
         rows = jax.tree.leaves(batch)[0].shape[1]
         split = mesh is not None and rows % batch_devices(mesh.shape) == 0
         if auto and split:
@@ -263,7 +263,7 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
     propagated program carries the CPU attention kernel's ``custom_partitioning``, which JAX keys
     by a per-process object id, so it never loads from the compile cache (0.5 s each run)."""
     def eval_step(params, batch):
-        checks.check_batch(batch, config)
+        checks.debug_check_batch(batch, config)
         return loss_terms(config, params, batch, train=False)
 
     if checked:
@@ -278,7 +278,7 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
     devices = batch_devices(mesh.shape)
 
     def split(params, batch):
-        checks.check_batch(batch, config)  # the whole batch: a bad id is named as in eval_step
+        checks.debug_check_batch(batch, config)  # the whole batch: a bad id is named as in eval_step
         return data_parallel(lambda p, b: loss_terms(config, p, b, train=False), mesh, micro_axis=False)(params, batch)
 
     split.__name__ = "eval_step_split"  # the program's name in profiles and compile logs
