@@ -103,14 +103,16 @@ def test_greedy_penalties_and_bias_match_the_reference(llama):  # noqa: F811
                 SamplingParams(max_tokens=10, frequency_penalty=0.7),
                 SamplingParams(max_tokens=10, presence_penalty=-0.5, frequency_penalty=2.0,
                                logit_bias={20: 3.0, 21: -2.5, 95: 1.0}),
-                SamplingParams(max_tokens=10)]
+                SamplingParams(max_tokens=10),
+                # a repeat once rewarded, then penalised: tells presence (once) from frequency (each time)
+                SamplingParams(max_tokens=10, presence_penalty=-0.5, frequency_penalty=0.3)]
     eng = Engine(config, params, **SMALL)
-    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[1]]  # 1 and 2 repeat tokens when greedy
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[2]]  # 1 and 2 repeat tokens when greedy
     got = eng.generate(prompts, settings)  # one batch: adjusted and plain rows together
     want = [_reference_greedy(model, p, s) for p, s in zip(prompts, settings)]
     assert got == want
-    plain = eng.generate(prompts[:3], [SamplingParams(max_tokens=10)] * 3)
-    assert all(g != p for g, p in zip(got[:3], plain))  # every setting changed the greedy output
+    plain = eng.generate(prompts, [SamplingParams(max_tokens=10)] * len(prompts))
+    assert all((g != p) == s.adjusts_logits for g, p, s in zip(got, plain, settings))  # each setting mattered
     assert eng.allocator.free == eng.allocator.total
 
 
@@ -187,8 +189,9 @@ def test_seeded_adjusted_rows_ignore_their_batch(llama):  # noqa: F811
     others = [SamplingParams(max_tokens=12, temperature=0.8, seed=1, logit_bias={i: 0.5 for i in range(3, 60)}),
               SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=1.0, seed=2)]
     crowd = Engine(config, params, max_seqs=4, page_size=8, max_tokens_per_step=16, num_pages=9)
-    got = crowd.generate([PROMPTS[1], [3] * 20, PROMPTS[0], PROMPTS[2]], [others[0], others[1], sp, others[2]])
-    assert got[2] == alone
+    # last admitted, so the first preempted: it is recomputed from its prompt and outputs
+    got = crowd.generate([PROMPTS[1], [3] * 20, PROMPTS[2], PROMPTS[0]], others + [sp])
+    assert got[3] == alone
     assert crowd.stats["preemptions"] > 0
     unpenalised = Engine(config, params, **SMALL).generate([PROMPTS[0]], [SamplingParams(
         max_tokens=14, temperature=1.0, top_k=30, seed=11)])[0]
