@@ -23,6 +23,7 @@ does at start), and ``Engine.compilations`` counts the ones compiled or run.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import deque
 from functools import partial
@@ -35,7 +36,7 @@ from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAl
                                          init_pools, next_pow2, plan_prefill)
 from jaxgpt.inference.paged_model import paged_apply
 from jaxgpt.inference.requests import Request, RequestOutput
-from jaxgpt.inference.sampling import SamplingParams, argmax, select_tokens
+from jaxgpt.inference.sampling import SamplingParams, argmax, batch_settings, sample_requests
 from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
@@ -45,15 +46,13 @@ def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, conf
     """One engine call: tokens (B, T) at positions q_pos (-1 = padding) -> (pools, greedy next
     tokens (B,), last-token logits (B, V)). The pools are donated: updated in place.
 
-    Sampling is a second program (``sample``), run only when a row samples or wants logprobs: its
-    sort doubled the compile time of every (B, T, P) shape, and it depends on B alone.
+    Sampling is a second program (``sampling.sample``), run only when a row samples, wants
+    logprobs or has a bias or penalties: its sort doubled the compile time of every (B, T, P)
+    shape, and it depends on B alone.
     """
     logits, pools = paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel, logits_at=last)
     logits = logits[:, 0]  # (B, V)
     return pools, argmax(logits), logits
-
-
-sample = jax.jit(select_tokens)  # (B, V) logits + per-row settings -> tokens (B,), logprobs (B,)
 
 
 class Engine:
@@ -140,10 +139,15 @@ class Engine:
         if len(ids) >= n:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context window is {n}, so at most {n - 1} "
                              f"leave room for one new token")
+        bad = [i for i, _ in params.logit_bias if i >= v]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {v})")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, next(self._arrival))
+        # an unseeded request gets fresh entropy (OpenAI's behaviour), kept on the Request to rerun it
+        seed = secrets.randbits(32) if params.seed is None else params.seed
+        req = Request(rid, ids, params, next(self._arrival), seed=seed, adjust=dict(params.logit_bias))
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -203,7 +207,7 @@ class Engine:
             self.running.append(req)
 
     def _speculates(self, req: Request) -> bool:
-        return (self.draft is not None and not req.draft_stale
+        return (self.draft is not None and not req.draft_stale and speculative.supports(req.params)
                 and req.computed + self.k + 1 <= self.config.max_len)  # a round writes computed .. computed + k
 
     def _schedule(self):
@@ -266,20 +270,19 @@ class Engine:
         todo = [s for s in shapes if s not in self.shapes]
         for kind, b, t, p in todo:
             self._call(kind, b, t, p, [])
-        for b in sorted({b for _, b, _, _ in shapes}):
-            zeros = np.zeros((b, self.config.vocab_size), np.float32)
-            np.asarray(sample(zeros, *self._sampling([], b), np.bool_(True))[0])
+        for b in sorted({b for _, b, _, _ in shapes}):  # the plain sampling variant; the others on first use
+            np.asarray(self._sample(np.zeros((b, self.config.vocab_size), np.float32), [], b)[0])
         return len(todo)
 
     def _sampling(self, rows, b: int):
-        """Per-row sampling arrays (B,) for ``sample``: temperature, top_k, top_p, seed, counter."""
-        sp = [r.params for r, _ in rows] + [SamplingParams()] * (b - len(rows))
-        return (np.array([s.temperature for s in sp], np.float32), np.array([s.top_k for s in sp], np.int32),
-                np.array([s.top_p for s in sp], np.float32), np.array([s.seed for s in sp], np.uint32),
-                np.array([len(r.output) for r, _ in rows] + [0] * (b - len(rows)), np.int32))
+        return batch_settings([r for r, _ in rows], b)
+
+    def _sample(self, logits, rows, b: int):
+        return sample_requests(logits, [r for r, _ in rows], b, self.config.vocab_size)
 
     def _call(self, kind: str, b: int, t: int, p: int, rows):
-        """Run shape (kind, B, T, P) on rows (req, n_tokens) -> (tokens (B,), logprobs (B,)) numpy."""
+        """Run shape (kind, B, T, P) on rows (req, n_tokens) -> (tokens (B,), logprobs (B,)) numpy and
+        each row's top logprobs (a list of (id, logprob) pairs)."""
         self.shapes.add((kind, b, t, p))
         if kind == "spec":
             return self._spec_call(b, p, rows)
@@ -290,11 +293,9 @@ class Engine:
         if kind == "prefill" and self.draft is not None:  # the draft's pages follow the same chunks
             d = self.draft
             d["pools"] = paged_forward(d["params"], d["pools"], *arrays, config=d["config"], kernel=d["kernel"])[0]
-        want = any(r.params.logprobs for r, _ in rows)
-        if not want and all(r.params.temperature == 0 for r, _ in rows):
-            return np.asarray(tok), np.zeros(b, np.float32)
-        tok, logp = sample(logits, *self._sampling(rows, b), np.bool_(want))
-        return np.asarray(tok), np.asarray(logp)
+        if all(r.params.temperature == 0 and not r.params.logprobs and not r.adjust for r, _ in rows):
+            return np.asarray(tok), np.zeros(b, np.float32), [[] for _ in rows]  # the forward's argmax will do
+        return self._sample(logits, rows, b)
 
     def _spec_call(self, b: int, p: int, rows):
         """One speculative round for rows (req, k+1) -> (n accepted (B,), emitted (B, k+1), logprobs (B, k+1))."""
@@ -326,12 +327,12 @@ class Engine:
         for kind, rows in (("decode", decode), ("prefill", prefill)):
             if not rows:
                 continue
-            tok, logp = self._run(kind, rows)
+            tok, logp, tops = self._run(kind, rows)
             for i, (req, n) in enumerate(rows):
                 req.computed += n
                 if req.computed < len(req.tokens):  # a prefill chunk short of the end samples nothing
                     continue
-                outs.append(self._append(req, int(tok[i]), float(logp[i])))
+                outs.append(self._append(req, int(tok[i]), float(logp[i]), tops[i]))
         self.stats["steps"] += 1
         return outs
 
@@ -349,9 +350,13 @@ class Engine:
                     break
         return outs
 
-    def _append(self, req: Request, tok: int, logp: float) -> RequestOutput:
+    def _append(self, req: Request, tok: int, logp: float, top=()) -> RequestOutput:
         req.output.append(tok)
         req.logprobs.append(logp)
+        p, seen = req.params, req.counts.get(tok, 0)
+        req.counts[tok] = seen + 1
+        if p.presence_penalty or p.frequency_penalty:  # the next step's logits[tok] pay for this one
+            req.adjust[tok] = req.adjust.get(tok, 0.0) - p.frequency_penalty - (p.presence_penalty if not seen else 0.0)
         self.stats["generated_tokens"] += 1
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
@@ -363,7 +368,8 @@ class Engine:
             self.running.remove(req)
             self._free(req)
             self.requests.pop(req.id, None)
-        return RequestOutput(req.id, [tok], [logp], req.finish_reason is not None, req.finish_reason, req.error)
+        return RequestOutput(req.id, [tok], [logp], req.finish_reason is not None, req.finish_reason, req.error,
+                             [list(top)])
 
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

@@ -20,6 +20,9 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     draft_stale: bool = False  # a plain decode step left the draft's pages behind: no more speculation
+    seed: int = 0  # params.seed, or the fresh one the engine drew for an unseeded request: rerun with it
+    counts: dict[int, int] = field(default_factory=dict)  # token id -> times in output (penalties)
+    adjust: dict[int, float] = field(default_factory=dict)  # token id -> its logit shift: bias - penalties
 
     @property
     def tokens(self) -> list[int]:
@@ -28,9 +31,15 @@ class Request:
 
 @dataclass
 class RequestOutput:
+    """What a step produced for one request. ``new_logprobs``: each new token's log-probability
+    (0.0 unless ``logprobs``); ``new_top_logprobs``: one list per new token of its
+    ``top_logprobs`` most likely (token id, log-probability) pairs, most likely first (empty lists
+    when top_logprobs is 0); both the model's log-softmax before bias, penalties and temperature."""
+
     id: str
     new_token_ids: list[int]
     new_logprobs: list[float]
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

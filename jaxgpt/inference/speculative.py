@@ -134,6 +134,13 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
 
 
 # -- batched, over the engine's paged pools --------------------------------------------------------
+def supports(params) -> bool:
+    """Whether the batched round honours a request's SamplingParams. Bias, penalties (which change
+    with each accepted draft) and top-logprobs are not in it: the engine decodes such a request
+    plainly instead, never ignoring them."""
+    return not (params.adjusts_logits or params.top_logprobs)
+
+
 def _row_probs(logits, temperature, top_k, top_p):
     """(B, V) -> each row's sampling distribution (its temperature, top-k, top-p; one-hot argmax
     for greedy rows): the distribution a token is drawn from, so the rule compares the right p, q."""
