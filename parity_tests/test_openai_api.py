@@ -3,13 +3,9 @@ streamed and not, validated by the ``openai`` package's own pydantic types (``mo
 strict on literals such as finish_reason, not the client's lenient ``construct``), each refusal a 400
 naming its field. References the test did not compute: transformers' logits for greedy tokens and
 log-probabilities; OpenAI's API reference for formats and defaults.
-
-The group at the end (``NEEDS_SAMPLER``) needs the sampler's SamplingParams fields (penalties,
-logit_bias, top_logprobs): strict xfails until they exist, ordinary tests after.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -35,13 +31,8 @@ from test_serve import CTX, _serve, model_dir  # noqa: E402, F401  (model_dir: t
 
 from jaxgpt.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from jaxgpt.inference.responses import token_text  # noqa: E402
-from jaxgpt.inference.sampling import SamplingParams  # noqa: E402
 
 NAME = "tiny-llama"
-HAS_SAMPLER = {f.name for f in dataclasses.fields(SamplingParams)} >= {
-    "presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs"}
-NEEDS_SAMPLER = pytest.mark.xfail(not HAS_SAMPLER, strict=True,
-                                  reason="needs SamplingParams' presence/frequency_penalty, logit_bias, top_logprobs")
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +318,6 @@ def _penalised_greedy(model, prompt, n, presence, frequency, bias):
     return out
 
 
-@NEEDS_SAMPLER
 def test_penalties_and_logit_bias_follow_openai_rule(server):
     url, _, model, _ = server
     bias = {7: 3.0, 9: -100.0}
@@ -339,7 +329,6 @@ def test_penalties_and_logit_bias_follow_openai_rule(server):
     assert r.choices[0].model_extra["token_ids"] == [42] * 4
 
 
-@NEEDS_SAMPLER
 def test_top_logprobs_in_both_formats_match_transformers(server):
     url, _, model, _ = server
     r = completion(url, prompt=[5, 6], max_tokens=4, temperature=0, ignore_eos=True, logprobs=3, return_token_ids=True)

@@ -7,8 +7,6 @@ Also: the incremental detokenizer, which decides stop strings on the server side
 """
 from __future__ import annotations
 
-import dataclasses
-import secrets
 from dataclasses import dataclass
 
 from jaxgpt.inference.sampling import SamplingParams
@@ -167,16 +165,6 @@ def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _new_field(name: str, value, param: str, default):
-    """A SamplingParams field of the sampler's newer interface: honoured where this engine has it,
-    a 400 naming the request's field otherwise (never dropped)."""
-    if value == default:
-        return {}
-    if name not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        raise ApiError(400, f"{param} is not supported by this engine", param=param)
-    return {name: value}
-
-
 def _sampling(body: dict, kind: str, prompts: list[list[int]], n: int, engine, top: int, logprobs: bool):
     """One SamplingParams per choice, and the stop strings."""
     vocab, ctx = engine.config.vocab_size, context(engine)
@@ -201,12 +189,9 @@ def _sampling(body: dict, kind: str, prompts: list[list[int]], n: int, engine, t
     seed = body.get("seed")
     if seed is not None:
         seed = _num(body, "seed", None, int, lo=-2 ** 63, hi=2 ** 64 - 1)
-    extra = {**_new_field("presence_penalty", _num(body, "presence_penalty", 0.0, float, lo=-2.0, hi=2.0),
-                          "presence_penalty", 0.0),
-             **_new_field("frequency_penalty", _num(body, "frequency_penalty", 0.0, float, lo=-2.0, hi=2.0),
-                          "frequency_penalty", 0.0),
-             **_new_field("logit_bias", _logit_bias(body, vocab), "logit_bias", ()),
-             **_new_field("top_logprobs", top, "logprobs" if kind == "completion" else "top_logprobs", 0)}
+    extra = dict(presence_penalty=_num(body, "presence_penalty", 0.0, float, lo=-2.0, hi=2.0),
+                 frequency_penalty=_num(body, "frequency_penalty", 0.0, float, lo=-2.0, hi=2.0),
+                 logit_bias=_logit_bias(body, vocab), top_logprobs=top)
     top_k = _num(body, "top_k", 0, int, lo=-1)  # vLLM: -1 = off
     base = dict(temperature=_num(body, "temperature", 1.0, float, lo=0.0, hi=2.0), top_k=max(0, top_k),
                 top_p=_num(body, "top_p", 1.0, float, lo=0.0, lo_open=True, hi=1.0), stop_token_ids=stop_ids,
@@ -214,8 +199,8 @@ def _sampling(body: dict, kind: str, prompts: list[list[int]], n: int, engine, t
     params = []
     for c in range(len(prompts) * n):
         # choice c of a seeded request uses seed + c: choices differ, and the request repeats;
-        # an unseeded one draws fresh entropy for each choice
-        s = secrets.randbits(32) if seed is None else (seed + c) % SEEDS
+        # an unseeded one gets fresh entropy for each choice (None: the engine draws it)
+        s = None if seed is None else (seed + c) % SEEDS
         mt = ctx - len(prompts[c // n]) if max_tokens is None else max_tokens
         params.append(SamplingParams(max_tokens=mt, seed=s, **base))
     return params, stop
