@@ -78,11 +78,25 @@ def test_kernel_refuses_a_position_past_the_page_table():
         np.asarray(paged_ffi.paged_attention(q, k_pool, v_pool, table, q_pos))
 
 
-def test_resolve_paged_kernel():
-    assert resolve_paged_kernel("auto", "float32", jnp.float32) == "ffi"
-    assert resolve_paged_kernel("auto", "float32", jnp.int8) == "gather"  # int8 pages: the JAX path dequantises
-    assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "gather"
-    assert resolve_paged_kernel("gather", "float32", jnp.float32) == "gather"
+def test_resolve_paged_kernel(monkeypatch):
+    import warnings
+
+    paged_ffi._fallback_warning.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel runs: nothing to say
+        assert resolve_paged_kernel("auto", "float32", jnp.float32) == "ffi"
+        assert resolve_paged_kernel("gather", "float32", jnp.float32) == "gather"  # asked for: no warning
+    with pytest.warns(UserWarning, match="runs 'gather'.*float32 pages in a float32 model"):
+        assert resolve_paged_kernel("auto", "float32", jnp.int8) == "gather"  # int8 pages: the JAX path dequantises
+    with pytest.warns(UserWarning, match="dtype=bfloat16, pages bfloat16"):
+        assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "gather"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "gather"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # an accelerator: no in-place kernel yet (issue 37)
+    with pytest.warns(UserWarning, match="it is a CPU kernel and this backend is 'gpu'"):
+        assert resolve_paged_kernel("auto", "float32", jnp.float32) == "gather"
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="float32 pages"):
         resolve_paged_kernel("ffi", "bfloat16", jnp.bfloat16)
     with pytest.raises(ValueError, match="not one of"):
