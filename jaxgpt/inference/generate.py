@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxgpt.core import validate
 from jaxgpt.config import ModelConfig, check_sampling
-from jaxgpt.inference.sampling import argmax
+from jaxgpt.inference.sampling import argmax, filter_logits
 from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
 
 
@@ -26,23 +26,18 @@ def sample_logits(logits, rng, *, temperature: float = 1.0, top_k: int | None = 
     """Next tokens (B,) from logits (B, V). temperature 0 is greedy (argmax, rng unused).
 
     top_k keeps the k largest logits; top_p keeps the smallest set of tokens whose probability
-    reaches p (the first token crossing p is kept, so at least one token always survives).
+    reaches p (the first token crossing p is kept, so at least one token always survives): the
+    engine's per-row rule (``sampling.filter_logits``) with one setting for every row.
     """
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return argmax(logits)
-    logits = logits.astype(jnp.float32) / temperature
-    neg = jnp.finfo(jnp.float32).min
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
-        logits = jnp.where(logits < kth, neg, logits)
-    if top_p is not None:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= top_p  # mass before this token already >= p
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, neg, logits)
+    logits = logits.astype(jnp.float32)
+    if top_k is None and top_p is None:  # nothing to filter: no sort of the vocabulary each token
+        return jax.random.categorical(rng, logits / temperature, axis=-1).astype(jnp.int32)
+    rows = lambda v, dtype: jnp.full(logits.shape[:1], v, dtype)  # one setting, every row
+    logits = filter_logits(logits, rows(temperature, jnp.float32), rows(top_k or 0, jnp.int32),
+                           rows(1.0 if top_p is None else top_p, jnp.float32))
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
