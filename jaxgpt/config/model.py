@@ -65,6 +65,9 @@ class ModelConfig(_Config):
     """
 
     vocab_size: int = 256
+    # The padding token (HF LLaMA/Mistral/Qwen2/Mixtral/BERT's pad_token_id): its embedding row gets no
+    # gradient, as torch's nn.Embedding(padding_idx=...) does; the forward pass is unchanged. None: no such row.
+    pad_token_id: int | None = None
     d_model: int = 64
     n_layer: int = 4
     n_head: int = 4
@@ -117,6 +120,8 @@ class ModelConfig(_Config):
             _positive(name, getattr(self, name))
         if self.n_kv_head is not None:
             _positive("n_kv_head", self.n_kv_head)
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is not a token id in [0, vocab_size={self.vocab_size})")
         if self.d_ff is not None:
             _positive("d_ff", self.d_ff)
         _choice("pos", self.pos, POS)

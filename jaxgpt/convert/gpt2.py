@@ -52,6 +52,7 @@ FIELDS: dict[str, Field] = {
     "norm_eps": maps_to("layer_norm_epsilon"), "dropout": maps_to("resid_pdrop, embd_pdrop"),
     "attn_dropout": maps_to("attn_pdrop"), "tie_embeddings": maps_to("tie_word_embeddings"),
     "init_std": maps_to("initializer_range"),
+    "pad_token_id": Field(lambda v, c: v is None, "None (its wte has no padding row: HF would train that row)"),
     "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
     "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
     "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),

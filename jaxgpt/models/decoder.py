@@ -101,6 +101,10 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     cfg = config
     init = nn.initializers.normal(cfg.init_std)
     x = tok_embed(tokens)  # (B, T, d) in the compute dtype: the residual stream's dtype from here on
+    if cfg.pad_token_id is not None:
+        # torch's nn.Embedding(padding_idx) gives the padding row no gradient from the lookup (a tied head
+        # still updates it): the same values, with the gradient of the padding positions stopped.
+        x = jnp.where((tokens == cfg.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
     if cfg.embed_scale:
         x = x * jnp.asarray(np.sqrt(cfg.d_model), x.dtype)  # not a float32 scalar: it would promote x
     if cfg.pos == "learned":

@@ -42,7 +42,7 @@ def add_embeddings(module: nn.Module, config: ModelConfig) -> None:
     """Give ``module`` tok_embed (+ pos_embed or a sinusoidal buffer) and an embedding dropout,
     the attribute names jaxgpt's embed_tokens uses."""
     cfg = config
-    module.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    module.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)  # no grad in that row
     nn.init.normal_(module.tok_embed.weight, std=cfg.init_std)
     if cfg.pos == "learned":
         module.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model)
