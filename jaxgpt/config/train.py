@@ -40,7 +40,10 @@ class TrainConfig(_Config):
     seed: int = 0  # init, batch order and dropout all derive from it
     tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)
     bpe_vocab: int = 1024
-    val_fraction: float = 0.1  # 0: train on everything (no validation split, no evaluation)
+    # The validation split: the fraction of the data held out for evaluation where train splits the data
+    # itself (text files, .tsv rows, built-in corpora). A token directory comes split by jaxgpt prepare (its
+    # --val-fraction / --min-val-tokens) and evaluates on its val.bin. 0: no validation split and no evaluation.
+    val_fraction: float = 0.1
     # Epoch-based runs: epochs > 0 makes the run epochs passes over the training data; steps and
     # steps_per_epoch are then derived from the data (jaxgpt.train.tasks.with_epochs; jaxgpt train does it).
     epochs: int = 0
