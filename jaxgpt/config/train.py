@@ -67,9 +67,10 @@ class TrainConfig(_Config):
     # dispatch per update.
     steps_per_call: int | str = "auto"
     # Mixture-of-Experts models (ModelConfig.moe) add coef * loss to the training objective, averaged over
-    # tokens like the cross entropy: the load-balancing loss (Switch / transformers' load_balancing_loss_func;
-    # Mixtral and Qwen2-MoE train with 0.001, Switch with 0.01) and the ST-MoE router z-loss (0: off).
-    router_aux_coef: float = 0.01
+    # tokens like the cross entropy: the load-balancing loss (Switch / transformers' load_balancing_loss_func)
+    # and the ST-MoE router z-loss (0: off). router_aux_coef None: the model's moe.aux_loss_coef (an HF
+    # checkpoint's router_aux_loss_coef, e.g. 0.001 for Mixtral); a number overrides it for this run.
+    router_aux_coef: float | None = None
     router_z_coef: float = 0.0
 
     def _validate(self) -> None:
@@ -97,7 +98,7 @@ class TrainConfig(_Config):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         _probability("beta1", self.beta1)
         _probability("beta2", self.beta2)
-        if self.router_aux_coef < 0 or self.router_z_coef < 0:
+        if (self.router_aux_coef or 0.0) < 0 or self.router_z_coef < 0:
             raise ValueError(f"router_aux_coef and router_z_coef must be >= 0, got {self.router_aux_coef!r}, "
                              f"{self.router_z_coef!r}")
         if self.weight_decay < 0 or self.eps <= 0:
@@ -119,6 +120,10 @@ class TrainConfig(_Config):
                 raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp*expert="
                                  f"{n} devices, but batch_size/grad_accum="
                                  f"{self.micro_batch} is not a multiple of it")
+
+    def aux_coef(self, config) -> float:
+        """The load-balancing loss coefficient for a MoE ``config``: router_aux_coef, or the model's own."""
+        return config.moe.aux_loss_coef if self.router_aux_coef is None else self.router_aux_coef
 
     @property
     def updates_per_call(self) -> int:
