@@ -47,7 +47,7 @@ def test_padding_row_has_no_lookup_gradient_like_torch(tied):
 
 
 def test_pad_token_id_must_be_a_token():
-    with pytest.raises(ValueError, match=r"pad_token_id=12 is not a token id in \[0, vocab_size=12\)"):
+    with pytest.raises(ValueError, match=r"pad_token_id=12 is not a token id in \[0, 12\)"):
         ModelConfig(vocab_size=12, pad_token_id=12)
 
 

@@ -48,6 +48,7 @@ _ENCODER: dict[str, Field] = {
     "max_len": maps_to("max_position_embeddings"), "norm_eps": maps_to("layer_norm_eps"),
     "dropout": maps_to("hidden_dropout_prob"), "attn_dropout": maps_to("attention_probs_dropout_prob"),
     "init_std": maps_to("initializer_range"), "pad_token_id": maps_to("pad_token_id"),
+    "valid_vocab": unused("BertConfig itself refuses a padded encoder vocabulary"),
     "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
     "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
     "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),

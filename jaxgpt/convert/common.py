@@ -156,6 +156,8 @@ def unused(why: str) -> Field:
     return Field(lambda v, c: True, f"unused: {why}")
 
 
+# A padded table is cut to its valid_vocab rows by export_hf (jaxgpt/convert/hf.py) before a family sees it.
+UNPADDED = Field(lambda v, c: v is None, "None (save_hf / to_hf cut a padded table to its valid_vocab rows first)")
 ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
                   ("attnres_variant", "attnres_blocks", "attnres_eps", "attnres_key_gain")}
 # How jaxgpt compiles the layer stack: the same weights and logits whatever their values.

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields, check_options, equals,
                                    inert, load_ref, maps_to, must_be, padding_row, refuse, rename, rename_layers, unused)
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -77,7 +77,7 @@ FIELDS: dict[str, Field] = {
     "d_ff": maps_to("intermediate_size"), "max_len": maps_to("max_position_embeddings"),
     "rope_base": maps_to("rope_parameters.rope_theta"), "norm_eps": maps_to("rms_norm_eps"),
     "attn_dropout": maps_to("attention_dropout"), "tie_embeddings": maps_to("tie_word_embeddings"),
-    "init_std": maps_to("initializer_range"), "pad_token_id": maps_to("pad_token_id"),
+    "init_std": maps_to("initializer_range"), "pad_token_id": maps_to("pad_token_id"), "valid_vocab": UNPADDED,
     "qkv_bias": maps_to("attention_bias (LLaMA) / always True (Qwen2)"),
     "o_bias": Field(lambda v, c: v == c.qkv_bias or (c.qkv_bias and not v and not c.mlp_bias),
                     "qkv_bias (LLaMA attention_bias), or False with qkv_bias=True and mlp_bias=False (Qwen2)"),

@@ -115,6 +115,16 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
+def mask_padded_vocab(config: ModelConfig, logits):
+    """logits (..., vocab_size) float32 with the padded ids (>= config.valid_vocab) at the float32 minimum:
+    softmax gives them exactly 0 (so the loss, samplers and the engine never pick them) and the where
+    passes them no gradient. The minimum, not -inf: no inf - inf = NaN in a softmax or a KL term."""
+    if config.valid_vocab is None:
+        return logits
+    padded = jnp.arange(logits.shape[-1]) >= config.valid_vocab  # (vocab,)
+    return jnp.where(padded, jnp.finfo(logits.dtype).min, logits)
+
+
 SCANNED_COLLECTIONS = {"params": 0, "intermediates": 0, "router": 0}  # what nn.scan stacks per layer
 
 
@@ -259,7 +269,7 @@ class DecoderLM(nn.Module):
         cfg = self.config
         first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
         offset = 0 if cache is None else first.index.reshape(-1)[0]
-        check_tokens(tokens, cfg.vocab_size, cfg.max_len, 0 if cache is None else offset)
+        check_tokens(tokens, cfg.tokens, cfg.max_len, 0 if cache is None else offset)
         if cache is not None:  # here, outside nn.scan, so the check also holds for traced indices
             capacity, t = first.capacity, tokens.shape[-1]
             if checks.is_traced(offset):
@@ -298,6 +308,7 @@ class DecoderLM(nn.Module):
         else:
             logits = dense(cfg.vocab_size, cfg.lm_head_bias, cfg.init_std, "lm_head", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                            f32_out=True)(x)
+        logits = mask_padded_vocab(cfg, logits)
         if cache is None and not return_weights and not return_depth_weights:
             return logits
         return DecoderOutput(logits, cache, weights, depth)
