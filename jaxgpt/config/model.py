@@ -127,8 +127,8 @@ class ModelConfig(_Config):
         if self.valid_vocab is not None and not 0 < self.valid_vocab < self.vocab_size:
             raise ValueError(f"valid_vocab={self.valid_vocab} must be in (0, vocab_size={self.vocab_size}) (the "
                              "tokenizer's vocabulary inside a padded table; None: no padding)")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.tokens:
-            raise ValueError(f"pad_token_id={self.pad_token_id} is not a token id in [0, {self.tokens})")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.token_vocab:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is not a token id in [0, {self.token_vocab})")
         if self.d_ff is not None:
             _positive("d_ff", self.d_ff)
         _choice("pos", self.pos, POS)
@@ -211,7 +211,7 @@ class ModelConfig(_Config):
         return self.dropout if self.attn_dropout is None else self.attn_dropout
 
     @property
-    def tokens(self) -> int:
+    def token_vocab(self) -> int:
         """How many ids are tokens: ``valid_vocab``, or ``vocab_size`` when the table is not padded."""
         return self.vocab_size if self.valid_vocab is None else self.valid_vocab
 

@@ -269,7 +269,7 @@ class DecoderLM(nn.Module):
         cfg = self.config
         first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
         offset = 0 if cache is None else first.index.reshape(-1)[0]
-        check_tokens(tokens, cfg.tokens, cfg.max_len, 0 if cache is None else offset)
+        check_tokens(tokens, cfg.token_vocab, cfg.max_len, 0 if cache is None else offset)
         if cache is not None:  # here, outside nn.scan, so the check also holds for traced indices
             capacity, t = first.capacity, tokens.shape[-1]
             if checks.is_traced(offset):

@@ -57,7 +57,7 @@ def make_inputs(config, tokenizer=None, prompt: str | None = None, batch: int = 
             ids = np.stack([row, np.where(np.arange(len(row)) < max(1, len(row) // 2), row, tokenizer.pad_id or 0)])
     else:
         t = min(seq_len, enc.max_len)
-        ids = rng.integers(0, enc.tokens, (batch if not bert else max(batch, 2), t)).astype(np.int32)
+        ids = rng.integers(0, enc.token_vocab, (batch if not bert else max(batch, 2), t)).astype(np.int32)
     inputs = {"ids": ids.astype(np.int32)}
     if bert:
         b, t = ids.shape

@@ -89,7 +89,7 @@ class DecoderLM(nn.Module):
         """Same contract as jaxgpt's DecoderLM: logits, or a DecoderOutput with a cache / weights."""
         cfg = self.config
         offset = 0 if cache is None else cache[0].index
-        check_tokens(tokens, cfg.tokens, cfg.max_len, offset)
+        check_tokens(tokens, cfg.token_vocab, cfg.max_len, offset)
         if positions is None:
             positions = offset + torch.arange(tokens.shape[-1], device=tokens.device)
         x = embed_tokens(self, cfg, tokens, positions)
