@@ -53,14 +53,18 @@ def gpt2_dir(path: Path, *, n_layer: int = 2, tokenizer: bool = True) -> Path:
     return path
 
 
-def llama_dir(path: Path, *, n_layer: int = 2) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_dir(path: Path, *, n_layer: int = 2, pad_token_id: int | None = None, family: str = "llama",
+              tied: bool = False) -> Path:
+    """A LLaMA directory, or with ``family='qwen2'`` / 'mistral' that family's (the same layout)."""
+    import transformers
 
+    names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
     torch.manual_seed(1)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-                                         pad_token_id=None, tie_word_embeddings=False))
+    cfg = getattr(transformers, f"{names}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=pad_token_id,
+        tie_word_embeddings=tied)
+    model = getattr(transformers, f"{names}ForCausalLM")(cfg)
     randomize_(model, seed=1).save_pretrained(path)
     return path
 
@@ -117,20 +121,22 @@ def randomize_moe_(model, seed: int = 3):
     return randomize_(model, seed)
 
 
-def mixtral_model(n_layer: int = 2):
+def mixtral_model(n_layer: int = 2, **config):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(3)
-    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=n_layer,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg = MixtralConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=n_layer,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                                  tie_word_embeddings=False), **config})
     return randomize_moe_(MixtralForCausalLM(cfg))
 
 
-def mixtral_dir(path: Path, *, fused: bool = False, n_layer: int = 2) -> Path:
+def mixtral_dir(path: Path, *, fused: bool = False, n_layer: int = 2, **config) -> Path:
     """save_pretrained's layout (block_sparse_moe.experts.N.w1/w2/w3), or with ``fused`` the in-memory
-    transformers 5 layout (mlp.experts.gate_up_proj / down_proj) written as it is."""
-    model = mixtral_model(n_layer)
+    transformers 5 layout (mlp.experts.gate_up_proj / down_proj) written as it is. ``config``: MixtralConfig
+    keys to change."""
+    model = mixtral_model(n_layer, **config)
     model.save_pretrained(path)
     if fused:
         from safetensors.torch import save_file
@@ -140,13 +146,14 @@ def mixtral_dir(path: Path, *, fused: bool = False, n_layer: int = 2) -> Path:
     return path
 
 
-def qwen2_moe_dir(path: Path, *, norm_topk: bool = False, mlp_only_layers=(), n_layer: int = 2) -> Path:
+def qwen2_moe_dir(path: Path, *, norm_topk: bool = False, mlp_only_layers=(), n_layer: int = 2, **config) -> Path:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(4)
-    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
-                         shared_expert_intermediate_size=24, num_hidden_layers=n_layer, num_attention_heads=4,
-                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk,
-                         mlp_only_layers=list(mlp_only_layers), max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen2MoeConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+                                   shared_expert_intermediate_size=24, num_hidden_layers=n_layer, num_attention_heads=4,
+                                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                   norm_topk_prob=norm_topk, mlp_only_layers=list(mlp_only_layers),
+                                   max_position_embeddings=64, tie_word_embeddings=False), **config})
     randomize_moe_(Qwen2MoeForCausalLM(cfg), seed=4).save_pretrained(path)
     return path

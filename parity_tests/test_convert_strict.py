@@ -26,7 +26,7 @@ FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LL
 # Candidate values for a field, to find one its family's rule refuses.
 CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMENTS, "rope_layout": ROPE_LAYOUTS,
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
-              "pooler": ("cls", "tanh"), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False))}
+              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "valid_vocab": (None, 40), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False))}
 
 
 def _params(config):

@@ -136,3 +136,45 @@ def test_cli_trains_samples_evaluates_and_converts_a_moe_model(tmp_path, capsys)
     assert_close(np.asarray(build(config).apply({"params": params}, tokens)), want, "jaxgpt convert --to hf (MoE)")
     assert main(["train", "--init", str(run), "--set", "steps=2", "--out", str(tmp_path / "ft"), *common]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("family,coef", [("mixtral", None), ("mixtral", 0.02), ("qwen2_moe", 0.005)])
+def test_router_aux_loss_coef_is_read_written_and_trained_with(family, coef, tmp_path):
+    """An HF config's router_aux_loss_coef (absent: the config class's 0.001) becomes moe.aux_loss_coef,
+    export writes it back, and the training objective uses it unless TrainConfig.router_aux_coef is set."""
+    from jaxgpt.config import TrainConfig
+    from jaxgpt.train.losses import objective
+
+    kw = {} if coef is None else {"router_aux_loss_coef": coef}
+    build_dir = hf_dirs.mixtral_dir if family == "mixtral" else hf_dirs.qwen2_moe_dir
+    path = build_dir(tmp_path / "hf", n_layer=1, **kw)
+    if coef is None:  # a config.json without the key
+        d = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({k: v for k, v in d.items() if k != "router_aux_loss_coef"}))
+    want = 0.001 if coef is None else coef
+    config, params = load_hf(path)
+    assert config.moe.aux_loss_coef == want
+    save_hf(tmp_path / "ours", config, params)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["router_aux_loss_coef"] == want
+    terms = {"loss_sum": 3.0, "router_aux_sum": 2.0, "router_z_sum": 5.0}
+    assert float(objective(terms, TrainConfig(), config)) == pytest.approx(3.0 + want * 2.0)
+    assert float(objective(terms, TrainConfig(router_aux_coef=0.1, router_z_coef=0.01), config)) == \
+        pytest.approx(3.0 + 0.1 * 2.0 + 0.01 * 5.0)
+
+
+def test_torch_ref_trains_with_the_models_aux_loss_coef():
+    """torch_ref.train uses the same coefficient: its step's loss moves with moe.aux_loss_coef."""
+    import torch_ref
+    from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
+    from torch_ref.train import make_optimizer, train_step
+
+    batch = {"x": TOKENS[None, :, :-1], "y": TOKENS[None, :, 1:]}
+    norms = []
+    for coef in (0.0, 10.0):
+        cfg = ModelConfig(vocab_size=hf_dirs.VOCAB, d_model=16, n_layer=1, n_head=2, pos="rope",
+                          moe=MoEConfig(n_experts=4, aux_loss_coef=coef))
+        torch.manual_seed(0)
+        model = torch_ref.build(cfg)
+        tc = TrainConfig(batch_size=2, seq_len=11, grad_clip=None)
+        norms.append(train_step(model, *make_optimizer(model, tc), tc, batch)["grad_norm"])
+    assert norms[1] > norms[0] * 1.01  # the load-balancing term reaches the gradients

@@ -21,7 +21,8 @@ from jaxgpt.data.tokenfiles import open_tokens
 from parity_tests.conftest import require_module
 
 DOCS = [f"Document {i}: the {'quick brown fox ' * (i % 5 + 1)}jumps\nover {i * 7} lazy dogs." for i in range(40)]
-VAL = 0.1  # about 4 of the 40 documents held out (which: a fixed hash, jaxgpt.data.prepare.is_val)
+VAL = 0.1  # about 4 of the 40 documents held out (which: a fixed hash, jaxgpt.data.prepare.is_val); these
+# tests check the document split itself, so min_val_tokens=0 (no top-up from the training stream)
 
 
 def check_split(got: dict[str, list[str]], docs=DOCS) -> None:
@@ -72,7 +73,7 @@ def gpt2_like_tokenizer(tmp_path_factory):
 
 def test_char_round_trip_from_text_files_with_nanogpt_meta(text_files, tmp_path):
     out = tmp_path / "char"
-    assert main(["prepare", str(text_files / "*.txt"), str(out), "--tokenizer", "char", "--val-fraction", str(VAL),
+    assert main(["prepare", str(text_files / "*.txt"), str(out), "--tokenizer", "char", "--val-fraction", str(VAL), "--min-val-tokens", "0",
                  "--quiet"]) == 0
     got = decoded(out)
     check_split(got)
@@ -92,7 +93,7 @@ def test_tokenizer_json_round_trip_from_jsonl(gpt2_like_tokenizer, tmp_path):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)), encoding="utf-8")
     out = tmp_path / "bpe"
-    prepare([str(src)], out, str(gpt2_like_tokenizer), text_field="body", val_fraction=VAL, progress=False, log=lambda _: None)
+    prepare([str(src)], out, str(gpt2_like_tokenizer), text_field="body", val_fraction=VAL, min_val_tokens=0, progress=False, log=lambda _: None)
     got = decoded(out)
     check_split(got)
     train = got["train"]
@@ -111,7 +112,7 @@ def test_saved_datasets_dataset_round_trip(gpt2_like_tokenizer, tmp_path):
     saved = tmp_path / "ds"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS})}).save_to_disk(str(saved))
     out = tmp_path / "from_ds"
-    prepare([str(saved)], out, str(gpt2_like_tokenizer), val_fraction=VAL, progress=False, log=lambda _: None)
+    prepare([str(saved)], out, str(gpt2_like_tokenizer), val_fraction=VAL, min_val_tokens=0, progress=False, log=lambda _: None)
     check_split(decoded(out))
 
 
@@ -123,8 +124,8 @@ def test_worker_processes_and_a_rerun_give_the_same_bytes(text_files, tmp_path, 
     monkeypatch.setattr(prep, "FILES_PER_SHARD", 16)
     src = [str(text_files / "*.txt")]
     one, two = tmp_path / "one", tmp_path / "two"
-    prepare(src, one, "char", val_fraction=VAL, progress=False, log=lambda _: None)
-    prepare(src, two, "char", val_fraction=VAL, num_proc=2, merge=False, progress=False, log=lambda _: None)
+    prepare(src, one, "char", val_fraction=VAL, min_val_tokens=0, progress=False, log=lambda _: None)
+    prepare(src, two, "char", val_fraction=VAL, min_val_tokens=0, num_proc=2, merge=False, progress=False, log=lambda _: None)
     meta = json.loads((two / "meta.json").read_text())
     assert meta["files"]["train"] == [f".shards/{i:05d}.train.bin" for i in range(3)]
     td1, td2 = open_tokens(one), open_tokens(two)
@@ -134,7 +135,7 @@ def test_worker_processes_and_a_rerun_give_the_same_bytes(text_files, tmp_path, 
     kept = {p.name: p.stat().st_mtime_ns for p in shards.glob("0000[02].*.bin")}
     (shards / "00001.done").unlink()
     (shards / "00001.train.bin").write_bytes(b"")  # a half-written shard: redone
-    prepare(src, two, "char", val_fraction=VAL, merge=False, progress=False, log=lambda _: None)
+    prepare(src, two, "char", val_fraction=VAL, min_val_tokens=0, merge=False, progress=False, log=lambda _: None)
     assert {p.name: p.stat().st_mtime_ns for p in shards.glob("0000[02].*.bin")} == kept
     np.testing.assert_array_equal(open_tokens(two).train.read(0, len(td1.train)), td1.train.read(0, len(td1.train)))
 

@@ -60,7 +60,7 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
         terms = loss_terms(model, {k: v[i] for k, v in batch.items()})
         loss = terms["loss_sum"]
         if "router_aux_sum" in terms:
-            loss = loss + tc.router_aux_coef * terms["router_aux_sum"] + tc.router_z_coef * terms["router_z_sum"]
+            loss = loss + tc.aux_coef(model.config) * terms["router_aux_sum"] + tc.router_z_coef * terms["router_z_sum"]
             totals = {"router_aux_sum": 0.0, "router_z_sum": 0.0} | totals
         loss.backward()
         totals = {k: totals[k] + terms[k].item() for k in totals}

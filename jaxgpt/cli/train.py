@@ -15,9 +15,10 @@ def _check_token_dir(args) -> None:
         return
     meta = read_meta(args.data)
     sets = {k.strip(): v for k, v in (s.split("=", 1) for s in args.set if "=" in s)}
-    if "vocab_size" in sets and meta["vocab_size"] is not None and sets["vocab_size"].strip() != str(meta["vocab_size"]):
-        raise ValueError(f"--set vocab_size={sets['vocab_size']} disagrees with {args.data}'s metadata "
-                         f"(vocab_size={meta['vocab_size']}); drop the --set, the vocabulary comes from the data")
+    if "vocab_size" in sets and meta["vocab_size"] is not None and int(sets["vocab_size"]) < meta["vocab_size"]:
+        raise ValueError(f"--set vocab_size={sets['vocab_size']} is smaller than {args.data}'s vocabulary "
+                         f"(vocab_size={meta['vocab_size']}); drop the --set (the vocabulary comes from the data), "
+                         "or pad it: a larger vocab_size")
     if getattr(args, "check_data", False):
         vocab = int(sets["vocab_size"]) if "vocab_size" in sets else \
             getattr(get_preset(args.preset), "vocab_size", None) if args.preset else None  # meta-less nanoGPT files
@@ -36,7 +37,10 @@ def cmd_train(args) -> int:
         config, tc, task, state = _init_from(args, **mesh)
     else:
         config, tc = apply_sets(get_preset(args.preset), _train_sets(args))
-        config, tc, task, state = prepare(args.out, config, tc.replace(**mesh), data=args.data, corpus=args.corpus)
+        # --set vocab_size=N: a padded table of N rows (nanoGPT's 50304); else the data's vocabulary
+        padded = config.vocab_size if any(s.split("=", 1)[0].strip() == "vocab_size" for s in args.set) else None
+        config, tc, task, state = prepare(args.out, config, tc.replace(**mesh), data=args.data, corpus=args.corpus,
+                                          vocab_size=padded)
     n = count_params(abstract_params(config))
     where = f"resuming at step {int(state.step)}" if state is not None and int(state.step) else (
         f"from {args.init}" if args.init else "from scratch")

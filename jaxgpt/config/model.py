@@ -64,7 +64,14 @@ class ModelConfig(_Config):
     ``n_kv_head`` heads (``None`` = ``n_head``: MHA; 1: MQA; otherwise GQA).
     """
 
-    vocab_size: int = 256
+    vocab_size: int = 256  # rows of the embedding and logit tables
+    # The tokenizer's vocabulary when vocab_size is a padded table (nanoGPT's 50304 for GPT-2's 50257, a
+    # faster matmul on GPUs): ids >= valid_vocab are never inputs, and their logits are the float32 minimum
+    # (no probability, no gradient, never sampled). None: every id is a token.
+    valid_vocab: int | None = None
+    # The padding token (HF LLaMA/Mistral/Qwen2/Mixtral/BERT's pad_token_id): its embedding row gets no
+    # gradient, as torch's nn.Embedding(padding_idx=...) does; the forward pass is unchanged. None: no such row.
+    pad_token_id: int | None = None
     d_model: int = 64
     n_layer: int = 4
     n_head: int = 4
@@ -117,6 +124,11 @@ class ModelConfig(_Config):
             _positive(name, getattr(self, name))
         if self.n_kv_head is not None:
             _positive("n_kv_head", self.n_kv_head)
+        if self.valid_vocab is not None and not 0 < self.valid_vocab < self.vocab_size:
+            raise ValueError(f"valid_vocab={self.valid_vocab} must be in (0, vocab_size={self.vocab_size}) (the "
+                             "tokenizer's vocabulary inside a padded table; None: no padding)")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.token_vocab:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is not a token id in [0, {self.token_vocab})")
         if self.d_ff is not None:
             _positive("d_ff", self.d_ff)
         _choice("pos", self.pos, POS)
@@ -199,6 +211,11 @@ class ModelConfig(_Config):
         return self.dropout if self.attn_dropout is None else self.attn_dropout
 
     @property
+    def token_vocab(self) -> int:
+        """How many ids are tokens: ``valid_vocab``, or ``vocab_size`` when the table is not padded."""
+        return self.vocab_size if self.valid_vocab is None else self.valid_vocab
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
@@ -249,6 +266,8 @@ class BertConfig(_Config):
             raise ValueError("BERT has no Mixture-of-Experts layers: encoder.moe must be None")
         if self.encoder.pos == "rope":
             raise ValueError("BERT uses absolute positions: encoder.pos must not be 'rope'")
+        if self.encoder.valid_vocab is not None:
+            raise ValueError("BERT has no language-model head to mask: encoder.valid_vocab must be None")
 
 
     @classmethod
@@ -271,6 +290,9 @@ class EncDecConfig(_Config):
         if self.encoder.moe is not None or self.decoder.moe is not None:
             raise ValueError("the encoder-decoder has no Mixture-of-Experts layers: encoder.moe and decoder.moe "
                              "must be None")
+        if self.encoder.valid_vocab is not None or self.decoder.valid_vocab is not None:
+            raise ValueError("the encoder-decoder has no padded vocabulary: encoder.valid_vocab and "
+                             "decoder.valid_vocab must be None")
 
 
     @classmethod

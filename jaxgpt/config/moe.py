@@ -36,6 +36,9 @@ class MoEConfig(_Config):
     every: int = 1
     dense_layers: tuple | list = ()  # layer indices that stay dense
     impl: str = "dense"  # one of MOE_IMPLS (engine knob: same math)
+    # The load-balancing loss coefficient this model trains with (HF's router_aux_loss_coef: 0.001 in
+    # Mixtral's and Qwen2-MoE's configs; Switch's 0.01 here). TrainConfig.router_aux_coef overrides it per run.
+    aux_loss_coef: float = 0.01
 
     def _validate(self) -> None:
         _positive("moe.n_experts", self.n_experts)
@@ -52,6 +55,8 @@ class MoEConfig(_Config):
         if bad:
             raise ValueError(f"moe.dense_layers must hold layer indices >= 0, got {list(self.dense_layers)}")
         _choice("moe.impl", self.impl, MOE_IMPLS)
+        if not self.aux_loss_coef >= 0:
+            raise ValueError(f"moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
 
     def sparse(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) is a MoE layer."""

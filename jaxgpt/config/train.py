@@ -45,7 +45,10 @@ class TrainConfig(_Config):
     data_order: str = "random"
     tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)
     bpe_vocab: int = 1024
-    val_fraction: float = 0.1  # 0: train on everything (no validation split, no evaluation)
+    # The validation split: the fraction of the data held out for evaluation where train splits the data
+    # itself (text files, .tsv rows, built-in corpora). A token directory comes split by jaxgpt prepare (its
+    # --val-fraction / --min-val-tokens) and evaluates on its val.bin. 0: no validation split and no evaluation.
+    val_fraction: float = 0.1
     # Epoch-based runs: epochs > 0 makes the run epochs passes over the training data; steps and
     # steps_per_epoch are then derived from the data (jaxgpt.train.tasks.with_epochs; jaxgpt train does it).
     epochs: int = 0
@@ -69,9 +72,10 @@ class TrainConfig(_Config):
     # dispatch per update.
     steps_per_call: int | str = "auto"
     # Mixture-of-Experts models (ModelConfig.moe) add coef * loss to the training objective, averaged over
-    # tokens like the cross entropy: the load-balancing loss (Switch / transformers' load_balancing_loss_func;
-    # Mixtral and Qwen2-MoE train with 0.001, Switch with 0.01) and the ST-MoE router z-loss (0: off).
-    router_aux_coef: float = 0.01
+    # tokens like the cross entropy: the load-balancing loss (Switch / transformers' load_balancing_loss_func)
+    # and the ST-MoE router z-loss (0: off). router_aux_coef None: the model's moe.aux_loss_coef (an HF
+    # checkpoint's router_aux_loss_coef, e.g. 0.001 for Mixtral); a number overrides it for this run.
+    router_aux_coef: float | None = None
     router_z_coef: float = 0.0
 
     def _validate(self) -> None:
@@ -100,7 +104,7 @@ class TrainConfig(_Config):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         _probability("beta1", self.beta1)
         _probability("beta2", self.beta2)
-        if self.router_aux_coef < 0 or self.router_z_coef < 0:
+        if (self.router_aux_coef or 0.0) < 0 or self.router_z_coef < 0:
             raise ValueError(f"router_aux_coef and router_z_coef must be >= 0, got {self.router_aux_coef!r}, "
                              f"{self.router_z_coef!r}")
         if self.weight_decay < 0 or self.eps <= 0:
@@ -122,6 +126,10 @@ class TrainConfig(_Config):
                 raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp*expert="
                                  f"{n} devices, but batch_size/grad_accum="
                                  f"{self.micro_batch} is not a multiple of it")
+
+    def aux_coef(self, config) -> float:
+        """The load-balancing loss coefficient for a MoE ``config``: router_aux_coef, or the model's own."""
+        return config.moe.aux_loss_coef if self.router_aux_coef is None else self.router_aux_coef
 
     @property
     def updates_per_call(self) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from jaxgpt.config import BertConfig, ModelConfig
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals, inert,
-                                   load_ref, maps_to, must_be, one_of, refuse, unused)
+                                   load_ref, maps_to, must_be, one_of, padding_row, refuse, unused)
 from jaxgpt.models import abstract_params
 
 ARCHS = ("BertModel", "BertForSequenceClassification")
@@ -30,6 +30,7 @@ OPTIONS: dict[str, Option] = {
     **{k: MAPPED for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "hidden_dropout_prob", "attention_probs_dropout_prob",
                            "max_position_embeddings", "type_vocab_size", "initializer_range", "layer_norm_eps",
+                           "pad_token_id",
                            "num_labels", "id2label")},
     "hidden_act": one_of(ACTS),
     "position_embedding_type": equals("absolute", None),
@@ -46,7 +47,8 @@ _ENCODER: dict[str, Field] = {
     "n_head": maps_to("num_attention_heads"), "d_ff": maps_to("intermediate_size"),
     "max_len": maps_to("max_position_embeddings"), "norm_eps": maps_to("layer_norm_eps"),
     "dropout": maps_to("hidden_dropout_prob"), "attn_dropout": maps_to("attention_probs_dropout_prob"),
-    "init_std": maps_to("initializer_range"),
+    "init_std": maps_to("initializer_range"), "pad_token_id": maps_to("pad_token_id"),
+    "valid_vocab": unused("BertConfig itself refuses a padded encoder vocabulary"),
     "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
     "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
     "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),
@@ -113,7 +115,8 @@ def config_from_hf(d: Mapping[str, Any], arch: str, has_pooler: bool = True) -> 
         n_head=d["num_attention_heads"], d_ff=d["intermediate_size"], max_len=d["max_position_embeddings"],
         pos="learned", norm="layernorm", norm_eps=d["layer_norm_eps"], mlp=ACTS[d["hidden_act"]], mlp_bias=True,
         qkv_bias=True, o_bias=True, norm_placement="post", final_norm=False, dropout=d["hidden_dropout_prob"],
-        attn_dropout=d["attention_probs_dropout_prob"], init_std=d["initializer_range"])
+        attn_dropout=d["attention_probs_dropout_prob"], init_std=d["initializer_range"],
+        pad_token_id=padding_row(d, 0))  # BertConfig's default pad_token_id is 0
     return BertConfig(encoder, n_classes=_n_classes(d), type_vocab_size=d["type_vocab_size"], embed_norm=True,
                       pooler="tanh" if has_pooler else "cls")
 
@@ -145,7 +148,8 @@ def config_to_hf(config: BertConfig, with_classifier: bool = True) -> dict[str, 
                 attention_probs_dropout_prob=enc.attention_dropout, initializer_range=enc.init_std,
                 id2label={str(i): f"LABEL_{i}" for i in range(config.n_classes)},
                 label2id={f"LABEL_{i}": i for i in range(config.n_classes)}, position_embedding_type="absolute",
-                classifier_dropout=None, is_decoder=False, add_cross_attention=False, pad_token_id=0)
+                classifier_dropout=None, is_decoder=False, add_cross_attention=False,
+                pad_token_id=enc.pad_token_id)
 
 
 def params_to_hf(config: BertConfig, ref: Mapping[str, Any], with_classifier: bool = True) -> dict[str, Any]:

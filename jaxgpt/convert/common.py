@@ -110,6 +110,15 @@ GENERIC["pruned_heads"] = Option(lambda v, d: not v, "{} (pruned heads change th
 GENERIC["add_cross_attention"] = equals(False)
 
 
+def padding_row(d: Mapping[str, Any], default: int | None = None) -> int | None:
+    """config.json's pad_token_id as the embedding row torch's nn.Embedding(padding_idx) freezes (a
+    negative id counts from the end of the table, as torch reads it); None: no padding row."""
+    pad = d.get("pad_token_id", default)
+    if pad is None or pad >= 0:
+        return pad
+    return pad + d.get("vocab_size", 0)
+
+
 def check_options(d: Mapping[str, Any], table: Mapping[str, Option], family: str) -> None:
     """ValueError naming every unknown key and every unsupported value of an HF config dict."""
     table = {**GENERIC, **table}
@@ -147,6 +156,8 @@ def unused(why: str) -> Field:
     return Field(lambda v, c: True, f"unused: {why}")
 
 
+# A padded table is cut to its valid_vocab rows by export_hf (jaxgpt/convert/hf.py) before a family sees it.
+UNPADDED = Field(lambda v, c: v is None, "None (save_hf / to_hf cut a padded table to its valid_vocab rows first)")
 ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
                   ("attnres_variant", "attnres_blocks", "attnres_eps", "attnres_key_gain")}
 # How jaxgpt compiles the layer stack: the same weights and logits whatever their values.

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Option, check_fields, check_options, equals, inert,
-                                   load_ref, maps_to, must_be, one_of, refuse, rename, rename_layers, split_packed, unused,
+                                   load_ref, maps_to, must_be, one_of, refuse, rename, rename_layers, split_packed, UNPADDED, unused,
                                    Field)
 
 ARCHS = ("GPT2LMHeadModel", "GPT2Model")
@@ -51,7 +51,8 @@ FIELDS: dict[str, Field] = {
     "n_head": maps_to("n_head"), "d_ff": maps_to("n_inner"), "max_len": maps_to("n_positions"),
     "norm_eps": maps_to("layer_norm_epsilon"), "dropout": maps_to("resid_pdrop, embd_pdrop"),
     "attn_dropout": maps_to("attn_pdrop"), "tie_embeddings": maps_to("tie_word_embeddings"),
-    "init_std": maps_to("initializer_range"),
+    "init_std": maps_to("initializer_range"), "valid_vocab": UNPADDED,
+    "pad_token_id": Field(lambda v, c: v is None, "None (its wte has no padding row: HF would train that row)"),
     "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
     "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
     "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),

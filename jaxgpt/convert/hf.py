@@ -136,8 +136,24 @@ def _family_of(config) -> Any:
                      "pos='rope'")
 
 
+def unpad_vocab(config: ModelConfig, params: Mapping) -> tuple[ModelConfig, dict]:
+    """A padded vocabulary (``valid_vocab``) cut to its tokens: the first valid_vocab rows of tok_embed and
+    columns of lm_head. The padded rows never reach a probability, so the logits of every token are
+    unchanged; HF checkpoints (GPT-2's 50257) keep the tokenizer's vocabulary."""
+    v = config.valid_vocab
+    if v is None:
+        return config, dict(params)
+    out = {**params, "tok_embed": {**params["tok_embed"], "embedding": params["tok_embed"]["embedding"][:v]}}
+    if "lm_head" in params:
+        out["lm_head"] = {k: a[..., :v] for k, a in params["lm_head"].items()}  # kernel (d, V), bias (V,)
+    return config.replace(vocab_size=v, valid_vocab=None), out
+
+
 def export_hf(config, params: Mapping) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(HF config dict, HF state dict as NumPy arrays in the params' dtype); refuses inexact configs."""
+    """(HF config dict, HF state dict as NumPy arrays in the params' dtype); refuses inexact configs.
+    A padded vocabulary is written as its valid_vocab tokens (``unpad_vocab``)."""
+    if isinstance(config, ModelConfig):
+        config, params = unpad_vocab(config, params)
     family = _family_of(config)
     if family is bert:
         with_classifier = "classifier" in params

@@ -17,8 +17,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals,
-                                   inert, load_ref, maps_to, must_be, refuse, rename, rename_layers, unused)
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields, check_options, equals,
+                                   inert, load_ref, maps_to, must_be, padding_row, refuse, rename, rename_layers, unused)
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 NAMES = {"llama": "LLaMA", "qwen2": "Qwen2", "mistral": "Mistral"}
@@ -50,7 +50,8 @@ _ROPE = Option(lambda v, d: _rope(d)[0] == "default", "default RoPE (no scaling)
 _COMMON: dict[str, Option] = {
     **{k: MAPPED for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
-                           "tie_word_embeddings", "attention_dropout", "initializer_range", "rope_theta")},
+                           "tie_word_embeddings", "attention_dropout", "initializer_range", "rope_theta",
+                           "pad_token_id")},
     "rope_parameters": _ROPE, "rope_scaling": _ROPE,
     "hidden_act": equals("silu"),
     "head_dim": Option(lambda v, d: v is None or v * d.get("num_attention_heads", 32) == d.get("hidden_size", 4096),
@@ -76,7 +77,7 @@ FIELDS: dict[str, Field] = {
     "d_ff": maps_to("intermediate_size"), "max_len": maps_to("max_position_embeddings"),
     "rope_base": maps_to("rope_parameters.rope_theta"), "norm_eps": maps_to("rms_norm_eps"),
     "attn_dropout": maps_to("attention_dropout"), "tie_embeddings": maps_to("tie_word_embeddings"),
-    "init_std": maps_to("initializer_range"),
+    "init_std": maps_to("initializer_range"), "pad_token_id": maps_to("pad_token_id"), "valid_vocab": UNPADDED,
     "qkv_bias": maps_to("attention_bias (LLaMA) / always True (Qwen2)"),
     "o_bias": Field(lambda v, c: v == c.qkv_bias or (c.qkv_bias and not v and not c.mlp_bias),
                     "qkv_bias (LLaMA attention_bias), or False with qkv_bias=True and mlp_bias=False (Qwen2)"),
@@ -111,7 +112,7 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
         d_ff=d.get("intermediate_size", 11008), pos="rope", rope_layout="half", rope_base=_rope(d)[1],
         norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_bias=mlp, qkv_bias=qkv, o_bias=o,
         tie_embeddings=d.get("tie_word_embeddings", False), attn_dropout=d.get("attention_dropout", 0.0),
-        init_std=d.get("initializer_range", 0.02))
+        init_std=d.get("initializer_range", 0.02), pad_token_id=padding_row(d))
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, template=None) -> dict:
@@ -133,7 +134,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              rope_theta=config.rope_base, rope_scaling=None,
              rope_parameters={"rope_theta": config.rope_base, "rope_type": "default"},
              tie_word_embeddings=config.tie_embeddings, attention_dropout=config.attention_dropout,
-             initializer_range=config.init_std, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+             initializer_range=config.init_std, bos_token_id=None, eos_token_id=None,
+             pad_token_id=config.pad_token_id)
     if family == "llama":
         d.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias, pretraining_tp=1)
     else:

@@ -39,7 +39,7 @@ OPTIONS = {
     "num_local_experts": MAPPED, "num_experts_per_tok": MAPPED,
     "router_jitter_noise": equals(0.0, 0),
     "output_router_logits": inert("whether forward returns router logits (the aux loss is jaxgpt's TrainConfig)"),
-    "router_aux_loss_coef": inert("a training coefficient (jaxgpt: TrainConfig.router_aux_coef)"),
+    "router_aux_loss_coef": MAPPED,  # -> moe.aux_loss_coef
 }
 
 
@@ -93,7 +93,8 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     check_options(d, OPTIONS, "Mixtral")
     base = llama.config_from_hf({**{k: v for k, v in d.items() if k in llama.OPTIONS["mistral"]},
                                  "model_type": "mistral"}, "MistralForCausalLM")
-    moe = MoEConfig(n_experts=d.get("num_local_experts", 8), top_k=d.get("num_experts_per_tok", 2), norm_topk=True)
+    moe = MoEConfig(n_experts=d.get("num_local_experts", 8), top_k=d.get("num_experts_per_tok", 2), norm_topk=True,
+                    aux_loss_coef=d.get("router_aux_loss_coef", 0.001))  # MixtralConfig's default
     return base.replace(moe=moe)
 
 
@@ -127,7 +128,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         d.pop(k, None)
     d.update(model_type="mixtral", architectures=list(ARCHS), num_local_experts=config.moe.n_experts,
              num_experts_per_tok=config.moe.top_k, router_jitter_noise=0.0, sliding_window=None,
-             output_router_logits=False)
+             output_router_logits=False, router_aux_loss_coef=config.moe.aux_loss_coef)
     return d
 
 

@@ -31,7 +31,7 @@ OPTIONS = {
     "moe_intermediate_size": MAPPED, "shared_expert_intermediate_size": MAPPED, "decoder_sparse_step": MAPPED,
     "mlp_only_layers": MAPPED,
     "output_router_logits": inert("whether forward returns router logits (the aux loss is jaxgpt's TrainConfig)"),
-    "router_aux_loss_coef": inert("a training coefficient (jaxgpt: TrainConfig.router_aux_coef)"),
+    "router_aux_loss_coef": MAPPED,  # -> moe.aux_loss_coef
 }
 _QWEN2 = set(llama.OPTIONS["qwen2"])
 RULES = [(r"model\.layers\.(\d+)\.mlp\.(.+)", r"layers.\1.mlp.\2")] + llama.RULES
@@ -49,7 +49,8 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     moe = MoEConfig(n_experts=d.get("num_experts", 60), top_k=d.get("num_experts_per_tok", 4),
                     d_ff=d.get("moe_intermediate_size", 1408), norm_topk=bool(d.get("norm_topk_prob", False)),
                     shared_d_ff=shared, every=d.get("decoder_sparse_step", 1),
-                    dense_layers=tuple(d.get("mlp_only_layers") or ()))
+                    dense_layers=tuple(d.get("mlp_only_layers") or ()),
+                    aux_loss_coef=d.get("router_aux_loss_coef", 0.001))  # Qwen2MoeConfig's default
     qkv = bool(d.get("qkv_bias", True))
     mixed = len({moe.sparse(i) for i in range(base.n_layer)}) > 1
     return base.replace(moe=moe, qkv_bias=qkv, scan_layers=not mixed)
@@ -77,7 +78,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              num_experts=moe.n_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.norm_topk,
              moe_intermediate_size=config.expert_dim, shared_expert_intermediate_size=moe.shared_d_ff,
              decoder_sparse_step=moe.every, mlp_only_layers=list(moe.dense_layers), output_router_logits=False,
-             max_window_layers=config.n_layer)
+             max_window_layers=config.n_layer, router_aux_loss_coef=moe.aux_loss_coef)
     return d
 
 

@@ -12,7 +12,10 @@ Finally the shards are concatenated, in order, into ``train.bin`` and ``val.bin`
 
 Which documents are held out depends only on (shard, index in the shard), through a fixed hash
 (``is_val``: a fraction f = val_fraction of them, on average), so the split, like the bytes, does
-not depend on ``num_proc``.
+not depend on ``num_proc``. A small corpus can hold out no document at all (one text file is one
+document): when the held-out documents have fewer than ``min_val_tokens`` tokens, the end of the
+training stream makes up the difference (at most a tenth of the corpus), so ``jaxgpt train --data OUT``
+finds a usable val.bin with default flags; ``val_fraction=0`` holds out nothing.
 
 Character tokenizer: a first pass collects the characters; the EOS is ``'\\x00'`` (it must not
 occur in the text), so the vocabulary is ``sorted(chars | {'\\x00'})`` and EOS has id 0. nanoGPT's
@@ -38,6 +41,8 @@ FILES_PER_SHARD = 64
 ROWS_PER_SHARD = 50_000
 JSONL_SHARD_BYTES = 64 << 20
 CHUNK_TOKENS = 1 << 20  # tokens buffered per split before a write
+# The validation tokens prepare guarantees by default: 8 windows of GPT-2's 1024-token context.
+MIN_VAL_TOKENS = 8192
 
 
 # --- Sources: shard plan and the documents of one shard ------------------------------------
@@ -240,6 +245,26 @@ def encode_shard(i: int, shard: dict, work: Path, tok_dict: dict, eos_id: int, d
     return result
 
 
+def _val_top_up(tokens: dict, val_fraction: float, min_val_tokens: int) -> int:
+    """How many training tokens to move to val.bin: what the held-out documents lack of
+    min(min_val_tokens, a tenth of all tokens); 0 without a validation split."""
+    if not val_fraction:
+        return 0
+    want = min(min_val_tokens, (tokens["train"] + tokens["val"]) // 10)
+    return max(0, want - tokens["val"])
+
+
+def _move_tail(train: Path, val: Path, nbytes: int) -> None:
+    """Move the last ``nbytes`` of ``train`` to the end of ``val``. The shards are still on disk until
+    the run ends, so an interrupted move is redone from them by a rerun."""
+    with open(train, "r+b") as f:
+        f.seek(-nbytes, os.SEEK_END)
+        data = f.read()
+        f.truncate(f.tell() - nbytes)
+    with open(val, "ab") as f:
+        f.write(data)
+
+
 def _encode_star(args):
     return encode_shard(*args)
 
@@ -247,15 +272,22 @@ def _encode_star(args):
 # --- The whole run ----------------------------------------------------------------------------
 
 def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, text_field: str = "text",
-            text_unit: str = "file", split: str = "train", val_fraction: float = 0.0005, num_proc: int = 1,
-            eos: str | None = None, merge: bool = True, progress: bool = True, log=print) -> dict:
-    """Tokenize ``sources`` into ``out``; returns the meta.json dict."""
+            text_unit: str = "file", split: str = "train", val_fraction: float = 0.0005,
+            min_val_tokens: int = MIN_VAL_TOKENS, num_proc: int = 1, eos: str | None = None, merge: bool = True,
+            progress: bool = True, log=print) -> dict:
+    """Tokenize ``sources`` into ``out``; returns the meta.json dict.
+
+    ``val_fraction``: the fraction of documents held out for val.bin (0: none). ``min_val_tokens``: when
+    the held-out documents have fewer tokens, val.bin is topped up with the last tokens of the training
+    stream, up to min(min_val_tokens, a tenth of all tokens) (merged output only; 0: never)."""
     if text_unit not in TEXT_UNITS:
         raise ValueError(f"text_unit must be one of {TEXT_UNITS}, got {text_unit!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc!r}")
+    if min_val_tokens < 0:
+        raise ValueError(f"min_val_tokens must be >= 0, got {min_val_tokens!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     work = out / ".shards"
@@ -307,9 +339,14 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, tex
                     with open(out / name, "rb") as src:
                         shutil.copyfileobj(src, dst, 16 << 20)
             tmp.replace(out / f"{s}.bin")
+    tail = _val_top_up(totals["tokens"], val_fraction, min_val_tokens) if merge else 0
+    if tail:
+        _move_tail(out / "train.bin", out / "val.bin", tail * np.dtype(dtype).itemsize)
+        totals["tokens"] = {"train": totals["tokens"]["train"] - tail, "val": totals["tokens"]["val"] + tail}
     meta = {"format": "jaxgpt-tokens-1", "vocab_size": tok.vocab_size, "dtype": dtype, "tokenizer": tok.to_dict(),
             "eos_id": eos_id, "eos_token": eos_token, "documents": totals["documents"], "tokens": totals["tokens"],
-            "sources": sources, "text_field": text_field, "text_unit": text_unit, "val_fraction": val_fraction}
+            "sources": sources, "text_field": text_field, "text_unit": text_unit, "val_fraction": val_fraction,
+            "val_tail_tokens": tail}  # the training stream's last tokens, moved to val.bin
     if not merge:
         meta["files"] = files
     write_meta(out, meta)
@@ -317,9 +354,12 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, tex
         write_nanogpt_meta(out, tok.chars)
     if merge:
         shutil.rmtree(work)
-    if val_fraction and totals["documents"]["val"] == 0:
+    if tail:
+        log(f"{totals['documents']['val']} held-out documents gave fewer than --min-val-tokens {min_val_tokens}: "
+            f"val.bin also holds the last {tail:,} tokens of the training stream")
+    elif val_fraction and totals["tokens"]["val"] == 0:
         log(f"warning: no document was held out (val_fraction={val_fraction} of {totals['documents']['train']} "
-            "documents): raise --val-fraction, or train with --set val_fraction=0")
+            "documents): raise --val-fraction (or drop --keep-shards), or train with --set val_fraction=0")
     secs = time.perf_counter() - t0
     log(f"prepared {totals['documents']['train']:,} + {totals['documents']['val']:,} documents, "
         f"{totals['tokens']['train']:,} + {totals['tokens']['val']:,} tokens (train + val) as {dtype} in {out} "

@@ -205,8 +205,9 @@ def open_tokens(path: str | Path, *, vocab_size: int | None = None, need_val: bo
     val = Tokens(val_files, meta["dtype"]) if all(f.is_file() for f in val_files) else None
     if need_val and (val is None or len(val) == 0):
         what = "is empty" if val is not None else "is missing"
-        raise ValueError(f"{str(val_files[0])!r} {what}, but evaluation needs validation tokens: add it, or train "
-                         "without evaluation (--set val_fraction=0)")
+        raise ValueError(f"{str(val_files[0])!r} {what}, but evaluation needs validation tokens: rerun jaxgpt prepare "
+                         "with its default --min-val-tokens (or a larger --val-fraction), or train without evaluation "
+                         "(--set val_fraction=0)")
     if check not in ("sample", "full", "none"):
         raise ValueError(f"check must be 'sample', 'full' or 'none', got {check!r}")
     if check != "none":

@@ -101,6 +101,10 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     cfg = config
     init = nn.initializers.normal(cfg.init_std)
     x = tok_embed(tokens)  # (B, T, d) in the compute dtype: the residual stream's dtype from here on
+    if cfg.pad_token_id is not None:
+        # torch's nn.Embedding(padding_idx) gives the padding row no gradient from the lookup (a tied head
+        # still updates it): the same values, with the gradient of the padding positions stopped.
+        x = jnp.where((tokens == cfg.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
     if cfg.embed_scale:
         x = x * jnp.asarray(np.sqrt(cfg.d_model), x.dtype)  # not a float32 scalar: it would promote x
     if cfg.pos == "learned":
@@ -109,6 +113,16 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
     elif cfg.pos == "sinusoidal":
         x = x + jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))[positions].astype(x.dtype)
     return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+
+
+def mask_padded_vocab(config: ModelConfig, logits):
+    """logits (..., vocab_size) float32 with the padded ids (>= config.valid_vocab) at the float32 minimum:
+    softmax gives them exactly 0 (so the loss, samplers and the engine never pick them) and the where
+    passes them no gradient. The minimum, not -inf: no inf - inf = NaN in a softmax or a KL term."""
+    if config.valid_vocab is None:
+        return logits
+    padded = jnp.arange(logits.shape[-1]) >= config.valid_vocab  # (vocab,)
+    return jnp.where(padded, jnp.finfo(logits.dtype).min, logits)
 
 
 SCANNED_COLLECTIONS = {"params": 0, "intermediates": 0, "router": 0}  # what nn.scan stacks per layer
@@ -255,7 +269,7 @@ class DecoderLM(nn.Module):
         cfg = self.config
         first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
         offset = 0 if cache is None else first.index.reshape(-1)[0]
-        check_tokens(tokens, cfg.vocab_size, cfg.max_len, 0 if cache is None else offset)
+        check_tokens(tokens, cfg.token_vocab, cfg.max_len, 0 if cache is None else offset)
         if cache is not None:  # here, outside nn.scan, so the check also holds for traced indices
             capacity, t = first.capacity, tokens.shape[-1]
             if checks.is_traced(offset):
@@ -294,6 +308,7 @@ class DecoderLM(nn.Module):
         else:
             logits = dense(cfg.vocab_size, cfg.lm_head_bias, cfg.init_std, "lm_head", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                            f32_out=True)(x)
+        logits = mask_padded_vocab(cfg, logits)
         if cache is None and not return_weights and not return_depth_weights:
             return logits
         return DecoderOutput(logits, cache, weights, depth)

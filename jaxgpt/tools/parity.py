@@ -57,7 +57,7 @@ def make_inputs(config, tokenizer=None, prompt: str | None = None, batch: int = 
             ids = np.stack([row, np.where(np.arange(len(row)) < max(1, len(row) // 2), row, tokenizer.pad_id or 0)])
     else:
         t = min(seq_len, enc.max_len)
-        ids = rng.integers(0, enc.vocab_size, (batch if not bert else max(batch, 2), t)).astype(np.int32)
+        ids = rng.integers(0, enc.token_vocab, (batch if not bert else max(batch, 2), t)).astype(np.int32)
     inputs = {"ids": ids.astype(np.int32)}
     if bert:
         b, t = ids.shape
@@ -260,11 +260,14 @@ def _grads_and_adamw(side, params, inputs, tol):
 
 
 def _padding_notes(side, named, g, tg) -> list[str]:
-    """torch's nn.Embedding(padding_idx=i) never gives row i a gradient; jaxgpt's embeddings do. Say
-    so, with the error of the rest of that table (the row is located through the converter)."""
+    """torch's nn.Embedding(padding_idx=i) never gives row i a gradient; jaxgpt's token embedding does
+    too when its config has ``pad_token_id=i`` (the HF importers set it), other tables do not. Say so
+    for any other, with the error of the rest of that table (the row is located through the converter)."""
     import jax
     import torch
 
+    config = side["config"]
+    frozen = getattr(getattr(config, "encoder", config), "pad_token_id", None)
     notes = []
     for name, mod in side["torch"].named_modules():
         if not (isinstance(mod, torch.nn.Embedding) and mod.padding_idx is not None):
@@ -275,11 +278,12 @@ def _padding_notes(side, named, g, tg) -> list[str]:
         for (path, m), a, b in zip(jax.tree_util.tree_leaves_with_path(where), jax.tree_util.tree_leaves(g),
                                    jax.tree_util.tree_leaves(tg)):
             rows = np.asarray(m).reshape(np.shape(m)[0], -1).any(-1) if np.ndim(m) else None
-            if rows is None or not rows.any():
-                continue
+            where_jax = "/".join(str(k.key) for k in path)
+            if rows is None or not rows.any() or (where_jax == "tok_embed/embedding" and mod.padding_idx == frozen):
+                continue  # not this table, or jaxgpt's token embedding freezes the same row
             rest = _err(np.asarray(a)[~rows], np.asarray(b)[~rows])["scaled"]
             notes.append(f"torch's {name} has padding_idx={mod.padding_idx}: torch never updates that row, jaxgpt "
-                         f"does; {'/'.join(str(k.key) for k in path)} without it: error {rest:.2e}")
+                         f"does; {where_jax} without it: error {rest:.2e}")
     return notes
 
 

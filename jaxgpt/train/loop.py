@@ -43,11 +43,12 @@ def _differences(a, b) -> list[str]:
     return [f"{k}={da[k]!r} (saved: {db[k]!r})" for k in da if da[k] != db[k] and k not in ENGINE]
 
 
-def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None, corpus: str | None = None
-            ) -> tuple[object, TrainConfig, Task, TrainState | None]:
+def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None, corpus: str | None = None,
+            vocab_size: int | None = None) -> tuple[object, TrainConfig, Task, TrainState | None]:
     """Model config, TrainConfig, task and the state to resume from (None: a fresh run).
 
-    A fresh run sizes ``config``'s vocabulary to the data's tokenizer. When ``out`` holds a
+    A fresh run sizes ``config``'s vocabulary to the data's tokenizer (``vocab_size``: a padded table of
+    that many rows instead, ``fit_config``). When ``out`` holds a
     checkpoint the run resumes with the saved tokenizer, and any difference between the given and
     the saved configs (or data) is an error: resuming is exact or it does not happen.
     """
@@ -59,7 +60,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     ckpts = Checkpoints(out, create=False, log=quiet, mesh=resolve_mesh(tc)) if has_ckpts else None
     if ckpts is None or ckpts.latest_step() is None:
         task = load_task(config, tc, data=data, corpus=corpus)
-        return fit_config(config, task), with_epochs(tc, task), task, None
+        return fit_config(config, task, vocab_size), with_epochs(tc, task), task, None
     saved_config, saved_tc, state, meta = ckpts.restore()  # the newest intact step
     if ckpts.damaged:  # newer, damaged steps: moved aside (kept for inspection), so training can save again
         moved = ", ".join(ckpts.set_aside(e.step).name for e in ckpts.damaged)
@@ -67,7 +68,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
               f"one (moved aside: {moved})")
     ckpts.close()
     task = load_task(saved_config, saved_tc, data=data, corpus=corpus, tokenizer=meta["tokenizer"])
-    diffs = _differences(fit_config(config, task), saved_config) + _differences(with_epochs(tc, task), saved_tc)
+    diffs = _differences(fit_config(config, task, vocab_size), saved_config) + _differences(with_epochs(tc, task), saved_tc)
     if task.source != meta["source"]:
         diffs.append(f"data={task.source!r} (saved: {meta['source']!r})")
     if diffs:

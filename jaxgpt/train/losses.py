@@ -55,10 +55,11 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     return terms
 
 
-def objective(terms: dict, tc) -> jax.Array:
+def objective(terms: dict, tc, config) -> jax.Array:
     """The summed training objective of ``loss_terms``: cross entropy + the router losses times their
-    TrainConfig coefficients (MoE models); divided by the token count it is the mean loss optimised."""
+    coefficients (MoE models: ``tc.aux_coef(config)``, ``tc.router_z_coef``); divided by the token count it
+    is the mean loss optimised."""
     out = terms["loss_sum"]
     if "router_aux_sum" in terms:
-        out = out + tc.router_aux_coef * terms["router_aux_sum"] + tc.router_z_coef * terms["router_z_sum"]
+        out = out + tc.aux_coef(config) * terms["router_aux_sum"] + tc.router_z_coef * terms["router_z_sum"]
     return out

@@ -118,7 +118,7 @@ def _train_program(config, tc: TrainConfig, mesh):
 
                 with constrain_activations(mesh, rows):
                     terms = loss_terms(config, p, micro, rng=rng, train=True)
-            return objective(terms, tc), terms
+            return objective(terms, tc, config), terms
         return jax.grad(f, has_aux=True)(params)
 
     def accumulate(params, batch, rng, spmd=True):

@@ -222,11 +222,19 @@ def load_task(config, tc: TrainConfig, *, data: str | None = None, corpus: str |
     return text_task(text, tc, tok, source)
 
 
-def fit_config(config, task: Task):
-    """``config`` with its vocabulary (and classes) sized to the task's tokenizer and labels."""
+def fit_config(config, task: Task, vocab_size: int | None = None):
+    """``config`` with its vocabulary (and classes) sized to the task's tokenizer and labels.
+
+    Decoders may keep a padded table: ``vocab_size`` (a table size asked for, e.g. ``--set vocab_size=50304``)
+    or a config already padded for this tokenizer (``valid_vocab`` equal to its size: a resumed or
+    fine-tuned run) gives ``vocab_size`` rows of which the tokenizer's first ``valid_vocab`` are tokens."""
     v = task.tokenizer.vocab_size
     if isinstance(config, ModelConfig):
-        return config.replace(vocab_size=v)
+        size = vocab_size or (config.vocab_size if config.valid_vocab == v else v)
+        if size < v:
+            raise ValueError(f"vocab_size={size} is smaller than the data's vocabulary ({v} tokens); a padded "
+                             f"vocabulary must be at least {v}")
+        return config.replace(vocab_size=size, valid_vocab=v if size > v else None)
     if isinstance(config, EncDecConfig):
         return config.replace(encoder=config.encoder.replace(vocab_size=v), decoder=config.decoder.replace(vocab_size=v))
     n_classes = int(np.concatenate([task.train[2], task.val[2]]).max()) + 1

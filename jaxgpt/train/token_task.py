@@ -94,7 +94,8 @@ def token_task(path: str, tc: TrainConfig, *, vocab_size: int | None = None, tok
     val = d.val if d.val is not None and need_val else np.zeros(0, np.uint16)  # val_fraction=0: no evaluation
     if need_val and len(val) < tc.seq_len + 1:
         raise ValueError(f"{d.val.paths[0]} has {len(val)} tokens; seq_len={tc.seq_len} needs {tc.seq_len + 1} "
-                         "for evaluation (or --set val_fraction=0: no evaluation)")
+                         "for evaluation: rerun jaxgpt prepare with a larger --min-val-tokens, use a smaller seq_len, "
+                         "or --set val_fraction=0 (no evaluation)")
     return TokenTask("lm", tok, (d.train,), (val,), str(path), data=d)
 
 

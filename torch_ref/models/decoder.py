@@ -42,7 +42,7 @@ def add_embeddings(module: nn.Module, config: ModelConfig) -> None:
     """Give ``module`` tok_embed (+ pos_embed or a sinusoidal buffer) and an embedding dropout,
     the attribute names jaxgpt's embed_tokens uses."""
     cfg = config
-    module.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    module.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)  # no grad in that row
     nn.init.normal_(module.tok_embed.weight, std=cfg.init_std)
     if cfg.pos == "learned":
         module.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model)
@@ -89,7 +89,7 @@ class DecoderLM(nn.Module):
         """Same contract as jaxgpt's DecoderLM: logits, or a DecoderOutput with a cache / weights."""
         cfg = self.config
         offset = 0 if cache is None else cache[0].index
-        check_tokens(tokens, cfg.vocab_size, cfg.max_len, offset)
+        check_tokens(tokens, cfg.token_vocab, cfg.max_len, offset)
         if positions is None:
             positions = offset + torch.arange(tokens.shape[-1], device=tokens.device)
         x = embed_tokens(self, cfg, tokens, positions)
@@ -115,6 +115,9 @@ class DecoderLM(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         logits = x @ self.tok_embed.weight.T if cfg.tie_embeddings else self.lm_head(x)
+        if cfg.valid_vocab is not None:  # padded ids: the float32 minimum, as jaxgpt's mask_padded_vocab
+            padded = torch.arange(logits.shape[-1], device=logits.device) >= cfg.valid_vocab
+            logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
         if cache is None and not return_weights and not return_depth_weights:
             return logits
         return DecoderOutput(logits, cache, weights, depth)
