@@ -73,6 +73,8 @@ def test_padded_ids_are_never_sampled_or_accepted():
     assert np.asarray(generate(cfg.replace(valid_vocab=None), params, prompt, 12, **kw))[:, 3:].max() >= V
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 33\)"):
         build(cfg).apply({"params": params}, np.array([[1, V]], np.int32))  # a padded id is not an input
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 33\)"):
+        generate(cfg, params, np.array([[1, V]], np.int32), 2)  # nor a prompt (checked before jit)
 
 
 def test_gpt2_shapes_with_a_padded_vocabulary():

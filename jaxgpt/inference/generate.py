@@ -119,9 +119,9 @@ def generate(config: ModelConfig, params, prompt, max_new_tokens: int, *, temper
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if config.residual != "standard":
         use_cache = False
-    check_tokens(prompt, config.vocab_size, config.max_len)
-    if eos_id is not None and not 0 <= eos_id < config.vocab_size:
-        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {config.vocab_size})")
+    check_tokens(prompt, config.token_vocab, config.max_len)  # a padded table's extra rows are no tokens
+    if eos_id is not None and not 0 <= eos_id < config.token_vocab:
+        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {config.token_vocab})")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     fits = prompt.shape[1] + max_new_tokens <= config.max_len
     fn = _generate_cached if use_cache and fits else _generate_uncached

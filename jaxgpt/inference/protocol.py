@@ -89,7 +89,7 @@ def check_fields(body: dict, kind: str) -> None:
 
 
 def _check_ids(ids: list[int], engine, param: str) -> list[int]:
-    v, n = engine.config.vocab_size, context(engine)
+    v, n = engine.config.token_vocab, context(engine)  # a padded table's extra rows are no tokens
     if not ids:
         raise ApiError(400, "the prompt is empty", param=param)
     bad = [i for i in ids if not 0 <= i < v]
@@ -167,7 +167,7 @@ def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
 
 def _sampling(body: dict, kind: str, prompts: list[list[int]], n: int, engine, top: int, logprobs: bool):
     """One SamplingParams per choice, and the stop strings."""
-    vocab, ctx = engine.config.vocab_size, context(engine)
+    vocab, ctx = engine.config.token_vocab, context(engine)
     key = "max_tokens"
     max_tokens = body.get("max_tokens")
     if kind == "chat" and body.get("max_completion_tokens") is not None:
