@@ -13,13 +13,33 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from jaxgpt.inference.engine import Engine
 from jaxgpt.inference.prefix_cache import ROOT, PrefixCachingAllocator
 from jaxgpt.inference.sampling import SamplingParams
-from test_engine import _hf_greedy, llama  # noqa: F401  (module fixture)
+from test_engine import _hf_greedy
 
 PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """test_engine's random HF LLaMA (the same shapes, so the same compiled programs) with weights
+    20x larger: at HF's init scale its greedy tokens hardly depend on the context, and keys and
+    values read from the wrong positions changed no token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_dirs import randomize_
+    from jaxgpt.convert.hf import from_hf
+
+    torch.manual_seed(1)
+    model = randomize_(LlamaForCausalLM(LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False, initializer_range=0.2)), seed=1)
+    config, params = from_hf(model)
+    return model, config, params
 
 
 def _workload(seed=0):
@@ -31,7 +51,7 @@ def _workload(seed=0):
     prompts += [system[:16],  # page-aligned and entirely cached: its last page is recomputed
                 system[:5] + tok(3),  # shares less than a page: no hit
                 list(prompts[0]),  # a repeat: cached up to its last token's page
-                tok(12) + system]  # the system prompt at another offset: no hit
+                system[8:16] + tok(5)]  # a cached page's tokens at another position: no hit
     news = [int(rng.integers(2, 14)) for _ in prompts]
     return prompts, news
 
@@ -59,10 +79,24 @@ def _run_waves(eng, prompts, news):
             out.setdefault(o.id, []).extend(o.new_token_ids)
     for p, n in list(zip(prompts, news))[3:]:
         ids.append(eng.add_request(p, SamplingParams(max_tokens=n)))
-    while eng.has_unfinished():
+    for _ in range(400):  # a request that never completes fails the test instead of hanging it
         for o in eng.step():
             out.setdefault(o.id, []).extend(o.new_token_ids)
-    return [out[i] for i in ids]
+        if not eng.has_unfinished():
+            return [out[i] for i in ids]
+    raise AssertionError("unfinished after 400 steps")
+
+
+def _finish(eng, prompts, sp, max_steps=100):
+    """generate(), but a request that never completes fails the test instead of hanging it."""
+    ids = [eng.add_request(p, sp) for p in prompts]
+    out = {i: [] for i in ids}
+    for _ in range(max_steps):
+        for o in eng.step():
+            out[o.id] += o.new_token_ids
+        if not eng.has_unfinished():
+            return [out[i] for i in ids]
+    raise AssertionError(f"unfinished after {max_steps} steps")
 
 
 def _no_leaks(eng):
@@ -73,7 +107,7 @@ def _no_leaks(eng):
 
 
 @pytest.fixture(scope="module")
-def workload(llama):  # noqa: F811 - a pytest fixture argument named as the imported fixture
+def workload(llama):
     model, _, _ = llama
     prompts, news = _workload()
     return prompts, news, [_hf_greedy(model, p, n) for p, n in zip(prompts, news)]
@@ -83,7 +117,7 @@ def workload(llama):  # noqa: F811 - a pytest fixture argument named as the impo
                                 dict(max_seqs=4, max_tokens_per_step=16, num_pages=9),
                                 dict(max_seqs=4, max_tokens_per_step=64, num_pages=40, kv_dtype="int8")],
                          ids=["roomy", "chunked+preempting", "int8"])
-def test_greedy_identical_with_and_without_prefix_caching(llama, workload, kw):  # noqa: F811
+def test_greedy_identical_with_and_without_prefix_caching(llama, workload, kw):
     _, config, params = llama
     prompts, news, hf = workload
     on = _counting(Engine(config, params, page_size=PAGE, **kw))
@@ -108,23 +142,24 @@ def test_greedy_identical_with_and_without_prefix_caching(llama, workload, kw): 
     assert on.allocator.cached > 0
 
 
-def test_hits_count_whole_pages_and_leave_the_last_token(llama):  # noqa: F811
+def test_hits_count_whole_pages_and_leave_the_last_token(llama):
     """A repeated page-aligned prompt hits all but its last page (the page that holds the token
     whose logits sample the next one is recomputed into a page of its own); a prompt one token
     longer hits both pages; a prefix shorter than a page never hits."""
     _, config, params = llama
     eng = Engine(config, params, max_seqs=4, page_size=PAGE, max_tokens_per_step=64, num_pages=40)
     p = list(range(10, 26))  # 16 tokens: two pages
-    first = eng.generate([p], SamplingParams(max_tokens=4))[0]
+    sp = SamplingParams(max_tokens=4)
+    first = _finish(eng, [p], sp)
     for prompt, hit in ((p, 8), (p + [30], 16), (p[:7] + [40], 0), (p[:12], 8)):
         before = eng.stats["prefix_hits"]
-        eng.generate([prompt], SamplingParams(max_tokens=4))
+        _finish(eng, [prompt], sp)
         assert eng.stats["prefix_hits"] - before == hit, prompt
-    assert eng.generate([p], SamplingParams(max_tokens=4))[0] == first
+    assert _finish(eng, [p], sp) == first
     _no_leaks(eng)
 
 
-def test_requests_arriving_together_share_the_prefix(llama):  # noqa: F811
+def test_requests_arriving_together_share_the_prefix(llama):
     """Four prompts with one 20-token prefix, all added before the first step: the later ones wait
     for the first to compute the shared pages instead of computing them too, then hit both."""
     _, config, params = llama
@@ -139,7 +174,7 @@ def test_requests_arriving_together_share_the_prefix(llama):  # noqa: F811
     _no_leaks(on)
 
 
-def test_pages_are_shared_while_running(llama):  # noqa: F811
+def test_pages_are_shared_while_running(llama):
     _, config, params = llama
     eng = Engine(config, params, max_seqs=4, page_size=PAGE, max_tokens_per_step=64, num_pages=40)
     prefix = list(range(3, 20))
@@ -156,7 +191,7 @@ def test_pages_are_shared_while_running(llama):  # noqa: F811
     _no_leaks(eng)
 
 
-def test_eviction_under_pressure(llama):  # noqa: F811
+def test_eviction_under_pressure(llama):
     """Twelve distinct 30-token prompts through 12 allocatable pages: cached pages are evicted for
     new ones, a repeat of the latest prompt still hits, and every token equals the uncached engine's."""
     _, config, params = llama
@@ -172,7 +207,8 @@ def test_eviction_under_pressure(llama):  # noqa: F811
     _no_leaks(on)
 
 
-def test_with_a_draft_identical_and_hits(llama):  # noqa: F811
+@pytest.mark.slow  # ~14 s, most of it compiling the speculative round: make test-slow
+def test_with_a_draft_identical_and_hits(llama):
     """Speculative decoding: the draft's pools share the page ids, and a cached page holds both
     models' keys/values (it was filled by prefill chunks or speculative rounds)."""
     _, config, params = llama
