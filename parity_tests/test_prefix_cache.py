@@ -26,7 +26,7 @@ PAGE = 8
 @pytest.fixture(scope="module")
 def llama():
     """test_engine's random HF LLaMA (the same shapes, so the same compiled programs) with weights
-    20x larger: at HF's init scale its greedy tokens hardly depend on the context, and keys and
+    10x larger: at HF's init scale its greedy tokens hardly depend on the context, and keys and
     values read from the wrong positions changed no token."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
