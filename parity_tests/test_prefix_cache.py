@@ -221,6 +221,28 @@ def test_with_a_draft_identical_and_hits(llama):
     _no_leaks(on)
 
 
+def test_a_page_the_draft_fell_behind_on_is_not_cached():
+    """A 43-token prompt in a 66-token context, k = 3: speculative rounds take it to 63 tokens
+    computed, then a round would pass the context, so a plain decode step writes position 63 into
+    the target's pages only (``draft_stale``). That page (56-63) is not cached: a request sharing
+    all 64 tokens hits 7 pages, not 8; with the rule removed, 8."""
+    import jax
+
+    from jaxgpt.config import ModelConfig
+    from jaxgpt.models import init_params
+
+    config = ModelConfig(vocab_size=32, d_model=16, n_layer=1, n_head=2, max_len=66, pos="rope")
+    params = init_params(config, jax.random.PRNGKey(0))
+    eng = Engine(config, params, max_seqs=2, page_size=PAGE, max_tokens_per_step=16, draft=(config, params),
+                 num_speculative_tokens=3)
+    prompt = list(range(1, 31)) + list(range(1, 14))
+    out = _finish(eng, [prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert len(prompt) + len(out) == 66 and eng.stats["spec_accepted"] == eng.stats["spec_proposed"] == 15
+    _finish(eng, [(prompt + out)[:64] + [5]], SamplingParams(max_tokens=1))
+    assert eng.stats["prefix_hits"] == 7 * PAGE
+    _no_leaks(eng)
+
+
 # -- the allocator alone ----------------------------------------------------------------------------
 def test_allocator_takes_free_pages_first_then_the_least_recently_used():
     a = PrefixCachingAllocator(7, page_size=2)
@@ -251,3 +273,22 @@ def test_allocator_keys_are_exact_prefixes():
     assert a.match([9, 9, 3, 4], 2) == ([p[3]], [j])  # [3, 4] after another prefix: a miss
     assert a.match([1, 2, 3, 4], 1) == ([p[0]], [i0])  # max_pages caps the match
     assert a.refs(p[0]) == 2 and a.refs(p[1]) == 1
+
+
+@pytest.mark.smoke  # the benchmark end to end in a subprocess (~15 s): make test-slow
+def test_bench_prefix_quick_smoke(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "prefix.json"
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "scripts.benchmarks.bench_prefix", "--quick", "--rounds", "1",
+                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    off, on = r["arms"]["no cache"], r["arms"]["prefix cache"]
+    assert r["identical"] and off["hit_rate"] == 0 and on["hit_rate"] > 0.5
+    assert on["tokens_computed"] < off["tokens_computed"]  # the cache's effect, whatever the machine's load
+    assert "| prefix cache |" in out.with_suffix(".md").read_text()

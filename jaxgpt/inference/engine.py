@@ -7,6 +7,8 @@ few padded slots); allocate pages, preempting the latest admitted request when
 they run out (its pages are freed and it is recomputed from its prompt and outputs later);
 run one jitted call for all decode rows and one for the prefill chunks; sample per request;
 finish on EOS, stop ids, stop strings, ``max_tokens`` or the context window, freeing pages.
+With prefix caching (on by default) admission first hands a request the cached full pages of its
+tokens' prefix, and freed full pages stay cached until evicted (prefix_cache.py).
 
 With a ``draft`` model (speculative decoding) every decoding row takes k + 1 tokens of the budget
 instead, and one program (``speculative.speculate``) runs the round for all of them: the draft
