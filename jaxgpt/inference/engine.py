@@ -7,6 +7,8 @@ few padded slots); allocate pages, preempting the latest admitted request when
 they run out (its pages are freed and it is recomputed from its prompt and outputs later);
 run one jitted call for all decode rows and one for the prefill chunks; sample per request;
 finish on EOS, stop ids, stop strings, ``max_tokens`` or the context window, freeing pages.
+With prefix caching (on by default) admission first hands a request the cached full pages of its
+tokens' prefix, and freed full pages stay cached until evicted (prefix_cache.py).
 
 With a ``draft`` model (speculative decoding) every decoding row takes k + 1 tokens of the budget
 instead, and one program (``speculative.speculate``) runs the round for all of them: the draft
@@ -31,7 +33,7 @@ from functools import partial
 import jax
 import numpy as np
 
-from jaxgpt.inference import speculative
+from jaxgpt.inference import prefix_cache, speculative
 from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAllocator, batch_arrays, bucket,
                                          init_pools, next_pow2, plan_prefill)
 from jaxgpt.inference.paged_model import paged_apply
@@ -64,11 +66,12 @@ class Engine:
     decoding with ``num_speculative_tokens`` proposals a round.
     ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the CPU kernel
     (kernels/paged_ffi.py, float32 pages), 'gather' pure JAX, 'auto' the first where it can run.
+    ``enable_prefix_caching``: full KV pages of shared prefixes are reused (prefix_cache.py).
     """
 
     def __init__(self, config, params, *, max_seqs: int = 32, page_size: int = 16, num_pages: int | None = None,
                  max_tokens_per_step: int = 512, kv_dtype: str = "auto", paged_kernel: str = "auto", eos_ids=(),
-                 decode=None, draft=None, num_speculative_tokens: int = 4):
+                 decode=None, draft=None, num_speculative_tokens: int = 4, enable_prefix_caching: bool = True):
         if config.residual != "standard":
             raise ValueError(f"the engine needs a KV cache; residual={config.residual!r} models have none")
         for name, val in (("max_seqs", max_seqs), ("page_size", page_size), ("max_tokens_per_step",
@@ -92,7 +95,9 @@ class Engine:
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
         self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype)
-        self.allocator = PageAllocator(num_pages)
+        self.prefix_caching = enable_prefix_caching
+        self.allocator = (prefix_cache.PrefixCachingAllocator(num_pages, page_size) if enable_prefix_caching
+                          else PageAllocator(num_pages))
         self.eos_ids = set(int(i) for i in eos_ids)
         self.decode = decode
         self.waiting: deque[Request] = deque()
@@ -101,6 +106,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self.stats = dict(steps=0, preemptions=0, prompt_tokens=0, generated_tokens=0, calls=0)
+        self.stats.update(prefix_queries=0, prefix_hits=0)  # tokens looked up in the prefix cache at admission, found
         self.shapes: set[tuple] = set()  # every (kind, B, T, P) shape run: the compilations
         self.draft = None if draft is None else self._init_draft(*draft, k=num_speculative_tokens, kv_dtype=kv_dtype,
                                                                  paged_kernel=paged_kernel, num_pages=num_pages)
@@ -173,8 +179,14 @@ class Engine:
 
     # -- scheduling ---------------------------------------------------------------------------------
     def _free(self, req: Request) -> None:
+        self._cache(req)  # a finished or preempted request's pages stay cached, evictable
         self.allocator.release(req.pages)
-        req.pages, req.computed, req.draft_stale = [], 0, False
+        req.pages, req.computed, req.draft_stale, req.chain = [], 0, False, []
+
+    def _cache(self, req: Request) -> None:
+        # with a draft, only pages whose draft keys/values were written too (no plain decode step yet)
+        if self.prefix_caching and not (self.draft is not None and req.draft_stale):
+            prefix_cache.cache_full_pages(self.allocator, req)
 
     def _pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
@@ -198,11 +210,19 @@ class Engine:
         return victim
 
     def _admit(self) -> None:
+        for req in self.running:
+            self._cache(req)
         while self.waiting and len(self.running) < self.max_seqs:
             req = self.waiting[0]
-            first = min(len(req.tokens), self.budget)
-            if self.allocator.free < self._pages_for(first) + len(self.running):  # keep a page of headroom each
+            if self.prefix_caching:
+                prefix_cache.match_prefix(self.allocator, req)
+            need = self._pages_for(min(len(req.tokens), req.computed + self.budget)) - len(req.pages)
+            if (self.allocator.free < need + len(self.running)  # keep a page of headroom each
+                    or self.prefix_caching and prefix_cache.computed_by_another(req, self.running, self.page_size)):
+                self._free(req)  # a page another request is computing: wait a step for it, not compute it twice
                 break
+            self.stats["prefix_queries"] += len(req.tokens) if self.prefix_caching else 0
+            self.stats["prefix_hits"] += req.computed
             self.waiting.popleft()
             self.running.append(req)
 

@@ -16,6 +16,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the pages
+    chain: list[int] = field(default_factory=list)  # prefix-cache entry ids of the leading full pages
     finish_reason: str | None = None
     error: str | None = None
     first_token_time: float | None = None
