@@ -1,7 +1,8 @@
 """Incremental detokenization (jaxgpt/inference/detokenize.py).
 
 Reference: the tokenizer's own decode of the whole id list (``tokenizers``' byte-level BPE trained
-here on text with emoji and CJK, and jaxgpt's character vocabulary); the streamed deltas must
+here on text with emoji and CJK, a SentencePiece-like BPE (Metaspace, byte fallback, skipped
+special tokens) and jaxgpt's character vocabulary); the streamed deltas must
 concatenate to exactly that text, cut before the first stop string when one is given. The O(n)
 claim is measured by counting the ids handed to ``decode``.
 """
@@ -28,6 +29,34 @@ def char():
     return CharTokenizer.from_text(TEXT)
 
 
+class _SentencePieceLike:
+    """LLaMA-style: Metaspace words, byte fallback, the first leading space stripped by the decoder,
+    special tokens skipped. A window whose context decodes to nothing would lose a space."""
+
+    def __init__(self):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]  # skipped when decoding
+        tok.train_from_iterator(TEXT.splitlines(), trainer=trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, show_progress=False))
+        self.tok, self.vocab_size = tok, tok.get_vocab_size()
+
+    def encode(self, text):
+        return self.tok.encode(text).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids))
+
+
+@pytest.fixture(scope="module")
+def spm():
+    return _SentencePieceLike()
+
+
 def _chunks(ids, rng):
     """ids split into random pieces of 1..4 (a speculative round emits several at once)."""
     out, i = [], 0
@@ -50,13 +79,13 @@ def _expected(full, stop):
     return full[:min(cuts)] if cuts else full
 
 
-@pytest.mark.parametrize("kind", ["bpe", "char"])
-def test_deltas_concatenate_to_the_full_decode_on_random_id_streams(kind, bpe, char):
-    tok = bpe if kind == "bpe" else char
+@pytest.mark.parametrize("kind", ["bpe", "char", "spm"])
+def test_deltas_concatenate_to_the_full_decode_on_random_id_streams(kind, bpe, char, spm):
+    tok = {"bpe": bpe, "char": char, "spm": spm}[kind]
     rng = np.random.default_rng(0)
     text_ids = list(tok.encode(TEXT))
     for trial in range(60):
-        if trial % 2:  # random ids: invalid UTF-8 byte runs in the BPE case
+        if trial % 2:  # random ids: invalid UTF-8 byte runs (BPE), skipped special tokens (spm)
             ids = rng.integers(0, tok.vocab_size, size=int(rng.integers(1, 80))).tolist()
         else:  # a slice of real text, starting anywhere (perhaps inside a character)
             a = int(rng.integers(0, len(text_ids) - 100))
@@ -130,9 +159,9 @@ class _Counting:
         return self.tok.decode(ids)
 
 
-@pytest.mark.parametrize("kind", ["bpe", "char"])
-def test_streaming_1000_tokens_costs_constant_work_per_token(kind, bpe, char):
-    tok = bpe if kind == "bpe" else char
+@pytest.mark.parametrize("kind", ["bpe", "char", "spm"])
+def test_streaming_1000_tokens_costs_constant_work_per_token(kind, bpe, char, spm):
+    tok = {"bpe": bpe, "char": char, "spm": spm}[kind]
     ids = (list(tok.encode(TEXT)) * 10)[:1000]
     counting = _Counting(tok)
     d = Detokenizer(counting, stop=("never-seen-stop", "🐈 and"))

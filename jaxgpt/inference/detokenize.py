@@ -7,7 +7,8 @@ recent ids instead, as vLLM's ``detokenize_incrementally`` and HF's ``TextStream
 * ``ids[prefix:read]`` is text already taken, kept as context (a SentencePiece decoder drops the
   leading space of the first token it sees, so a token is never decoded alone); ``ids[prefix:]``
   decoded, minus that context's text, is the new text.
-* The window moves on (``prefix = read; read = len(ids)``) only when its text does not end in
+* The window moves on (``prefix = read; read = len(ids)``; the context stays if the new ids
+  decode to nothing, as skipped special tokens do) only when its text does not end in
   '\\ufffd': then the decoder stands between two whole characters, so decoding from there gives
   what a decode of the whole list gives from there. A byte-level BPE token may end inside a
   multi-byte character (emoji, CJK); until the next token completes it, the window grows.
@@ -17,9 +18,10 @@ recent ids instead, as vLLM's ``detokenize_incrementally`` and HF's ``TextStream
   the text before it (OpenAI excludes it), even when it spans tokens. The held text is shorter
   than the longest stop string, so the search per token is O(1) too.
 
-The concatenated deltas equal ``tokenizer.decode(ids)`` for decoders whose output at a character
-boundary does not depend on what comes before it (byte-level BPE, character vocabularies;
-parity_tests/test_detokenize.py checks both on random id streams).
+The concatenated deltas equal ``tokenizer.decode(ids)`` for decoders whose output past a character
+boundary depends on what comes before it at most through "is this the first text" (byte-level
+BPE, SentencePiece's Metaspace with byte fallback, character vocabularies;
+parity_tests/test_detokenize.py checks all three on random id streams).
 """
 from __future__ import annotations
 
@@ -63,8 +65,12 @@ class Detokenizer:
             self._pending += text[start:end]
             self._taken = end - self._prefix_len
         if clean and not final:
-            self._prefix, self._read = self._read, len(self.ids)
-            self._prefix_len, self._taken = len(self._decode(self._prefix, self._read)), 0
+            n = len(self._decode(self._read, len(self.ids)))
+            if n:  # the new ids become the context
+                self._prefix, self._prefix_len = self._read, n
+            else:  # they decode to nothing (skipped special tokens): keep the old context with them
+                self._prefix_len = len(text)
+            self._read, self._taken = len(self.ids), 0
 
     def _release(self, final: bool) -> str:
         text = self._pending

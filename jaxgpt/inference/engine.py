@@ -42,8 +42,8 @@ from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 
-# Speculate while at most this many requests run. bench_speculative (results/engine/speculative*.md,
-# docs/serving.md): k = 2 gains 1.57x at one request and loses at 8 in flight (0.96x; k = 4 0.71x).
+# Speculate while at most this many requests run. bench_speculative (docs/serving.md, 2-core CPU): with
+# the default k = 4, 1.34x at one request, 0.71x at 8 in flight; linearly interpolated, even near 5.
 SPEC_MAX_BATCH = 4
 
 
@@ -69,7 +69,8 @@ class Engine:
     ``eos_ids``: tokens that end a request (unless its ``ignore_eos``); ``decode``: ids -> text,
     needed for stop strings (checked incrementally, detokenize.Detokenizer: O(1) a token).
     ``max_model_len``: the longest sequence (prompt + output) served, at most the model's
-    ``max_len`` (the default); it sets the pages a sequence may hold. ``kv_dtype``: 'auto' (the compute dtype), 'float32', 'bfloat16', 'int8'.
+    ``max_len`` (the default); it sets the pages a sequence may hold.
+    ``kv_dtype``: 'auto' (the compute dtype), 'float32', 'bfloat16', 'int8'.
     ``draft``: (config, params) of a smaller model with the same vocabulary, for speculative
     decoding with ``num_speculative_tokens`` proposals a round, while at most ``spec_max_batch``
     requests are running (above it speculation loses; plain decode steps until the batch shrinks).
