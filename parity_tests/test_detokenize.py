@@ -110,9 +110,9 @@ def test_a_partial_character_is_held_until_it_completes(bpe):
     assert split, "the test needs a character split over tokens: retrain the tokenizer smaller"
 
 
-@pytest.mark.parametrize("kind", ["bpe", "char"])
-def test_stop_strings_cut_the_text_even_across_tokens(kind, bpe, char):
-    tok = bpe if kind == "bpe" else char
+@pytest.mark.parametrize("kind", ["bpe", "char", "spm"])
+def test_stop_strings_cut_the_text_even_across_tokens(kind, bpe, char, spm):
+    tok = {"bpe": bpe, "char": char, "spm": spm}[kind]
     rng = np.random.default_rng(1)
     text_ids = list(tok.encode(TEXT))
     spanning = 0
