@@ -93,6 +93,7 @@ def test_deltas_concatenate_to_the_full_decode_on_random_id_streams(kind, bpe, c
         full = tok.decode(ids)
         deltas, d = _stream(tok, ids, rng)
         assert "".join(deltas) == full, (kind, trial, ids)
+        assert Detokenizer(tok).add(ids, final=True) == full  # all at once
         assert d.ids == ids and not d.stopped
 
 
@@ -125,6 +126,7 @@ def test_stop_strings_cut_the_text_even_across_tokens(kind, bpe, char, spm):
         deltas, d = _stream(tok, ids, rng, stop)
         want = _expected(full, stop)
         assert "".join(deltas) == want, (kind, trial, stop)
+        assert Detokenizer(tok, stop).add(ids, final=True) == want  # all at once
         assert d.stopped == any(s in full for s in stop)
         for k in range(1, len(deltas)):  # no delta ever shows the start of the stop string early
             assert want.startswith("".join(deltas[:k]))

@@ -46,6 +46,10 @@ class Detokenizer:
         if self.tok is None or self.stopped:
             self.ids += ids
             return ""
+        if final and not self.ids:  # all at once (a response that is not streamed): one decode
+            self.ids = ids
+            self._pending = self._decode(0, len(ids))
+            return self._release(final=True)
         for i in ids:  # one at a time: a window never spans more than one unfinished character's ids
             self.ids.append(i)
             self._take(final=False)
