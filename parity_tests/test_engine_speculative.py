@@ -4,7 +4,8 @@ Greedy: token-identical to transformers' ``generate`` on each request alone (the
 test did not compute), with two drafts: one that always agrees (the target itself: every
 round emits k + 1 tokens) and one that agrees often (the target with perturbed weights: accepted
 prefixes of every length, rejections); under ragged arrivals, chunked prefill and forced
-preemption. A draft of another shape than the target's runs in the sampling test and in
+preemption; and with speculation switched off above ``spec_max_batch`` running requests and
+back on below it. A draft of another shape than the target's runs in the sampling test and in
 test_serve.py's ``--draft`` test. Sampling: the engine's second and
 third tokens are distributed as the target's own (temperature 0.8, top-k 4 of a 5-token
 vocabulary), the reference computed here from the target's logits in NumPy, within 4.5
