@@ -4,7 +4,8 @@ Greedy: token-identical to transformers' ``generate`` on each request alone (the
 test did not compute), with two drafts: one that always agrees (the target itself: every
 round emits k + 1 tokens) and one that agrees often (the target with perturbed weights: accepted
 prefixes of every length, rejections); under ragged arrivals, chunked prefill and forced
-preemption. A draft of another shape than the target's runs in the sampling test and in
+preemption; and with speculation switched off above ``spec_max_batch`` running requests and
+back on below it. A draft of another shape than the target's runs in the sampling test and in
 test_serve.py's ``--draft`` test. Sampling: the engine's second and
 third tokens are distributed as the target's own (temperature 0.8, top-k 4 of a 5-token
 vocabulary), the reference computed here from the target's logits in NumPy, within 4.5
@@ -57,6 +58,35 @@ def test_greedy_with_a_draft_identical_to_hf(llama, references, draft):  # noqa:
     assert s["preemptions"] > 0
 
 
+@pytest.mark.parametrize("limit", [2])  # 1 too would double the time for the same paths
+def test_speculation_turns_off_above_spec_max_batch_and_back_on(llama, references, limit):  # noqa: F811 - a pytest fixture argument named as the imported fixture
+    """Above ``spec_max_batch`` running requests, rows take plain decode steps (the draft's pages
+    fall behind); when the batch shrinks they speculate again after the draft is fed the tokens it
+    missed. With the target as its own draft every proposal is accepted only if the draft's pages
+    hold every token: a skipped catch-up shows as a rate below 1."""
+    _, config, params = llama
+    prompts, news, hf, _ = references
+    eng = Engine(config, params, page_size=8, draft=(config, params), num_speculative_tokens=K,
+                 spec_max_batch=limit, **CHUNKED)
+    seen = []
+    step = eng.step
+
+    def spy():
+        n_running, before = len(eng.running), eng.stats["spec_proposed"]
+        outs = step()
+        seen.append((n_running, eng.stats["spec_proposed"] > before))
+        return outs
+
+    eng.step = spy
+    assert _run_staggered(eng, prompts, news) == hf
+    assert eng.allocator.free == eng.allocator.total and not eng._draft_at
+    assert not any(spec for n, spec in seen if n > limit)  # off above the limit (running counted after admission)
+    assert any(spec for n, spec in seen if n <= limit)
+    s = eng.stats
+    assert s["spec_catch_up_tokens"] > 0  # requests came back to speculation after plain steps
+    assert s["spec_accepted"] == s["spec_proposed"], (s["spec_accepted"], s["spec_proposed"])
+
+
 @pytest.mark.slow  # ~14 s: make test-slow (make test keeps the fast tier under 10 min)
 def test_precompile_covers_the_speculative_shapes(llama, references):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     _, config, params = llama
@@ -102,7 +132,7 @@ def test_sampling_with_a_draft_keeps_the_target_distribution():
     tp = jax.tree_util.tree_map(lambda x: 3 * x, tp)  # sharper, so p and q differ and rejections happen
     prompt, n, temperature, top_k = [1, 2, 3], 2000, 0.8, 4
     eng = Engine(target, tp, max_seqs=128, page_size=8, max_tokens_per_step=512, draft=(draft, dp),
-                 num_speculative_tokens=2)
+                 num_speculative_tokens=2, spec_max_batch=128)  # every round speculative
     outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=s)
                                        for s in range(n)])
     rate = eng.stats["spec_accepted"] / eng.stats["spec_proposed"]
@@ -120,8 +150,10 @@ def test_draft_errors_name_the_value(llama):  # noqa: F811 - a pytest fixture ar
     with pytest.raises(ValueError, match=r"draft's vocabulary \(50\) differs from the target's \(96\)"):
         Engine(config, params, draft=(small, init_params(small, jax.random.PRNGKey(0))))
     short = dataclasses.replace(config, max_len=32)
-    with pytest.raises(ValueError, match=r"draft's context \(32\) is shorter than the target's \(64\)"):
+    with pytest.raises(ValueError, match=r"draft's context \(32\) is shorter than the target's max_model_len \(64\)"):
         Engine(config, params, draft=(short, params))
+    with pytest.raises(ValueError, match="spec_max_batch must be >= 1, got 0"):
+        Engine(config, params, draft=(config, params), spec_max_batch=0)
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
         Engine(config, params, draft=(config, params), num_speculative_tokens=0)
     with pytest.raises(ValueError, match="takes num_speculative_tokens \\+ 1 = 9 tokens of max_tokens_per_step=8"):

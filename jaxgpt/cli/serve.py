@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,14 +32,23 @@ def build_engine(args):
         raise ValueError(f"{args.model} is not a decoder language model; `jaxgpt serve` serves GPT-2/LLaMA-style "
                          "models")
     eos = getattr(tok, "eos_ids", None) or ([tok.eos_id] if getattr(tok, "eos_id", None) is not None else [])
+    max_model_len = getattr(args, "max_model_len", None)  # getattr: callers' Namespaces may predate a flag
     kw = dict(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
               max_tokens_per_step=args.max_tokens_per_step, kv_dtype=args.kv_dtype, eos_ids=eos,
-              decode=tok.decode if tok is not None else None)
+              decode=tok.decode if tok is not None else None, max_model_len=max_model_len)
+    dconfig = None
     if args.draft:
         dconfig, dparams, dmeta, _ = _load_for_inference(args.draft, None)
         if not isinstance(dconfig, ModelConfig) or dmeta.get("kind", "lm") != "lm":
             raise ValueError(f"--draft {args.draft} is not a decoder language model")
         kw.update(draft=(dconfig, dparams), num_speculative_tokens=args.num_speculative_tokens)
+        if getattr(args, "spec_max_batch", None) is not None:
+            kw.update(spec_max_batch=args.spec_max_batch)
+    if getattr(args, "kv_cache_memory", None) is not None:
+        from jaxgpt.inference.paged_cache import pages_for_budget
+
+        kw["num_pages"] = pages_for_budget(config, args.page_size, args.kv_dtype, args.kv_cache_memory,
+                                           max_model_len=max_model_len, draft_config=dconfig)
     engine = Engine(config, params, **kw)
     name = args.served_model_name or Path(args.model.rstrip("/")).name
     return engine, tok, name
@@ -50,6 +60,7 @@ def cmd_serve(args) -> int:
     except ImportError:
         raise ValueError("jaxgpt serve needs FastAPI and uvicorn: pip install 'jaxgpt[serve]'") from None
     from jaxgpt.inference.server import create_app
+    from jaxgpt.inference.server_ops import install
 
     engine, tok, name = build_engine(args)
     if args.precompile:  # every shape the engine can run, before the first request waits on one
@@ -59,7 +70,27 @@ def cmd_serve(args) -> int:
         print(f"jaxgpt serve: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(args.model),
                      max_waiting=args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    install(app, api_key=args.api_key or os.environ.get("JAXGPT_API_KEY") or None,
+            request_timeout=args.request_timeout, access_log=args.access_log)
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a SIGTERM/SIGINT once its graceful shutdown is done, so the process
+        would die by the signal (exit 143); a shutdown that went as asked exits 0 instead."""
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    print(f"jaxgpt serve: {name} on http://{args.host}:{args.port} ({engine.allocator.total} KV pages, "
+          f"max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
+    # SIGTERM: stop accepting, let in-flight requests finish for --shutdown-timeout s, cancel the
+    # rest (their handlers abort their engine requests), then the lifespan closes the EngineLoop
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                          timeout_graceful_shutdown=args.shutdown_timeout)).run()
+    left = list(engine.requests)
+    for rid in left:  # aborts the engine thread had no time to run: every page back on the free list
+        engine.abort(rid)
+    print(f"jaxgpt serve: shut down ({len(left)} unfinished requests cancelled)", file=sys.stderr, flush=True)
     return 0
 
 
@@ -70,7 +101,12 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-seqs", type=int, default=32, help="requests decoded together")
     s.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    s.add_argument("--num-pages", type=int, help="KV pages (default: max-seqs full contexts)")
+    pages = s.add_mutually_exclusive_group()
+    pages.add_argument("--num-pages", type=int, help="KV pages (default: max-seqs full contexts)")
+    pages.add_argument("--kv-cache-memory", metavar="SIZE",
+                       help="KV pages to fill this memory: a size (4GiB, 512MiB) or a fraction of the device's "
+                            "memory (0.3); the draft's pools count too")
+    s.add_argument("--max-model-len", type=int, help="longest prompt + output served (default: the model's context)")
     s.add_argument("--max-tokens-per-step", type=int, default=512, help="token budget of one engine step")
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
     s.add_argument("--no-precompile", dest="precompile", action="store_false",
@@ -78,5 +114,13 @@ def add_parser(sub) -> None:
     s.add_argument("--kv-dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto")
     s.add_argument("--draft", help="draft model for speculative decoding (same vocabulary)")
     s.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed a round")
+    s.add_argument("--spec-max-batch", type=int,
+                   help="speculate while at most this many requests run (default: Engine's SPEC_MAX_BATCH, 4)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' under /v1 (default: $JAXGPT_API_KEY)")
+    s.add_argument("--request-timeout", type=float, help="seconds a request may run (504, or a stream's last "
+                                                         "event is the error; its pages are freed)")
+    s.add_argument("--access-log", metavar="PATH", help="one JSON line per request to PATH ('-': stdout)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are cancelled")
     s.set_defaults(fn=cmd_serve)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+import types
 from collections import deque
 from functools import partial
 
@@ -34,6 +35,7 @@ import jax
 import numpy as np
 
 from jaxgpt.inference import prefix_cache, speculative
+from jaxgpt.inference.detokenize import Detokenizer
 from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAllocator, batch_arrays, bucket,
                                          init_pools, next_pow2, plan_prefill)
 from jaxgpt.inference.paged_model import paged_apply
@@ -41,6 +43,11 @@ from jaxgpt.inference.requests import Request, RequestOutput
 from jaxgpt.inference.sampling import SamplingParams, argmax, batch_settings, sample_requests
 from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
+
+
+# Speculate while at most this many requests run. bench_speculative (docs/serving.md, 2-core CPU): with
+# the default k = 4, 1.34x at one request, 0.71x at 8 in flight; linearly interpolated, even near 5.
+SPEC_MAX_BATCH = 4
 
 
 @partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
@@ -61,9 +68,13 @@ class Engine:
     """Engine(config, params, max_seqs=, page_size=, num_pages=, max_tokens_per_step=).
 
     ``eos_ids``: tokens that end a request (unless its ``ignore_eos``); ``decode``: ids -> text,
-    needed for stop strings. ``kv_dtype``: 'auto' (the compute dtype), 'float32', 'bfloat16', 'int8'.
+    needed for stop strings (checked incrementally, detokenize.Detokenizer: O(1) a token).
+    ``max_model_len``: the longest sequence (prompt + output) served, at most the model's
+    ``max_len`` (the default); it sets the pages a sequence may hold.
+    ``kv_dtype``: 'auto' (the compute dtype), 'float32', 'bfloat16', 'int8'.
     ``draft``: (config, params) of a smaller model with the same vocabulary, for speculative
-    decoding with ``num_speculative_tokens`` proposals a round.
+    decoding with ``num_speculative_tokens`` proposals a round, while at most ``spec_max_batch``
+    requests are running (above it speculation loses; plain decode steps until the batch shrinks).
     ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the CPU kernel
     (kernels/paged_ffi.py, float32 pages), 'gather' pure JAX, 'auto' the first where it can run.
     ``enable_prefix_caching``: full KV pages of shared prefixes are reused (prefix_cache.py).
@@ -71,7 +82,8 @@ class Engine:
 
     def __init__(self, config, params, *, max_seqs: int = 32, page_size: int = 16, num_pages: int | None = None,
                  max_tokens_per_step: int = 512, kv_dtype: str = "auto", paged_kernel: str = "auto", eos_ids=(),
-                 decode=None, draft=None, num_speculative_tokens: int = 4, enable_prefix_caching: bool = True):
+                 decode=None, draft=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
+                 spec_max_batch: int = SPEC_MAX_BATCH, enable_prefix_caching: bool = True):
         if config.residual != "standard":
             raise ValueError(f"the engine needs a KV cache; residual={config.residual!r} models have none")
         for name, val in (("max_seqs", max_seqs), ("page_size", page_size), ("max_tokens_per_step",
@@ -82,11 +94,15 @@ class Engine:
         # on the device once: host (NumPy) params would be copied into every step's call
         self.params = jax.device_put(params)
         self.page_size = page_size
-        self.max_pages_per_seq = -(-config.max_len // page_size)
+        self.max_model_len = config.max_len if max_model_len is None else max_model_len
+        if not 2 <= self.max_model_len <= config.max_len:
+            raise ValueError(f"max_model_len={self.max_model_len} must be in [2, {config.max_len}]: the model's "
+                             f"context is {config.max_len} tokens, and a request needs a prompt token and an output")
+        self.max_pages_per_seq = -(-self.max_model_len // page_size)
         if num_pages is None:
             num_pages = max_seqs * self.max_pages_per_seq + 1
         if num_pages - 1 < self.max_pages_per_seq:
-            raise ValueError(f"num_pages={num_pages} cannot hold one full context ({config.max_len} tokens = "
+            raise ValueError(f"num_pages={num_pages} cannot hold one full context ({self.max_model_len} tokens = "
                              f"{self.max_pages_per_seq} pages of {page_size}, plus the scratch page)")
         self.max_seqs, self.budget = max_seqs, max_tokens_per_step
         self._rows_hi, self._pages_hi = next_pow2(max_seqs), next_pow2(self.max_pages_per_seq)
@@ -100,6 +116,7 @@ class Engine:
                           else PageAllocator(num_pages))
         self.eos_ids = set(int(i) for i in eos_ids)
         self.decode = decode
+        self._detoks: dict[str, Detokenizer] = {}  # per request with stop strings
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -108,6 +125,10 @@ class Engine:
         self.stats = dict(steps=0, preemptions=0, prompt_tokens=0, generated_tokens=0, calls=0)
         self.stats.update(prefix_queries=0, prefix_hits=0)  # tokens looked up in the prefix cache at admission, found
         self.shapes: set[tuple] = set()  # every (kind, B, T, P) shape run: the compilations
+        if spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1, got {spec_max_batch}")
+        self.spec_max_batch = spec_max_batch
+        self._draft_at: dict[str, int] = {}  # requests whose draft pages hold only their first n tokens
         self.draft = None if draft is None else self._init_draft(*draft, k=num_speculative_tokens, kv_dtype=kv_dtype,
                                                                  paged_kernel=paged_kernel, num_pages=num_pages)
 
@@ -117,9 +138,9 @@ class Engine:
                              f"({self.config.vocab_size}); speculative decoding needs the same one")
         if config.residual != "standard":
             raise ValueError(f"the draft needs a KV cache; residual={config.residual!r} models have none")
-        if config.max_len < self.config.max_len:  # it prefills every prompt the target takes
+        if config.max_len < self.max_model_len:  # it prefills every prompt the target takes
             raise ValueError(f"the draft's context ({config.max_len}) is shorter than the target's "
-                             f"({self.config.max_len})")
+                             f"max_model_len ({self.max_model_len})")
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         if k + 1 > self.budget:
@@ -128,7 +149,7 @@ class Engine:
         config, params = unstack_layers(config, params)
         pools = init_pools(config, num_pages, self.page_size, kv_dtype)
         self.k = k
-        self.stats.update(spec_proposed=0, spec_accepted=0)
+        self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0)
         return dict(config=config, params=jax.device_put(params), pools=pools,
                     kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
 
@@ -136,7 +157,7 @@ class Engine:
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
         ids = [int(i) for i in np.asarray(prompt_ids).reshape(-1)]
-        v, n = self.config.vocab_size, self.config.max_len
+        v, n = self.config.vocab_size, self.max_model_len
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [i for i in ids if not 0 <= i < v]
@@ -168,6 +189,7 @@ class Engine:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._free(req)
+        self._detoks.pop(request_id, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -181,12 +203,15 @@ class Engine:
     def _free(self, req: Request) -> None:
         self._cache(req)  # a finished or preempted request's pages stay cached, evictable
         self.allocator.release(req.pages)
-        req.pages, req.computed, req.draft_stale, req.chain = [], 0, False, []
+        req.pages, req.computed, req.chain = [], 0, []  # a recompute prefills the draft too
+        self._draft_at.pop(req.id, None)
 
     def _cache(self, req: Request) -> None:
-        # with a draft, only pages whose draft keys/values were written too (no plain decode step yet)
-        if self.prefix_caching and not (self.draft is not None and req.draft_stale):
-            prefix_cache.cache_full_pages(self.allocator, req)
+        # with a draft, only pages whose draft keys/values were written too: a request that took plain decode
+        # steps (the batch was above spec_max_batch) has draft pages up to _draft_at until it catches up
+        if self.prefix_caching:
+            upto = self._draft_at.get(req.id, req.computed) if self.draft is not None else req.computed
+            prefix_cache.cache_full_pages(self.allocator, req, upto)
 
     def _pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
@@ -227,8 +252,8 @@ class Engine:
             self.running.append(req)
 
     def _speculates(self, req: Request) -> bool:
-        return (self.draft is not None and not req.draft_stale and speculative.supports(req.params)
-                and req.computed + self.k + 1 <= self.config.max_len)  # a round writes computed .. computed + k
+        return (self.draft is not None and len(self.running) <= self.spec_max_batch and speculative.supports(req.params)
+                and req.computed + self.k + 1 <= self.max_model_len)  # a round writes computed .. computed + k
 
     def _schedule(self):
         """-> (speculative rows, decode rows, prefill rows) of (req, n_tokens); pages allocated for them."""
@@ -242,7 +267,8 @@ class Engine:
                 break
             if self._take(req, n):
                 (spec if n > 1 else decode).append((req, n))
-                req.draft_stale = self.draft is not None and n == 1
+                if self.draft is not None and n == 1:  # the draft's pages fall behind from here
+                    self._draft_at.setdefault(req.id, req.computed)
                 budget -= n
         waiting = [r for r in ready if len(r.tokens) - r.computed > 1 and r in self.running]
         t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, MIN_CHUNK, self._chunk_hi,
@@ -343,6 +369,7 @@ class Engine:
         spec, decode, prefill = self._schedule()
         outs: list[RequestOutput] = []
         if spec:
+            self._catch_up([r for r, _ in spec if r.id in self._draft_at])
             outs += self._accept(spec, *self._run("spec", spec))
         for kind, rows in (("decode", decode), ("prefill", prefill)):
             if not rows:
@@ -355,6 +382,28 @@ class Engine:
                 outs.append(self._append(req, int(tok[i]), float(logp[i]), tops[i]))
         self.stats["steps"] += 1
         return outs
+
+    def _catch_up(self, reqs) -> None:
+        """Feed the draft the tokens it missed while its requests took plain decode steps (the batch
+        was above spec_max_batch), so its pages hold every computed token again: draft-only prefill
+        calls of the prefill shapes (the draft's half of them is compiled by ``precompile``)."""
+        while reqs:
+            rows = []
+            for req in reqs[:MIN_ROWS]:  # MIN_ROWS rows of _chunk_hi tokens fit a prefill call's slots
+                at = self._draft_at[req.id]
+                rows.append((req, at, min(req.computed - at, self._chunk_hi)))
+            _, b, t, p = self._shape("prefill", len(rows), max(n for *_, n in rows),
+                                     max(self._pages_for(at + n) for _, at, n in rows))
+            arrays = batch_arrays([(r.tokens[at:at + n], at, r.pages) for r, at, n in rows], self.page_size, b, t, p)
+            d = self.draft
+            d["pools"] = paged_forward(d["params"], d["pools"], *arrays, config=d["config"], kernel=d["kernel"])[0]
+            self.stats["calls"] += 1
+            self.stats["spec_catch_up_tokens"] += sum(n for *_, n in rows)
+            for req, at, n in rows:
+                self._draft_at[req.id] = at + n
+                if at + n == req.computed:
+                    del self._draft_at[req.id]
+            reqs = [r for r in reqs if r.id in self._draft_at]
 
     def _accept(self, rows, n, emitted, logp) -> list[RequestOutput]:
         """Each row's accepted drafts and next token, one output per token, up to its finish."""
@@ -388,6 +437,7 @@ class Engine:
             self.running.remove(req)
             self._free(req)
             self.requests.pop(req.id, None)
+            self._detoks.pop(req.id, None)
         return RequestOutput(req.id, [tok], [logp], req.finish_reason is not None, req.finish_reason, req.error,
                              [list(top)])
 
@@ -400,10 +450,13 @@ class Engine:
         if p.stop:
             if self.decode is None:
                 raise ValueError("stop strings need the engine's decode function (a tokenizer)")
-            text = self.decode(req.output)
-            if any(s in text for s in p.stop):
+            if req.id not in self._detoks:
+                self._detoks[req.id] = Detokenizer(types.SimpleNamespace(decode=self.decode), p.stop)
+            detok = self._detoks[req.id]
+            detok.add([tok])  # a window of recent ids, not the whole output again
+            if detok.stopped:
                 return "stop"
-        if len(req.output) >= p.max_tokens or len(req.tokens) >= self.config.max_len:
+        if len(req.output) >= p.max_tokens or len(req.tokens) >= self.max_model_len:
             return "length"
         return None
 

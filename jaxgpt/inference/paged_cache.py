@@ -6,6 +6,10 @@ writes land there), so ``num_pages - 1`` pages are allocatable.
 """
 from __future__ import annotations
 
+import os
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -106,6 +110,69 @@ def init_pools(config, num_pages: int, page_size: int, kv_dtype: str = "auto"):
 
 def pool_bytes(pools) -> int:
     return int(sum(a.nbytes for layer in pools for a in layer if a is not None))
+
+
+def page_bytes(config, page_size: int, kv_dtype: str = "auto") -> int:
+    """Bytes one page takes over all layers: keys and values, plus int8's float32 scales."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not one of {KV_DTYPES}")
+    dtype = config.dtype if kv_dtype == "auto" else kv_dtype
+    per_token = config.kv_heads * config.head_dim * jnp.dtype(dtype).itemsize + (
+        config.kv_heads * 4 if dtype == "int8" else 0)
+    return 2 * config.n_layer * page_size * per_token
+
+
+def device_memory_bytes(device=None) -> int:
+    """An accelerator's memory (``memory_stats()['bytes_limit']``); on the CPU, physical RAM."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_budget(budget, device=None) -> int:
+    """Bytes from an int (bytes), a size string ('4GiB', '512MiB', '1.5GB') or a fraction in
+    (0, 1] of the device's memory (0.3 or '0.3'). A bare number above 1 is refused: no unit."""
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        unit = m and m.group(2).lower()
+        if not m or (unit and unit not in _UNITS):
+            raise ValueError(f"KV cache memory {budget!r} is neither a size (e.g. 4GiB, 512MiB) nor a fraction of "
+                             f"the device's memory (e.g. 0.3)")
+        if unit:
+            return int(float(m.group(1)) * _UNITS[unit])
+        budget = float(m.group(1))
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise ValueError(f"KV cache memory {budget} as a fraction of the device's memory must be in (0, 1]; "
+                             f"give a size with a unit (e.g. 4GiB) otherwise")
+        return int(budget * device_memory_bytes(device))
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"KV cache memory must be a positive number of bytes, a size or a fraction, got {budget!r}")
+    return budget
+
+
+def pages_for_budget(config, page_size: int, kv_dtype: str, budget, *, max_model_len: int | None = None,
+                     draft_config=None, device=None) -> int:
+    """``num_pages`` (scratch page included) whose pools fit ``budget`` (``parse_budget``), counting
+    the draft's pools too (it keeps one page per target page). Raises when the budget cannot hold
+    one full context of ``max_model_len`` (default ``config.max_len``) tokens."""
+    want = parse_budget(budget, device)
+    per_page = page_bytes(config, page_size, kv_dtype) + (
+        page_bytes(draft_config, page_size, kv_dtype) if draft_config is not None else 0)
+    num_pages = want // per_page
+    n = max_model_len or config.max_len
+    need = -(-n // page_size) + 1
+    if num_pages < need:
+        raise ValueError(f"KV cache memory {budget!r} = {want} bytes holds {num_pages} pages of {per_page} bytes "
+                         f"({page_size} tokens{', target + draft' if draft_config is not None else ''}); one full "
+                         f"context of {n} tokens needs {need} pages with the scratch page = {need * per_page} bytes")
+    return int(num_pages)
 
 
 def batch_arrays(rows, page_size: int, b: int, t: int, p: int):

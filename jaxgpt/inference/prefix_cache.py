@@ -111,10 +111,12 @@ def match_prefix(allocator: PrefixCachingAllocator, req: Request) -> int:
     return req.computed
 
 
-def cache_full_pages(allocator: PrefixCachingAllocator, req: Request) -> None:
-    """Register the request's pages that have filled since the last call (prefill chunks and decode)."""
+def cache_full_pages(allocator: PrefixCachingAllocator, req: Request, upto: int | None = None) -> None:
+    """Register the request's pages that have filled since the last call (prefill chunks and decode), up to
+    token ``upto`` (default: its computed tokens; less where a draft model's pages lag behind)."""
     ps = allocator.page_size
-    full = min(req.computed, len(req.prompt) + len(req.output)) // ps  # a spec round's computed can pass a finish
+    done = req.computed if upto is None else min(upto, req.computed)
+    full = min(done, len(req.prompt) + len(req.output)) // ps  # a spec round's computed can pass a finish
     if full <= len(req.chain):
         return
     tokens = req.tokens

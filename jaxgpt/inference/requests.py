@@ -20,7 +20,6 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     first_token_time: float | None = None
-    draft_stale: bool = False  # a plain decode step left the draft's pages behind: no more speculation
     seed: int = 0  # params.seed, or the fresh one the engine drew for an unseeded request: rerun with it
     counts: dict[int, int] = field(default_factory=dict)  # token id -> times in output (penalties)
     adjust: dict[int, float] = field(default_factory=dict)  # token id -> its logit shift: bias - penalties

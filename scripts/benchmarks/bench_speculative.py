@@ -35,6 +35,9 @@ def main(argv=None):
     ap.add_argument("--ks", default="2,4,6", help="proposals a round, comma-separated")
     ap.add_argument("--target", default="4x512", help="target layers x width (the draft is 1x64)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--in-flight", default="8,1", help="engine arms: requests in flight together, comma-separated "
+                                                       "(1 = one at a time); 1,2,4,8 finds Engine.spec_max_batch")
+    ap.add_argument("--no-offline", action="store_true", help="skip the offline (speculative_generate) arms")
     ap.add_argument("--out", default=str(RESULTS / "engine" / "speculative.json"))
     a = ap.parse_args(argv)
 
@@ -58,7 +61,8 @@ def main(argv=None):
     greedy = SamplingParams(max_tokens=a.tokens, ignore_eos=True)
 
     def engine(k):
-        eng = Engine(target_cfg, tp, max_seqs=8, page_size=16, max_tokens_per_step=64,
+        # spec_max_batch=8: speculate at every batch size measured here (the engine's default turns it off above 4)
+        eng = Engine(target_cfg, tp, max_seqs=8, page_size=16, max_tokens_per_step=64, spec_max_batch=8,
                      draft=None if k == 0 else (draft_cfg, dp), num_speculative_tokens=max(k, 1))
         eng.precompile()
         return eng
@@ -68,10 +72,7 @@ def main(argv=None):
     def run_engine(k, together):
         eng = engines[k]
         before = dict(eng.stats)
-        if together:
-            out = eng.generate(prompts, greedy)
-        else:
-            out = [eng.generate([p], greedy)[0] for p in prompts]
+        out = [o for i in range(0, len(prompts), together) for o in eng.generate(prompts[i:i + together], greedy)]
         acc = (eng.stats["spec_accepted"] - before["spec_accepted"], eng.stats["spec_proposed"] - before["spec_proposed"]) \
             if k else None
         return out, acc
@@ -84,9 +85,11 @@ def main(argv=None):
                for p in prompts]
         return out, (stats["accepted"], stats["proposed"])
 
-    arms = ([("engine, 8 in flight", k, lambda k=k: run_engine(k, True)) for k in [0] + ks]
-            + [("engine, one at a time", k, lambda k=k: run_engine(k, False)) for k in [0] + ks]
-            + [("offline, one at a time", k, lambda k=k: run_offline(k)) for k in [0] + ks])
+    flights = [int(n) for n in a.in_flight.split(",")]
+    arms = [(f"engine, {n} in flight" if n > 1 else "engine, one at a time", k, lambda k=k, n=n: run_engine(k, n))
+            for n in flights for k in [0] + ks]
+    if not a.no_offline:
+        arms += [("offline, one at a time", k, lambda k=k: run_offline(k)) for k in [0] + ks]
     for _, _, fn in arms:  # compile (offline arms) and warm
         fn()
     times: dict[int, list[float]] = {i: [] for i in range(len(arms))}
