@@ -35,7 +35,8 @@ def build_engine(args):
     max_model_len = getattr(args, "max_model_len", None)  # getattr: callers' Namespaces may predate a flag
     kw = dict(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
               max_tokens_per_step=args.max_tokens_per_step, kv_dtype=args.kv_dtype, eos_ids=eos,
-              decode=tok.decode if tok is not None else None, max_model_len=max_model_len)
+              decode=tok.decode if tok is not None else None, max_model_len=max_model_len,
+              enable_prefix_caching=getattr(args, "prefix_caching", True))
     dconfig = None
     if args.draft:
         dconfig, dparams, dmeta, _ = _load_for_inference(args.draft, None)
@@ -112,6 +113,8 @@ def add_parser(sub) -> None:
     s.add_argument("--no-precompile", dest="precompile", action="store_false",
                    help="start at once and compile each shape on its first use (requests then wait on it)")
     s.add_argument("--kv-dtype", choices=("auto", "float32", "bfloat16", "int8"), default="auto")
+    s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV pages of prompt prefixes other requests computed (docs/serving.md)")
     s.add_argument("--draft", help="draft model for speculative decoding (same vocabulary)")
     s.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed a round")
     s.add_argument("--spec-max-batch", type=int,

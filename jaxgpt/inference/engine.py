@@ -157,7 +157,7 @@ class Engine:
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
         ids = [int(i) for i in np.asarray(prompt_ids).reshape(-1)]
-        v, n = self.config.vocab_size, self.max_model_len
+        v, n = self.config.token_vocab, self.max_model_len  # a padded table's extra rows are no tokens
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [i for i in ids if not 0 <= i < v]

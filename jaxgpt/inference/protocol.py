@@ -3,7 +3,8 @@ ids, one SamplingParams per choice, how to answer). Every field is honoured or r
 that names it: unknown fields as OpenAI does ("Unrecognized request argument supplied: X"), OpenAI
 fields this server does not implement unless null. Defaults and ranges follow the OpenAI API
 reference (``max_tokens`` 16 on completions, the rest of the context on chat; temperature 0..2).
-Also: the incremental detokenizer, which decides stop strings on the server side.
+The server decides stop strings itself, with ``detokenize.Detokenizer`` (incremental, off the engine
+thread), and aborts the engine request at one.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def _check_ids(ids: list[int], engine, param: str) -> list[int]:
 
 
 def context(engine) -> int:
-    return getattr(engine, "max_model_len", engine.config.max_len)
+    return engine.max_model_len  # --max-model-len, else the model's context
 
 
 def _is_ids(x) -> bool:
@@ -283,37 +284,3 @@ def parse_chat(body: dict, engine, tokenizer, template: str) -> Parsed:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-class Detokenizer:
-    """Text deltas of a growing id list; holds back an incomplete UTF-8 tail ('\\ufffd') and text that
-    may be the start of a stop string, and cuts the text at a stop string (OpenAI excludes it)."""
-
-    def __init__(self, tokenizer, stop=()):
-        self.tok, self.stop = tokenizer, tuple(stop)
-        self.ids: list[int] = []
-        self.sent = 0
-        self.stopped = False
-
-    def add(self, ids, final: bool = False) -> str:
-        if self.tok is None or self.stopped:
-            self.ids += list(ids)
-            return ""
-        self.ids += list(ids)
-        text = self.tok.decode(self.ids)
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                text, final, self.stopped = text[:at], True, True
-        end = len(text)
-        if not final:
-            if text.endswith("\ufffd"):
-                end = len(text.rstrip("\ufffd"))
-            for s in self.stop:  # a partial stop string at the end is not sent yet
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if text[:end].endswith(s[:k]):
-                        end -= k
-                        break
-        out = text[self.sent:max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return out

@@ -14,7 +14,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from jaxgpt.inference.protocol import Detokenizer, Parsed
+from jaxgpt.inference.detokenize import Detokenizer
+from jaxgpt.inference.protocol import Parsed
 
 NEG = -9999.0
 

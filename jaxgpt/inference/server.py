@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxgpt.inference.engine_loop import EngineLoop, QueueFull
-from jaxgpt.inference.protocol import ApiError, Detokenizer, Parsed, context, parse_chat, parse_completion, usage
+from jaxgpt.inference.detokenize import Detokenizer
+from jaxgpt.inference.protocol import ApiError, Parsed, context, parse_chat, parse_completion, usage
 from jaxgpt.inference.responses import ChoiceState, Update, choice, token_text
 
 log = logging.getLogger("jaxgpt.serve")
@@ -92,6 +93,7 @@ class Run:
         self.states = [ChoiceState(c, f"{base}-{c}", p.prompts[c // p.n], Detokenizer(tokenizer, p.stop))
                        for c in range(len(p.params))]
         self.merged: asyncio.Queue = asyncio.Queue()  # (choice, output); one choice: its own queue of outputs
+        self.state = None  # the HTTP request's state, for the access log
         self.pumps: list[asyncio.Task] = []
 
     def submit(self) -> None:
@@ -148,6 +150,9 @@ class Run:
                 self.el.abort(st.rid)
         for t in self.pumps:
             t.cancel()
+        if self.state is not None:  # what the access log (server_ops) records for this request
+            u = self.usage()
+            self.state.prompt_tokens, self.state.completion_tokens = u["prompt_tokens"], u["completion_tokens"]
 
     def usage(self) -> dict:
         return usage(sum(len(x) for x in self.p.prompts), sum(len(st.ids) for st in self.states))
@@ -229,6 +234,11 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
         if "spec_proposed" in s:
             rate = s["spec_accepted"] / max(1, s["spec_proposed"])
             lines.append(("jaxgpt_spec_acceptance_rate", "gauge", "accepted / proposed draft tokens", rate))
+        if "prefix_queries" in s:
+            lines += [("jaxgpt_prefix_cache_hit_rate", "gauge", "prompt tokens found in the prefix cache / looked up",
+                       s["prefix_hits"] / max(1, s["prefix_queries"])),
+                      ("jaxgpt_prefix_cache_hits_total", "counter", "prompt tokens found in the prefix cache",
+                       s["prefix_hits"])]
         text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in lines)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -251,6 +261,7 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
     async def _generate(request: Request, p: Parsed):
         request.state.user = p.user  # for an access log
         run = Run(engine_loop(), p, tokenizer)
+        run.state, request.state.engine_request_id = request.state, run.id
         try:
             run.submit()
         except QueueFull as e:
