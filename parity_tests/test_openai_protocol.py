@@ -12,7 +12,7 @@ from jaxgpt.data.tokenizers import CharTokenizer
 from jaxgpt.inference.protocol import ApiError, parse_chat, parse_completion
 from jaxgpt.inference.sampling import SamplingParams
 
-ENGINE = SimpleNamespace(config=SimpleNamespace(vocab_size=100, max_len=64))
+ENGINE = SimpleNamespace(config=SimpleNamespace(vocab_size=100, token_vocab=100, max_len=64), max_model_len=64)
 CHAR = CharTokenizer(list("abcdefghijklmnopqrstuvwxyz <>\n"))
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 NEW_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} >= {
