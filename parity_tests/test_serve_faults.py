@@ -1,6 +1,7 @@
-"""100 requests with injected faults against a real server (``jaxgpt serve``'s app on uvicorn): a
-character outside a character tokenizer's vocabulary, a chat template that raises, a client that
-disconnects mid-stream. No plain-text 500, no traceback, no page left allocated, the server up.
+"""100 requests with injected faults against a real server (``jaxgpt serve``'s app on uvicorn, with
+the request-timeout middleware of ``--request-timeout``): a character outside a character tokenizer's
+vocabulary, a chat template that raises, a client that disconnects mid-stream, a request that outlives
+the timeout. No plain-text 500, no traceback, no page left allocated, the server up.
 """
 from __future__ import annotations
 
@@ -43,10 +44,14 @@ async def _disconnect(c):
     return None
 
 
-# fault -> (the request, the status it must get; None: no answer expected). The request timeout's
-# middleware adds its fault here (a request that outlives the limit, answered 504 with a JSON body).
+async def _timeout(c):  # 50 tokens at >= 20 ms an engine step: past the 0.3 s limit
+    return await c.post("/v1/completions", json={"prompt": "the dog", "max_tokens": 50, "ignore_eos": True})
+
+
+TIMEOUT_S, STEP_S = 0.3, 0.02
+# fault -> (the request, the status it must get; None: no answer expected)
 FAULTS = {"bad character": (_bad_char, 400), "template error": (_template_error, 400),
-          "disconnect mid-stream": (_disconnect, None)}
+          "disconnect mid-stream": (_disconnect, None), "timeout": (_timeout, 504)}
 
 
 @pytest.mark.slow  # a second engine (character tokenizer) and 100 requests
@@ -62,11 +67,15 @@ def test_100_faults_no_plain_text_500_no_leaked_page(model_dir):  # noqa: F811
     from jaxgpt.cli.serve import build_engine
     from jaxgpt.data.tokenizers import CharTokenizer
     from jaxgpt.inference.server import create_app
+    from jaxgpt.inference.server_ops import install
 
     args = Namespace(model=str(model_dir[0]), max_seqs=8, page_size=16, num_pages=None, max_tokens_per_step=32,
                      kv_dtype="auto", draft=None, num_speculative_tokens=3, served_model_name=None)
     engine, _, _ = build_engine(args)
-    app = create_app(engine, tokenizer=CharTokenizer(CHARS), model_name=NAME, chat_template=RAISING)
+    step = engine.step
+    engine.step = lambda: time.sleep(STEP_S) or step()  # a slow engine: the timeout fault outlives its limit
+    app = install(create_app(engine, tokenizer=CharTokenizer(CHARS), model_name=NAME, chat_template=RAISING),
+                  request_timeout=TIMEOUT_S)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -86,11 +95,12 @@ def test_100_faults_no_plain_text_500_no_leaked_page(model_dir):  # noqa: F811
             want = faults[i % len(faults)][1]
             assert (r is None) if want is None else (r.status_code == want and r.headers["content-type"]
                                                      == "application/json" and "Traceback" not in r.text), i
-        assert {r.json()["error"]["param"] for r in answers if r is not None} == {"prompt", "messages"}
-        assert pages_free(engine)
-        disconnects = sum(faults[i % len(faults)][0] is _disconnect for i in range(100))
-        # the disconnected streams were aborted, not run to their 50 tokens each
-        assert engine.stats["generated_tokens"] < disconnects * 50 // 2
+        assert {r.json()["error"]["param"] for r in answers if r is not None and r.status_code == 400} == {
+            "prompt", "messages"}
+        assert pages_free(engine)  # waits a little: a timed-out request's abort reaches the engine thread
+        aborted = sum(faults[i % len(faults)][0] in (_disconnect, _timeout) for i in range(100))
+        # the disconnected streams and timed-out requests were aborted, not run to their 50 tokens each
+        assert engine.stats["generated_tokens"] < aborted * 50 // 2
         ok = httpx.post(url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200 and Completion.model_validate(ok.json()).usage.completion_tokens >= 1
     finally:
