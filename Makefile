@@ -2,6 +2,8 @@
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
 #               every parity test and the unit tests, in parallel (pytest-xdist), 8-11 min on 2 CPU cores
+#   make test-experiments  the heaviest experiment smoke runs (-m experiment: exp_attnres, exp_minigpt, exp_seed004;
+#                      about 4 min of CPU), kept out of CI for its time (issue 41); make test-all runs them too
 #   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
 #                      SIGKILL tests (-m multiprocess), whole command-line runs and the server (-m e2e),
 #                      long unit tests (-m slow); CI (.ci/run) runs make test, then this
@@ -21,7 +23,7 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # pytest-xdist workers: one per CPU core ('auto'); 0 runs in this process.
 TEST_WORKERS ?= auto
-SLOW_TIERS := slow or smoke or multiprocess or e2e
+SLOW_TIERS := slow or smoke or multiprocess or e2e or experiment
 # --max-worker-restart=0: a worker that dies fails its test and the run goes on without it; a
 # replacement worker under loadscope can wait forever for work (pytest-xdist 3.8, issue #1378).
 # --capture=sys: native code's own stderr (an XLA or glibc message before an abort) reaches the log
@@ -41,7 +43,7 @@ GPU_TESTS := $(addprefix parity_tests/,test_gpu_policy.py test_norms.py test_mlp
 	test_block.py test_decoder.py test_bert.py test_encdec.py test_attnres.py test_moe.py test_attention_backends.py \
 	test_precision.py)
 
-.PHONY: demo test test-slow test-all test-gpu lint parity-margins experiments clean
+.PHONY: demo test test-slow test-experiments test-all test-gpu lint parity-margins experiments clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,9 +65,12 @@ test: $(VENV)/.test
 	$(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS))" --durations 15 $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.test
-	$(BIN)/python -m pytest $(XDIST) -m "$(SLOW_TIERS)" --durations 15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "($(SLOW_TIERS)) and not experiment" --durations 15 $(PYTEST_ARGS)
 
-test-all: test test-slow
+test-experiments: $(VENV)/.test
+	$(BIN)/python -m pytest $(XDIST) -m experiment --durations 10 $(PYTEST_ARGS)
+
+test-all: test test-slow test-experiments
 
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it after the fast tier
 lint: $(VENV)/.test

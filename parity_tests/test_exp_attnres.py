@@ -12,7 +12,7 @@ import pytest
 from conftest import SHARED, require_shared
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.smoke  # each test runs a script end to end in a subprocess: make test-slow
+pytestmark = [pytest.mark.smoke, pytest.mark.experiment]  # scripts end to end in subprocesses: make test-experiments
 
 
 def _run(module: str, out: Path) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.smoke  # runs the script end to end in a subprocess: make test-slow
+pytestmark = [pytest.mark.smoke, pytest.mark.experiment]  # the script end to end in a subprocess: make test-experiments
 
 
 def test_exp_minigpt_smoke(tmp_path):

@@ -122,7 +122,8 @@ def test_exp_attention_basics_smoke(tmp_path):
     assert r["sampling"]["top_k1_draws_equal_argmax"] == 1.0
 
 
-@pytest.mark.smoke  # the script end to end in a subprocess: make test-slow
+@pytest.mark.smoke
+@pytest.mark.experiment  # the script end to end in a subprocess: make test-experiments
 def test_exp_seed004_smoke(tmp_path):
     r = _smoke("exp_seed004.py", tmp_path, "seed004")
     assert {"minibert", "encdec", "tiny_gpt", "claims"} <= set(r)

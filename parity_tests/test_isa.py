@@ -57,17 +57,17 @@ def test_isa_env_keeps_the_users_other_xla_flags(monkeypatch):
     assert isa_env("native") == {}
 
 
-@pytest.mark.slow  # two fresh processes, each building the attention kernel: ~20 s
+@pytest.mark.slow  # a fresh process building the attention kernel: ~10 s
 def test_avx2_cap_reaches_torch_and_the_kernels(tmp_path):
     capped = _child("avx2", tmp_path)
     assert capped["torch_isa"] == "AVX2"
     assert not capped["zmm"] and capped["ymm"], "the AVX2 build must use 256-bit registers and no AVX-512 ones"
     assert capped["err"] < 1e-5
-    native_ = _child("native", tmp_path)
-    assert native_["so"] != capped["so"], "the cache must key the build on its instruction sets"
-    assert native_["err"] < 1e-5
+    so = native.build(native.CPU / "causal_attention.cc")  # this process: the native build (what parity tests run)
+    assert so.name != Path(capped["so"]).name, "the cache must key the build on its instruction sets"
     if "avx512f" in Path("/proc/cpuinfo").read_text():  # the cap did something here: native uses zmm
-        assert native_["zmm"]
+        asm = subprocess.run(["objdump", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+        assert "zmm" in asm
 
 
 MODEL = r"""
