@@ -55,8 +55,6 @@ def _free_port() -> int:
 
 
 def _serve(path, **kw):
-    import uvicorn
-
     from jaxgpt.cli.serve import build_engine, chat_template_of
     from jaxgpt.inference.server import create_app
 
@@ -66,13 +64,22 @@ def _serve(path, **kw):
     engine, tok, name = build_engine(args)
     app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(str(path)),
                      max_waiting=kw.get("max_waiting", 256))
+    server, thread, url = start(app)
+    return server, thread, engine, url
+
+
+def start(app):
+    """``app`` on a uvicorn server in a thread, on a free port: (server, thread, url), once it accepts.
+    Stop it with ``server.should_exit = True; thread.join()``."""
+    import uvicorn
+
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    return server, thread, engine, f"http://127.0.0.1:{port}"
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the timeout. No plain-text 500, no traceback, no page left allocated, the server
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -20,7 +19,7 @@ require_module("uvicorn", allow_module_level=True)
 
 from openai.types import Completion  # noqa: E402  (after the dependency check)
 from test_openai_api import NAME, httpx, pages_free  # noqa: E402
-from test_serve import _free_port, model_dir  # noqa: E402, F401  (model_dir: the shared fixture)
+from test_serve import model_dir, start  # noqa: E402, F401  (model_dir: the shared fixture)
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz <>[]/\n")
 CHARS += [chr(0x100 + i) for i in range(320 - len(CHARS))]  # one per model token; no 'é' (0xe9)
@@ -62,7 +61,6 @@ def test_100_faults_no_plain_text_500_no_leaked_page(model_dir):  # noqa: F811
     import asyncio
     from argparse import Namespace
 
-    import uvicorn
 
     from jaxgpt.cli.serve import build_engine
     from jaxgpt.data.tokenizers import CharTokenizer
@@ -76,13 +74,7 @@ def test_100_faults_no_plain_text_500_no_leaked_page(model_dir):  # noqa: F811
     engine.step = lambda: time.sleep(STEP_S) or step()  # a slow engine: the timeout fault outlives its limit
     app = install(create_app(engine, tokenizer=CharTokenizer(CHARS), model_name=NAME, chat_template=RAISING),
                   request_timeout=TIMEOUT_S)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
+    server, thread, url = start(app)
     faults = list(FAULTS.values())
 
     async def run_all():

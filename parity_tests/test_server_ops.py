@@ -7,8 +7,6 @@ aborted and every page is free again), and the access log's JSON records.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +18,9 @@ from conftest import require_module
 
 openai = require_module("openai", allow_module_level=True)
 require_module("fastapi", allow_module_level=True)
-uvicorn = require_module("uvicorn", allow_module_level=True)
+require_module("uvicorn", allow_module_level=True)
 from fastapi import Request  # noqa: E402 - after the check that fastapi is installed
+from test_serve import start  # noqa: E402
 
 KEY, TIMEOUT = "sk-test-123", 1.0
 
@@ -50,15 +49,8 @@ def served():
         return {"ok": True}
 
     install(app, api_key=KEY, request_timeout=TIMEOUT, access_log=logs.append)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine, slow, logs
+    server, thread, url = start(app)
+    yield url, engine, slow, logs
     server.should_exit = True
     thread.join(timeout=10)
 

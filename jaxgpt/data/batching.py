@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxgpt.core.validate import int_at_least as _int_at_least
 from jaxgpt.data.tokenizers import PairTokenizer
-from jaxgpt.data.order import epoch_windows, n_windows
+from jaxgpt.data.order import epoch_starts
 
 def split_train_val(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """ids (N,) -> (train (n,), val (N - n,)) with n = int((1 - val_fraction) * N): contiguous, the
@@ -43,8 +43,7 @@ def get_batch(data: np.ndarray, batch_size: int, seq_len: int, seed: int, step: 
     if len(data) < seq_len + 1:  # one window needs T inputs plus the target after the last one
         raise ValueError(f"data has {len(data)} tokens; seq_len={seq_len} needs at least {seq_len + 1}")
     if order == "epochs":
-        samples = step * batch_size + np.arange(batch_size, dtype=np.int64)
-        starts = epoch_windows(n_windows(len(data), seq_len), seed, samples) * seq_len
+        starts = epoch_starts(len(data), batch_size, seq_len, seed, step)
     else:
         starts = np.random.default_rng([seed, step]).integers(0, len(data) - seq_len, size=batch_size)
     windows = data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)

@@ -47,6 +47,13 @@ def epoch_windows(n: int, seed: int, samples: np.ndarray) -> np.ndarray:
     return out
 
 
+def epoch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int) -> np.ndarray:
+    """(batch_size,) window starts of the global batch of ``step`` in epoch order: global samples
+    step * batch_size ..., each window of seq_len + 1 tokens (one every seq_len) once an epoch."""
+    samples = step * batch_size + np.arange(batch_size, dtype=np.int64)
+    return epoch_windows(n_windows(n_tokens, seq_len), seed, samples) * seq_len
+
+
 def mixture_counts(weights) -> tuple[int, ...]:
     """Slots of each source in one period: the smallest period <= MAX_PERIOD holding the weights
     exactly, else MAX_PERIOD slots shared by largest remainder. Every weight must be > 0."""
@@ -90,4 +97,4 @@ def mixture_samples(counts: tuple[int, ...], samples: np.ndarray) -> tuple[np.nd
     return j, (samples // len(source)) * np.asarray(counts, np.int64)[j] + rank[slot]
 
 
-__all__ = ["MAX_PERIOD", "epoch_windows", "mixture_counts", "mixture_samples", "n_windows"]
+__all__ = ["MAX_PERIOD", "epoch_starts", "epoch_windows", "mixture_counts", "mixture_samples", "n_windows"]

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxgpt.data.order import epoch_windows, n_windows
+from jaxgpt.data.order import epoch_starts
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SAMPLE_CHUNKS, CHUNK = 64, 1 << 15  # the sampled check reads 64 evenly spaced runs of 32k tokens
@@ -230,13 +230,6 @@ def window_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step:
     if n_tokens < seq_len + 1:
         raise ValueError(f"the token file has {n_tokens} tokens; seq_len={seq_len} needs at least {seq_len + 1}")
     return np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len, size=batch_size)
-
-
-def epoch_starts(n_tokens: int, batch_size: int, seq_len: int, seed: int, step: int) -> np.ndarray:
-    """(batch_size,) starts of the global batch of ``step`` in epoch order (``jaxgpt.data.order``): global
-    samples step * batch_size ..., each window of seq_len + 1 tokens (one every seq_len) once an epoch."""
-    samples = step * batch_size + np.arange(batch_size, dtype=np.int64)
-    return epoch_windows(n_windows(n_tokens, seq_len), seed, samples) * seq_len
 
 
 def global_batch(tokens: Tokens, batch_size: int, seq_len: int, seed: int, step: int,

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from scripts.benchmarks.bench_serving import drain
 from scripts.harness import RESULTS, LoadSampler, timing_note, write_result
 
 ARMS = ("no cache", "prefix cache")
@@ -54,20 +55,10 @@ def run(config, params, prompts, new: int, cache: bool) -> tuple[list[list[int]]
 
     eng = Engine(config, params, max_seqs=len(prompts), page_size=16, max_tokens_per_step=512,
                  enable_prefix_caching=cache)
-    sp = SamplingParams(max_tokens=new, ignore_eos=True)
-    t0 = time.perf_counter()
-    ids = [eng.add_request(p, sp) for p in prompts]
-    toks, firsts = {i: [] for i in ids}, {}
-    while eng.has_unfinished():
-        outs = eng.step()
-        now = time.perf_counter()
-        for o in outs:
-            toks[o.id] += o.new_token_ids
-            firsts.setdefault(o.id, now)
+    tokens, t0, firsts, _ = drain(eng, prompts, [SamplingParams(max_tokens=new, ignore_eos=True)] * len(prompts))
     wall = time.perf_counter() - t0
-    ttft = np.array([firsts[i] - t0 for i in ids]) * 1000
+    ttft = (np.array(firsts) - t0) * 1000
     s = eng.stats
-    tokens = [toks[i] for i in ids]
     computed = sum(len(p) + len(t) - 1 for p, t in zip(prompts, tokens)) - s["prefix_hits"]
     return tokens, dict(wall_s=wall, output_tok_per_s=sum(map(len, tokens)) / wall,
                         ttft_ms_p50=float(np.percentile(ttft, 50)), ttft_ms_p99=float(np.percentile(ttft, 99)),

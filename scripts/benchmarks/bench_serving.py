@@ -148,28 +148,33 @@ def _engine(path, max_seqs):
     return Engine(config, params, max_seqs=max_seqs, page_size=16, max_tokens_per_step=512)
 
 
+def drain(engine, prompts, params) -> tuple[list[list[int]], float, list[float], list[float]]:
+    """Every request added at once (``params``: one SamplingParams each), the engine stepped until all
+    finish: (each request's tokens, the start time, each one's first-token and end times)."""
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    toks = {i: [] for i in ids}
+    firsts, ends = {}, {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            toks[o.id] += o.new_token_ids
+            firsts.setdefault(o.id, now)
+            if o.finished:
+                ends[o.id] = now
+    return [toks[i] for i in ids], t0, [firsts[i] for i in ids], [ends[i] for i in ids]
+
+
 def run_engine(path, prompts, outs, warm=True):
     from jaxgpt.inference.sampling import SamplingParams
 
     engine = _engine(path, len(prompts))
 
     def once():
-        t0 = time.perf_counter()
-        ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, outs)]
-        toks = {i: [] for i in ids}
-        firsts, ends = {}, {}
-        while engine.has_unfinished():
-            outs_ = engine.step()
-            now = time.perf_counter()
-            for o in outs_:
-                toks[o.id] += o.new_token_ids
-                firsts.setdefault(o.id, now)
-                if o.finished:
-                    ends[o.id] = now
+        tokens, t0, firsts, ends = drain(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in outs])
         wall = time.perf_counter() - t0
-        tokens = [toks[i] for i in ids]
-        return tokens, _stats([t0] * len(ids), [firsts[i] for i in ids], [ends[i] for i in ids],
-                              [len(t) for t in tokens], wall)
+        return tokens, _stats([t0] * len(tokens), firsts, ends, [len(t) for t in tokens], wall)
 
     if warm:  # compiles every bucket the workload reaches
         once()
