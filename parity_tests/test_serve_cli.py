@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-import torch
 
 from conftest import require_module
 
@@ -22,37 +20,15 @@ pytestmark = pytest.mark.e2e  # a subprocess server: make test-slow
 
 openai = require_module("openai", allow_module_level=True)
 require_module("uvicorn", allow_module_level=True)
+from test_serve import _free_port, model_dir  # noqa: E402, F401  (model_dir: the shared tiny HF LLaMA directory)
 
 KEY = "sk-cli-test"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from hf_dirs import bpe_tokenizer, randomize_, save_tokenizer
-
-    path = tmp_path_factory.mktemp("serve-cli") / "tiny-llama"
-    torch.manual_seed(2)
-    model = randomize_(LlamaForCausalLM(LlamaConfig(
-        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=0, pad_token_id=0,
-        tie_word_embeddings=False)), seed=2)
-    model.save_pretrained(path)
-    save_tokenizer(bpe_tokenizer(vocab=320), path, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-    return path
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_sigterm_ends_the_stream_and_exits_0(model_dir, tmp_path):
-    port, log = _port(), tmp_path / "access.jsonl"
+def test_sigterm_ends_the_stream_and_exits_0(model_dir, tmp_path):  # noqa: F811 - the shared fixture
+    port, log = _free_port(), tmp_path / "access.jsonl"
     env = dict(os.environ, JAXGPT_API_KEY=KEY)
-    cmd = [sys.executable, "-m", "jaxgpt", "serve", str(model_dir), "--port", str(port), "--max-seqs", "2",
+    cmd = [sys.executable, "-m", "jaxgpt", "serve", str(model_dir[0]), "--port", str(port), "--max-seqs", "2",
            "--no-precompile", "--kv-cache-memory", "1MiB", "--max-model-len", "48", "--request-timeout", "60",
            "--access-log", str(log), "--shutdown-timeout", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
