@@ -191,9 +191,9 @@ def load_task(config, tc: TrainConfig, *, data: str | None = None, corpus: str |
     token directories ('dirA=0.7,dirB=0.3': ``mixture_task``) or a built-in corpus. ``tokenizer``: a saved tokenizer dict (resuming), else built from the data."""
     if (data is None) == (corpus is None):
         raise ValueError("give exactly one of data (a file) or corpus (a built-in name)")
-    if data is not None and "=" in str(data) and not Path(data).exists():  # 'dirA=0.7,dirB=0.3': a mixture
-        from jaxgpt.train.mixture_task import mixture_task
+    from jaxgpt.train.mixture_task import mixture_task, parse_mixture
 
+    if data is not None and parse_mixture(str(data)) is not None:  # 'dirA=0.7,dirB=0.3': a mixture
         if not isinstance(config, ModelConfig):
             raise ValueError(f"a mixture of token directories trains decoder LMs, not a {type(config).__name__}")
         return mixture_task(str(data), tc, vocab_size=config.vocab_size, tokenizer=tokenizer)
