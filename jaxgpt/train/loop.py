@@ -193,12 +193,12 @@ class _Run:
             tmp.replace(self.metrics_path)  # atomic: a process reading it meanwhile sees the old lines or the new
         self.skipped = sum(1 for r in self.history if r.get("nonfinite"))
         self.bar = Progress(self.end, enabled=self.progress)
+        self.t_flush = time.perf_counter()  # compile_s counts from here: waiting for the compile-ahead thread too
         if plan.ahead is not None:  # meanwhile, what the first save runs, into the persistent cache too
             _all_finite.lower(plan.abstract.params).compile()
             if self.ckpts is not None:
                 self.ckpts.compile_ahead(plan.abstract)
             plan.ahead.join()  # the first call loads what the thread compiled
-        self.t_flush = time.perf_counter()
 
     def record(self, rows: list[dict]) -> None:
         if self.metrics_path and is_primary():
