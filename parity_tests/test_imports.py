@@ -220,3 +220,15 @@ def test_tables_merge_across_xdist_workers(scratch_margins):
     m = conftest.MARGINS["probe m"]
     assert m["jaxgpt"] == 5e-6 and m["headroom"] == 2.0 and len(m["ratios"]) == 2
     assert "| probe m | 2 | 5.00e-06 | 2.00e-06 | 0.50 | - | 2.0 | 1.00e-06 | 10.0 |" in conftest.margins_markdown()
+
+
+def test_no_script_runs_its_own_jax_training_loop():
+    """Every JAX training in scripts/ goes through the library (``fit``, ``make_train_step``), with its
+    batch checks, NaN stop and mesh: no script takes gradients or applies an optimizer itself (issue 41).
+    The torch loops in scripts/ are the baselines raced against (nanoGPT, torch_ref eager). Text only."""
+    import re
+
+    own = re.compile(r"\bvalue_and_grad\b|\bjax\.grad\b|\bapply_updates\b|\bopt(?:imizer)?\.update\(")
+    found = [f"{py.relative_to(ROOT)}:{i}: {line.strip()}" for py in sorted((ROOT / "scripts").rglob("*.py"))
+             for i, line in enumerate(py.read_text().splitlines(), 1) if own.search(line)]
+    assert not found, "scripts/ must train through jaxgpt.train, not a loop of their own:\n" + "\n".join(found)

@@ -14,6 +14,8 @@ cast to ``dtype`` (None: the input's dtype), the compute dtype of the layer that
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -33,6 +35,7 @@ class LayerNorm(nn.Module):
     dtype: str | None = None  # output dtype (None: x.dtype)
     param_dtype: str = "float32"
     impl: str = "auto"  # NORM_IMPLS
+    center: ClassVar[bool] = True  # subtract the mean first (RMSNorm: no)
 
     @nn.compact
     def __call__(self, x):
@@ -42,32 +45,28 @@ class LayerNorm(nn.Module):
         bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(jnp.float32) \
             if self.use_bias else None
         if _use_ffi(self.impl, h):
-            return norm_ffi.layer_norm(h, scale, bias, eps=self.eps).astype(self.dtype or x.dtype)
-        mean = h.mean(-1, keepdims=True)
-        var = jnp.square(h - mean).mean(-1, keepdims=True)  # two-pass: no E[x^2]-E[x]^2 cancellation
-        y = (h - mean) * jax_rsqrt(var + self.eps) * scale
+            y = norm_ffi.layer_norm(h, scale, bias, eps=self.eps) if self.center else \
+                norm_ffi.rms_norm(h, scale, eps=self.eps)
+            return y.astype(self.dtype or x.dtype)
+        if self.center:  # two-pass: no E[x^2]-E[x]^2 cancellation
+            h = h - h.mean(-1, keepdims=True)
+        y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps) * scale
         if bias is not None:
             y = y + bias
         return y.astype(self.dtype or x.dtype)
 
 
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis. x: (..., D)."""
+class RMSNorm(LayerNorm):
+    """y = x / sqrt(mean(x^2) + eps) * scale over the last axis, no bias. x: (..., D)."""
 
     eps: float = 1e-6
-    dtype: str | None = None  # output dtype (None: x.dtype)
-    param_dtype: str = "float32"
-    impl: str = "auto"  # NORM_IMPLS
+    use_bias: bool = False
+    center: ClassVar[bool] = False
 
-    @nn.compact
-    def __call__(self, x):
-        d = x.shape[-1]
-        h = x.astype(jnp.float32)
-        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
-        if _use_ffi(self.impl, h):
-            return norm_ffi.rms_norm(h, scale, eps=self.eps).astype(self.dtype or x.dtype)
-        y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps) * scale
-        return y.astype(self.dtype or x.dtype)
+    def __post_init__(self):
+        if self.use_bias:
+            raise ValueError("RMSNorm has no bias (use_bias=True); a biased norm is LayerNorm's")
+        super().__post_init__()
 
 
 def jax_rsqrt(x):

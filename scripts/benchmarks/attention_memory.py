@@ -2,13 +2,13 @@
 (jax.nn.dot_product_attention) vs 'blocked' (flash-style, linear in T).
 
     .venv/bin/python -m scripts.benchmarks.attention_memory           # T = 1k, 4k, 16k; JSON in results/engine/
-    .venv/bin/python -m scripts.benchmarks.attention_memory --speed   # also time fwd+bwd at T = 256, 1024 (CPU)
+    .venv/bin/python -m scripts.benchmarks.attention_memory --speed   # also time the train step at T = 256, 1024 (CPU)
     .venv/bin/python -m scripts.benchmarks.attention_memory --quick   # CI smoke: T = 256, 1024 and a short timing
 
-Memory: the forward + backward of a 1-layer DecoderLM's loss (d_model 256, 4 heads, RoPE, batch 1; the
-train step without the optimizer, whose state does not depend on T) is lowered on abstract shapes
+Memory: the library's train step (``make_train_step``: forward, backward and the AdamW update) of a
+1-layer DecoderLM (d_model 256, 4 heads, RoPE, batch 1) is lowered on abstract shapes
 (jax.ShapeDtypeStruct) and compiled; XLA's ``memory_analysis()`` reports its temporaries. Nothing
-of that size is allocated. Speed: the same function, run, timed A B A B across backends.
+of that size is allocated. Speed: the same step, run, timed A B A B across backends.
 """
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt import build
-from jaxgpt.config import ModelConfig
-from jaxgpt.models import abstract_params
+from jaxgpt.config import ModelConfig, TrainConfig
+from jaxgpt.train.step import abstract_state, init_state, make_train_step
 
 IMPLS = ("xla", "jax", "blocked")
 
@@ -34,41 +33,40 @@ def model_config(impl: str, t: int, block: int) -> ModelConfig:
                        attention_block=block)
 
 
-def loss_and_grads(config: ModelConfig):
-    model = build(config)
-
-    def loss(params, x, y):  # x, y: (B, T) token ids
-        logits = model.apply({"params": params}, x)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1))
-
-    return jax.jit(jax.value_and_grad(loss))
+def train_step(config: ModelConfig, t: int, batch: int):
+    """The library's jitted train step (``make_train_step``, one device) for batches of ``batch`` x ``t``,
+    its TrainConfig and the batch's shapes ((grad_accum, micro_batch, T) ids)."""
+    tc = TrainConfig(batch_size=batch, seq_len=t, mesh="")
+    ids = jax.ShapeDtypeStruct((1, batch, t), jnp.int32)
+    return make_train_step(config, tc, mesh=None), tc, {"x": ids, "y": ids}
 
 
 def temp_bytes(impl: str, t: int, batch: int, block: int) -> tuple[int, float]:
-    """Temporaries (bytes) of the compiled fwd+bwd, and the compile time (s)."""
+    """Temporaries (bytes) of the compiled train step, and the compile time (s)."""
     config = model_config(impl, t, block)
-    ids = jax.ShapeDtypeStruct((batch, t), jnp.int32)
+    step, tc, shapes = train_step(config, t, batch)
     start = time.perf_counter()
-    compiled = loss_and_grads(config).lower(abstract_params(config), ids, ids).compile()
+    compiled = step.lower(abstract_state(config, tc), shapes).compile()
     return compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - start
 
 
 def speed(impls, t: int, batch: int, block: int, pairs: int) -> dict:
-    """Median ms per fwd+bwd for each backend, timed round-robin (A B A B) on the same inputs."""
+    """Median ms per train step for each backend, timed round-robin (A B A B) on the same batch."""
     r = np.random.default_rng(0)
-    x, y = (jnp.asarray(r.integers(0, 256, (batch, t)), jnp.int32) for _ in range(2))
+    data = {k: jnp.asarray(r.integers(0, 256, (1, batch, t)), jnp.int32) for k in ("x", "y")}
     runs = {}
     for impl in impls:
         config = model_config(impl, t, block)
-        params = build(config).init(jax.random.PRNGKey(0), x[:, :1])["params"]
-        fn = loss_and_grads(config)
-        jax.block_until_ready(fn(params, x, y))  # compile + warm up
-        runs[impl] = (fn, params)
+        step, tc, _ = train_step(config, t, batch)
+        state, metrics = step(init_state(config, tc, mesh=None), data)  # compile + warm up
+        jax.block_until_ready(metrics)
+        runs[impl] = [step, state]
     times = {impl: [] for impl in impls}
     for _ in range(pairs):
-        for impl, (fn, params) in runs.items():
+        for impl, run in runs.items():
             start = time.perf_counter()
-            jax.block_until_ready(fn(params, x, y))
+            run[1], metrics = run[0](run[1], data)  # the state is donated: keep the new one
+            jax.block_until_ready(metrics)
             times[impl].append((time.perf_counter() - start) * 1e3)
     return {impl: statistics.median(v) for impl, v in times.items()}
 
@@ -79,7 +77,7 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--block", type=int, default=512, help="attention_block of 'blocked'")
-    ap.add_argument("--speed", action="store_true", help="also time fwd+bwd at --speed-lens")
+    ap.add_argument("--speed", action="store_true", help="also time the train step at --speed-lens")
     ap.add_argument("--speed-lens", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--speed-batch", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=5, help="rounds of A B A B timing")
@@ -108,7 +106,7 @@ def main() -> None:
 
     timings = []
     if args.speed or args.quick:
-        print(f"\nfwd+bwd ms (median of {args.pairs} rounds, A B A B), batch {args.speed_batch}")
+        print(f"\ntrain step ms (median of {args.pairs} rounds, A B A B), batch {args.speed_batch}")
         print("| T | " + " | ".join(f"`{i}` ms" for i in args.impls) + " | " +
               " | ".join(f"{i} / xla" for i in args.impls if i != "xla") + " |")
         print("|---" * (2 * len(args.impls)) + "|")

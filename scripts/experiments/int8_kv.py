@@ -17,55 +17,32 @@ import time
 
 import numpy as np
 
-from scripts.harness import RESULTS, SHARED, LoadSampler, timing_note, write_result
-
-
-def char_data():
-    """Tiny Shakespeare as character ids: (train, val, chars)."""
-    path = SHARED / "data" / "tinyshakespeare.txt"
-    text = path.read_text(encoding="utf-8")
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    ids = np.array([lookup[c] for c in text], np.int32)
-    split = int(0.9 * len(ids))
-    return ids[:split], ids[split:], chars
+from scripts.harness import RESULTS, LoadSampler, timing_note, write_result
 
 
 def train_char_model(cfg, steps: int, seed: int = 0, batch: int = 16):
-    """A briefly trained character model: (params, final loss, validation ids). AdamW, lr 3e-3."""
-    import jax
-    import jax.numpy as jnp
-    import optax
+    """A briefly trained character model on Tiny Shakespeare: (params, final loss, validation ids).
 
-    from jaxgpt.models import init_params
-    from jaxgpt.models.decoder import DecoderLM
+    The library's one loop (``expkit.train``: ``fit`` with its batch checks and NaN stop), constant
+    AdamW at lr 3e-3 (weight decay 0.1, no clipping), windows of ``cfg.max_len`` characters; the
+    validation ids are the text's last 10% (sorted-character ids, as the tokenizer numbers them)."""
+    from jaxgpt.config import TrainConfig
+    from jaxgpt.train.tasks import load_task
 
-    train, val, _ = char_data()
-    t = cfg.max_len
-    params = init_params(cfg, jax.random.PRNGKey(seed))
-    model = DecoderLM(cfg)
-    opt = optax.adamw(3e-3, weight_decay=0.1)
-    state = opt.init(params)
+    from scripts.experiments.expkit import shakespeare, train
 
-    def loss_fn(p, x):
-        logits = model.apply({"params": p}, x[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
-
-    @jax.jit
-    def step(p, s, x):
-        loss, g = jax.value_and_grad(loss_fn)(p, x)
-        upd, s = opt.update(g, s, p)
-        return optax.apply_updates(p, upd), s, loss
-
-    rng = np.random.default_rng(seed)
-    loss = float("nan")
+    tc = TrainConfig(steps=steps, batch_size=batch, seq_len=cfg.max_len, lr=3e-3, schedule="constant",
+                     beta2=0.999, weight_decay=0.1, grad_clip=None, seed=seed, eval_every=0, eval_batches=1,
+                     log_every=min(50, steps), mesh="")
+    task = load_task(cfg, tc, data=str(shakespeare()))
+    if task.tokenizer.vocab_size != cfg.vocab_size:
+        raise ValueError(f"vocab_size={cfg.vocab_size}, but Tiny Shakespeare has {task.tokenizer.vocab_size} characters")
     t0 = time.perf_counter()
-    for _ in range(steps):
-        starts = rng.integers(0, len(train) - t - 2, batch)
-        params, state, loss = step(params, state, jnp.asarray(np.stack([train[s:s + t + 1] for s in starts])))
+    r = train(cfg, tc, task)
+    loss = [row["loss"] for row in r["history"] if "loss" in row][-1]
     print(f"trained {cfg.n_layer}x{cfg.d_model} for {steps} steps in {time.perf_counter() - t0:.0f}s, "
-          f"final loss {float(loss):.3f}")
-    return params, float(loss), val
+          f"final loss {loss:.3f}")
+    return r["params"], float(loss), np.asarray(task.val[0])
 
 
 def main(argv=None):
