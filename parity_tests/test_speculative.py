@@ -40,6 +40,10 @@ def test_greedy_identical_to_target_alone():
     assert speculative_generate(TARGET, _params(TARGET, 0), TARGET, _params(TARGET, 0), prompt, 20, k=3,
                                 stats=same) == want
     assert same["accepted"] == same["proposed"]  # a draft identical to the target is always accepted
+    # Sampling (self-consistency): a seed repeats its tokens, another seed draws others.
+    draw = lambda seed: speculative_generate(TARGET, _params(TARGET, 0), DRAFT, _params(DRAFT, 1), prompt, 20, k=3,
+                                             temperature=1.0, top_k=20, seed=seed)
+    assert draw(1) == draw(1) != draw(2)
 
 
 def test_accept_reject_keeps_the_target_distribution():

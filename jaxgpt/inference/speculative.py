@@ -8,12 +8,11 @@ and the standard accept/reject rule keeps the target's distribution exactly:
 Greedy (temperature 0) is the limit where p and q are one-hot: a draft token is accepted iff it
 is the target's argmax, so the output is token-identical to the target decoding alone.
 
-Both models keep per-layer KV caches ('rows' layout, ``init_cache(per_layer=True)``); a
-rejection rewinds a cache by setting its index back (slots past the index are masked, then
-overwritten). ``speculative_generate`` decodes one request at a time; ``speculate`` is the
-batched program the engine runs (``Engine(draft=...)``, ``jaxgpt serve --draft``): every
-decoding row proposes (``propose``) and is verified (``verify``) in one call, over the paged
-pools of both models, which share each request's page ids.
+``speculate`` is the one implementation: a batched round over the paged pools of both models
+(which share each request's page ids), in one program. Every decoding row proposes (``propose``)
+and is verified (``verify``); a rejection needs no rewind, since positions are explicit and the
+next round overwrites the slots past the accepted ones. The engine runs it (``Engine(draft=...)``,
+``jaxgpt serve --draft``); ``speculative_generate`` drives it for one request from the host.
 """
 from __future__ import annotations
 
@@ -23,17 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.inference.sampling import argmax, filter_logits, row_keys
-from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
+from jaxgpt.inference.paged_cache import init_pools, next_pow2
 from jaxgpt.inference.paged_model import paged_apply, write_slots
-
-
-def _probs(logits, temperature):
-    """(…, V) float32 -> probabilities; temperature 0 -> one-hot argmax."""
-    logits = logits.astype(jnp.float32)
-    if temperature == 0:
-        return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(logits / temperature, axis=-1)
+from jaxgpt.inference.sampling import argmax, filter_logits, row_keys
+from jaxgpt.models.decoder import check_tokens, unstack_layers
+from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 
 def accept_reject(p, q, draft, rng):
@@ -52,38 +45,15 @@ def accept_reject(p, q, draft, rng):
     return n, nxt.astype(jnp.int32)
 
 
-def _rewind(cache, index):
-    return tuple(c.replace(index=jnp.asarray(index, jnp.int32)) for c in cache)
-
-
-@partial(jax.jit, static_argnames=("config",))
-def _forward(params, tokens, cache, *, config):
-    out = DecoderLM(config).apply({"params": params}, tokens, cache=cache)
-    return out.logits, out.cache
-
-
-@partial(jax.jit, static_argnames=("config", "k", "temperature"))
-def _propose(params, last, cache, rng, *, config, k, temperature):
-    """k draft tokens from ``last`` (1,), one decode step each -> (tokens (k,), q (k, V), cache)."""
-    toks, qs = [], []
-    tok = last
-    for i in range(k):
-        out = DecoderLM(config).apply({"params": params}, tok[None], cache=cache)
-        cache = out.cache
-        q = _probs(out.logits[0, -1], temperature)
-        tok = (jnp.argmax(q)[None] if temperature == 0
-               else jax.random.categorical(jax.random.fold_in(rng, i), jnp.log(q))[None]).astype(jnp.int32)
-        toks.append(tok[0])
-        qs.append(q)
-    # feed the k-th proposal too, so that when all k are accepted the draft's cache already holds it
-    cache = DecoderLM(config).apply({"params": params}, tok[None], cache=cache).cache
-    return jnp.stack(toks), jnp.stack(qs), cache
-
-
 def speculative_generate(target_config, target_params, draft_config, draft_params, prompt, max_new_tokens: int, *,
-                         k: int = 4, temperature: float = 0.0, rng=None, stats: dict | None = None):
+                         k: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                         page_size: int = 16, stats: dict | None = None):
     """Continue ``prompt`` (T0,) ids by ``max_new_tokens`` tokens with a draft proposing ``k`` at a
-    time. Returns the new tokens (list); ``stats`` (a dict) gets 'proposed' and 'accepted' counts."""
+    time, one request, rounds driven from the host. Each round is the engine's own program
+    (``speculate``, batch 1) over paged pools of one request's pages, so offline and served
+    speculative decoding are one implementation. Sampling as ``SamplingParams``: ``temperature``
+    (0: greedy), ``top_k``, ``top_p``, ``seed``. Returns the new tokens (list); ``stats`` (a dict)
+    gets 'proposed' and 'accepted' counts."""
     if target_config.vocab_size != draft_config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft_config.vocab_size}) differs from the target's "
                          f"({target_config.vocab_size}); speculative decoding needs the same one")
@@ -95,42 +65,44 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
     if t0 + max_new_tokens + k > room:
         raise ValueError(f"{t0} prompt + {max_new_tokens} new + {k} proposed tokens exceed the context ({room})")
     check_tokens(prompt, target_config.vocab_size, room)
-    rng = jax.random.PRNGKey(0) if rng is None else rng
-    tc, tp = unstack_layers(target_config, target_params)
-    dc, dp = unstack_layers(draft_config, draft_params)
+    models = [unstack_layers(c, p) for c, p in ((target_config, target_params), (draft_config, draft_params))]
+    # Pages 1..n hold the request in order (page 0 is the scratch page padding writes go to); a power
+    # of two of them, so prompts of nearby lengths share the compiled programs.
+    pages = next_pow2(-(-(t0 + max_new_tokens + k) // page_size))
+    table = np.arange(1, pages + 1, dtype=np.int32)[None]  # (1, P)
+    (tc, tp), (dc, dp) = models
     tp, dp = jax.device_put((tp, dp))  # once: host (NumPy) params would be copied into every call
-    cap = t0 + max_new_tokens + k
-    tcache = init_cache(tc, 1, cap, per_layer=True)
-    dcache = init_cache(dc, 1, cap, per_layer=True)
+    pools, dpools = (init_pools(c, pages + 1, page_size) for c, _ in models)
+    kernels = [resolve_paged_kernel("auto", c.dtype, pl[0][0].dtype) for (c, _), pl in zip(models, (pools, dpools))]
     # Both prefill all but the last prompt token; every round then starts from one pending token.
     if t0 > 1:
-        _, tcache = _forward(tp, jnp.asarray(prompt[:, :-1]), tcache, config=tc)
-        _, dcache = _forward(dp, jnp.asarray(prompt[:, :-1]), dcache, config=dc)
-    pos = t0 - 1  # cached positions in both models
-    last = int(prompt[0, -1])
-    out: list[int] = []
+        pools = _prefill(tp, pools, prompt[:, :-1], table, config=tc, kernel=kernels[0])
+        dpools = _prefill(dp, dpools, prompt[:, :-1], table, config=dc, kernel=kernels[1])
+    settings = (np.array([temperature], np.float32), np.array([top_k], np.int32), np.array([top_p], np.float32),
+                np.array([seed], np.uint32))
+    pos, last, out = t0 - 1, int(prompt[0, -1]), []  # pos: positions cached in both models
     stats = {} if stats is None else stats
     stats.setdefault("proposed", 0)
     stats.setdefault("accepted", 0)
-    step = 0
     while len(out) < max_new_tokens:
-        key = jax.random.fold_in(rng, step)
-        step += 1
-        draft, q, dcache = _propose(dp, jnp.asarray([last], jnp.int32), dcache, jax.random.fold_in(key, 0),
-                                    config=dc, k=k, temperature=float(temperature))
-        verify = jnp.concatenate([jnp.asarray([last], jnp.int32), draft])[None]  # (1, k+1)
-        logits, tcache = _forward(tp, verify, tcache, config=tc)
-        p = _probs(logits[0], temperature)
-        n, nxt = accept_reject(p, q, draft, jax.random.fold_in(key, 1))
-        n, nxt = int(n), int(nxt)
+        pools, dpools, n, emitted, _ = speculate(tp, pools, dp, dpools, np.array([last], np.int32),
+                                                 np.array([pos], np.int32), table, *settings,
+                                                 np.array([len(out)], np.int32), config=tc, draft_config=dc, k=k,
+                                                 kernel=kernels[0], draft_kernel=kernels[1])
+        n = int(n[0])
         stats["proposed"] += k
         stats["accepted"] += n
-        new = [int(t) for t in np.asarray(draft[:n])] + [nxt]
-        out += new
-        pos += n + 1  # `last` and the n accepted drafts are now cached (target); rewind both to there
-        tcache, dcache = _rewind(tcache, pos), _rewind(dcache, pos)
-        last = nxt
+        out += np.asarray(emitted[0, :n + 1]).tolist()
+        pos += n + 1  # `last` and the n accepted drafts are now cached; the next round overwrites the rest
+        last = out[-1]
     return out[:max_new_tokens]
+
+
+@partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
+def _prefill(params, pools, tokens, page_table, *, config, kernel):
+    """tokens (1, T) at positions 0..T-1 into the pools -> the pools."""
+    q_pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    return _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel)[1]
 
 
 # -- batched, over the engine's paged pools --------------------------------------------------------
