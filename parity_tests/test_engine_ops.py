@@ -31,6 +31,7 @@ def test_max_model_len_bounds_pages_prompts_and_outputs(llama):  # noqa: F811 - 
     while eng.has_unfinished():
         last = [o for o in eng.step() if o.id == rid] or last
     assert last[-1].finish_reason == "length" and eng.allocator.free == eng.allocator.total
+    assert (eng.stats["prompt_tokens"], eng.stats["generated_tokens"]) == (2 * 5, 2 * 15)
     with pytest.raises(ValueError, match="the prompt has 20 tokens; the context window is 20"):
         eng.add_request([3] * 20)
     with pytest.raises(ValueError, match=r"max_model_len=65 must be in \[2, 64\]"):

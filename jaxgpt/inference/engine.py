@@ -8,7 +8,9 @@ they run out (its pages are freed and it is recomputed from its prompt and outpu
 run one jitted call for all decode rows and one for the prefill chunks; sample per request;
 finish on EOS, stop ids, stop strings, ``max_tokens`` or the context window, freeing pages.
 With prefix caching (on by default) admission first hands a request the cached full pages of its
-tokens' prefix, and freed full pages stay cached until evicted (prefix_cache.py).
+tokens' prefix, and freed full pages stay cached until evicted (prefix_cache.py). The bookkeeping
+(requests, pages, admission, preemption, each step's plan of rows) is ``scheduler.Scheduler``'s,
+which ``Engine`` extends with the programs that run the plan.
 
 With a ``draft`` model (speculative decoding) every decoding row takes k + 1 tokens of the budget
 instead, and one program (``speculative.speculate``) runs the round for all of them: the draft
@@ -24,23 +26,20 @@ does at start), and ``Engine.compilations`` counts the ones compiled or run.
 """
 from __future__ import annotations
 
-import itertools
-import secrets
 import time
 import types
-from collections import deque
 from functools import partial
 
 import jax
 import numpy as np
 
-from jaxgpt.inference import prefix_cache, speculative
+from jaxgpt.inference import speculative
 from jaxgpt.inference.detokenize import Detokenizer
-from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAllocator, batch_arrays, bucket,
-                                         init_pools, next_pow2, plan_prefill)
+from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_PAGES, MIN_ROWS, batch_arrays, bucket, init_pools
 from jaxgpt.inference.paged_model import paged_apply
 from jaxgpt.inference.requests import Request, RequestOutput
 from jaxgpt.inference.sampling import SamplingParams, argmax, batch_settings, sample_requests
+from jaxgpt.inference.scheduler import Scheduler
 from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
@@ -64,7 +63,7 @@ def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, conf
     return pools, argmax(logits), logits
 
 
-class Engine:
+class Engine(Scheduler):
     """Engine(config, params, max_seqs=, page_size=, num_pages=, max_tokens_per_step=).
 
     ``eos_ids``: tokens that end a request (unless its ``ignore_eos``); ``decode``: ids -> text,
@@ -93,46 +92,34 @@ class Engine:
         self.config, params = unstack_layers(config, params)
         # on the device once: host (NumPy) params would be copied into every step's call
         self.params = jax.device_put(params)
-        self.page_size = page_size
-        self.max_model_len = config.max_len if max_model_len is None else max_model_len
-        if not 2 <= self.max_model_len <= config.max_len:
-            raise ValueError(f"max_model_len={self.max_model_len} must be in [2, {config.max_len}]: the model's "
+        max_model_len = config.max_len if max_model_len is None else max_model_len
+        if not 2 <= max_model_len <= config.max_len:
+            raise ValueError(f"max_model_len={max_model_len} must be in [2, {config.max_len}]: the model's "
                              f"context is {config.max_len} tokens, and a request needs a prompt token and an output")
-        self.max_pages_per_seq = -(-self.max_model_len // page_size)
+        pages_per_seq = -(-max_model_len // page_size)
         if num_pages is None:
-            num_pages = max_seqs * self.max_pages_per_seq + 1
-        if num_pages - 1 < self.max_pages_per_seq:
-            raise ValueError(f"num_pages={num_pages} cannot hold one full context ({self.max_model_len} tokens = "
-                             f"{self.max_pages_per_seq} pages of {page_size}, plus the scratch page)")
-        self.max_seqs, self.budget = max_seqs, max_tokens_per_step
-        self._rows_hi, self._pages_hi = next_pow2(max_seqs), next_pow2(self.max_pages_per_seq)
-        self._slots = max(next_pow2(max_tokens_per_step), MIN_ROWS * MIN_CHUNK)  # a prefill call's padded tokens
-        self._chunk_hi = self._slots // MIN_ROWS  # the longest prefill chunk: MIN_ROWS rows of it fill the slots
+            num_pages = max_seqs * pages_per_seq + 1
+        if num_pages - 1 < pages_per_seq:
+            raise ValueError(f"num_pages={num_pages} cannot hold one full context ({max_model_len} tokens = "
+                             f"{pages_per_seq} pages of {page_size}, plus the scratch page)")
+        if spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1, got {spec_max_batch}")
+        # token_vocab: a padded table's extra rows are no tokens
+        super().__init__(vocab=self.config.token_vocab, max_model_len=max_model_len, max_seqs=max_seqs,
+                         page_size=page_size, num_pages=num_pages, budget=max_tokens_per_step,
+                         prefix_caching=enable_prefix_caching, k=None if draft is None else num_speculative_tokens,
+                         spec_max_batch=spec_max_batch)
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
         self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype)
-        self.prefix_caching = enable_prefix_caching
-        self.allocator = (prefix_cache.PrefixCachingAllocator(num_pages, page_size) if enable_prefix_caching
-                          else PageAllocator(num_pages))
         self.eos_ids = set(int(i) for i in eos_ids)
         self.decode = decode
         self._detoks: dict[str, Detokenizer] = {}  # per request with stop strings
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self._arrival = itertools.count()
-        self.stats = dict(steps=0, preemptions=0, prompt_tokens=0, generated_tokens=0, calls=0)
-        self.stats.update(prefix_queries=0, prefix_hits=0)  # tokens looked up in the prefix cache at admission, found
         self.shapes: set[tuple] = set()  # every (kind, B, T, P) shape run: the compilations
-        if spec_max_batch < 1:
-            raise ValueError(f"spec_max_batch must be >= 1, got {spec_max_batch}")
-        self.spec_max_batch = spec_max_batch
-        self._draft_at: dict[str, int] = {}  # requests whose draft pages hold only their first n tokens
-        self.draft = None if draft is None else self._init_draft(*draft, k=num_speculative_tokens, kv_dtype=kv_dtype,
-                                                                 paged_kernel=paged_kernel, num_pages=num_pages)
+        self.draft = None if draft is None else self._init_draft(*draft, kv_dtype=kv_dtype, paged_kernel=paged_kernel,
+                                                                 num_pages=num_pages)
 
-    def _init_draft(self, config, params, *, k, kv_dtype, paged_kernel, num_pages):
+    def _init_draft(self, config, params, *, kv_dtype, paged_kernel, num_pages):
         if config.vocab_size != self.config.vocab_size:
             raise ValueError(f"the draft's vocabulary ({config.vocab_size}) differs from the target's "
                              f"({self.config.vocab_size}); speculative decoding needs the same one")
@@ -141,6 +128,7 @@ class Engine:
         if config.max_len < self.max_model_len:  # it prefills every prompt the target takes
             raise ValueError(f"the draft's context ({config.max_len}) is shorter than the target's "
                              f"max_model_len ({self.max_model_len})")
+        k = self.k
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         if k + 1 > self.budget:
@@ -148,145 +136,18 @@ class Engine:
                              f"max_tokens_per_step={self.budget}; raise it or lower num_speculative_tokens")
         config, params = unstack_layers(config, params)
         pools = init_pools(config, num_pages, self.page_size, kv_dtype)
-        self.k = k
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0)
         return dict(config=config, params=jax.device_put(params), pools=pools,
                     kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
 
-    # -- requests -----------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        ids = [int(i) for i in np.asarray(prompt_ids).reshape(-1)]
-        v, n = self.config.token_vocab, self.max_model_len  # a padded table's extra rows are no tokens
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [i for i in ids if not 0 <= i < v]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {v})")
-        if len(ids) >= n:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context window is {n}, so at most {n - 1} "
-                             f"leave room for one new token")
-        bad = [i for i, _ in params.logit_bias if i >= v]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {v})")
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        # an unseeded request gets fresh entropy (OpenAI's behaviour), kept on the Request to rerun it
-        seed = secrets.randbits(32) if params.seed is None else params.seed
-        req = Request(rid, ids, params, next(self._arrival), seed=seed, adjust=dict(params.logit_bias))
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return rid
-
     def abort(self, request_id: str) -> bool:
         """Cancel a request (a client went away): its pages are freed at once."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self._free(req)
         self._detoks.pop(request_id, None)
-        return True
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return super().abort(request_id)
 
     @property
     def compilations(self) -> int:
         return len(self.shapes)
-
-    # -- scheduling ---------------------------------------------------------------------------------
-    def _free(self, req: Request) -> None:
-        self._cache(req)  # a finished or preempted request's pages stay cached, evictable
-        self.allocator.release(req.pages)
-        req.pages, req.computed, req.chain = [], 0, []  # a recompute prefills the draft too
-        self._draft_at.pop(req.id, None)
-
-    def _cache(self, req: Request) -> None:
-        # with a draft, only pages whose draft keys/values were written too: a request that took plain decode
-        # steps (the batch was above spec_max_batch) has draft pages up to _draft_at until it catches up
-        if self.prefix_caching:
-            upto = self._draft_at.get(req.id, req.computed) if self.draft is not None else req.computed
-            prefix_cache.cache_full_pages(self.allocator, req, upto)
-
-    def _pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
-
-    def _grow(self, req: Request, upto: int) -> bool:
-        need = self._pages_for(upto) - len(req.pages)
-        if need <= 0:
-            return True
-        got = self.allocator.alloc(need)
-        if got is None:
-            return False
-        req.pages.extend(got)
-        return True
-
-    def _preempt(self) -> Request:
-        victim = max(self.running, key=lambda r: r.arrival)
-        self.running.remove(victim)
-        self._free(victim)  # recomputed later from prompt + outputs: greedy tokens unchanged
-        self.waiting.appendleft(victim)
-        self.stats["preemptions"] += 1
-        return victim
-
-    def _admit(self) -> None:
-        for req in self.running:
-            self._cache(req)
-        while self.waiting and len(self.running) < self.max_seqs:
-            req = self.waiting[0]
-            if self.prefix_caching:
-                prefix_cache.match_prefix(self.allocator, req)
-            need = self._pages_for(min(len(req.tokens), req.computed + self.budget)) - len(req.pages)
-            if (self.allocator.free < need + len(self.running)  # keep a page of headroom each
-                    or self.prefix_caching and prefix_cache.computed_by_another(req, self.running, self.page_size)):
-                self._free(req)  # a page another request is computing: wait a step for it, not compute it twice
-                break
-            self.stats["prefix_queries"] += len(req.tokens) if self.prefix_caching else 0
-            self.stats["prefix_hits"] += req.computed
-            self.waiting.popleft()
-            self.running.append(req)
-
-    def _speculates(self, req: Request) -> bool:
-        return (self.draft is not None and len(self.running) <= self.spec_max_batch and speculative.supports(req.params)
-                and req.computed + self.k + 1 <= self.max_model_len)  # a round writes computed .. computed + k
-
-    def _schedule(self):
-        """-> (speculative rows, decode rows, prefill rows) of (req, n_tokens); pages allocated for them."""
-        budget = self.budget
-        spec, decode, prefill = [], [], []
-        # decoding rows first (a token or a round each keeps every stream moving), then prefill chunks, oldest first
-        ready = sorted(self.running, key=lambda r: r.arrival)
-        for req in [r for r in ready if len(r.tokens) - r.computed == 1]:
-            n = self.k + 1 if self._speculates(req) else 1
-            if budget < n:
-                break
-            if self._take(req, n):
-                (spec if n > 1 else decode).append((req, n))
-                if self.draft is not None and n == 1:  # the draft's pages fall behind from here
-                    self._draft_at.setdefault(req.id, req.computed)
-                budget -= n
-        waiting = [r for r in ready if len(r.tokens) - r.computed > 1 and r in self.running]
-        t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, MIN_CHUNK, self._chunk_hi,
-                               self._rows_hi, self._slots)
-        for req in waiting[:rows]:
-            n = min(len(req.tokens) - req.computed, t, budget)
-            if n > 0 and self._take(req, n):
-                prefill.append((req, n))
-                budget -= n
-        live = set(id(r) for r in self.running)  # a later preemption may have hit an earlier row
-        return tuple([x for x in rows if id(x[0]) in live] for rows in (spec, decode, prefill))
-
-    def _take(self, req: Request, n: int) -> bool:
-        """Pages for req's next n tokens, preempting the latest admitted requests while they run out;
-        False when req itself was preempted."""
-        while req in self.running and not self._grow(req, req.computed + n):
-            self._preempt()
-        return req in self.running
 
     # -- running ------------------------------------------------------------------------------------
     def _shape(self, kind: str, n_rows: int, n_tokens: int, n_pages: int) -> tuple[str, int, int, int]:

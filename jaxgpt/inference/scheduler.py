@@ -1,0 +1,182 @@
+"""The engine's bookkeeping, apart from the programs it runs: requests (waiting, running), their KV
+pages (allocation, prefix caching, preemption) and each step's plan of rows within the token budget.
+
+Admission takes waiting requests while pages and ``max_seqs`` allow, first handing each the cached
+full pages of its prefix (prefix_cache.py). ``_schedule`` gives every decoding request one token of
+the ``max_tokens_per_step`` budget (k + 1 when it speculates) and the rest to prefill chunks, the
+chunk length chosen by ``paged_cache.plan_prefill`` to waste few padded slots. When pages run out,
+the latest admitted request is preempted: its pages are freed (and stay cached) and it is
+recomputed from its prompt and outputs later. ``Engine`` (engine.py) runs the rows it plans.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import deque
+
+import numpy as np
+
+from jaxgpt.inference import prefix_cache, speculative
+from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_ROWS, PageAllocator, next_pow2, plan_prefill
+from jaxgpt.inference.requests import Request
+from jaxgpt.inference.sampling import SamplingParams
+
+
+class Scheduler:
+    """Requests and pages for an engine of ``max_seqs`` rows, ``num_pages`` pages of ``page_size``
+    tokens and ``budget`` tokens a step; token ids in [0, ``vocab``), sequences of at most
+    ``max_model_len`` tokens. ``k``: speculative proposals a round (None: no draft model), taken
+    while at most ``spec_max_batch`` requests run."""
+
+    def __init__(self, *, vocab: int, max_model_len: int, max_seqs: int, page_size: int, num_pages: int, budget: int,
+                 prefix_caching: bool, k: int | None, spec_max_batch: int):
+        self.vocab, self.max_model_len, self.max_seqs, self.page_size, self.budget = (vocab, max_model_len, max_seqs,
+                                                                                       page_size, budget)
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self._rows_hi, self._pages_hi = next_pow2(max_seqs), next_pow2(self.max_pages_per_seq)
+        self._slots = max(next_pow2(budget), MIN_ROWS * MIN_CHUNK)  # a prefill call's padded tokens
+        self._chunk_hi = self._slots // MIN_ROWS  # the longest prefill chunk: MIN_ROWS rows of it fill the slots
+        self.prefix_caching = prefix_caching
+        self.allocator = (prefix_cache.PrefixCachingAllocator(num_pages, page_size) if prefix_caching
+                          else PageAllocator(num_pages))
+        self.k, self.spec_max_batch = k, spec_max_batch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._arrival = itertools.count()
+        self.stats = dict(steps=0, preemptions=0, prompt_tokens=0, generated_tokens=0, calls=0)
+        self.stats.update(prefix_queries=0, prefix_hits=0)  # tokens looked up in the prefix cache at admission, found
+        self._draft_at: dict[str, int] = {}  # requests whose draft pages hold only their first n tokens
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = [int(i) for i in np.asarray(prompt_ids).reshape(-1)]
+        v, n = self.vocab, self.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [i for i in ids if not 0 <= i < v]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {v})")
+        if len(ids) >= n:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context window is {n}, so at most {n - 1} "
+                             f"leave room for one new token")
+        bad = [i for i, _ in params.logit_bias if i >= v]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {v})")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        # an unseeded request gets fresh entropy (OpenAI's behaviour), kept on the Request to rerun it
+        seed = secrets.randbits(32) if params.seed is None else params.seed
+        req = Request(rid, ids, params, next(self._arrival), seed=seed, adjust=dict(params.logit_bias))
+        self.requests[rid] = req
+        self.waiting.append(req)
+        self.stats["prompt_tokens"] += len(ids)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (a client went away): its pages are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._free(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ---------------------------------------------------------------------------------
+    def _free(self, req: Request) -> None:
+        self._cache(req)  # a finished or preempted request's pages stay cached, evictable
+        self.allocator.release(req.pages)
+        req.pages, req.computed, req.chain = [], 0, []  # a recompute prefills the draft too
+        self._draft_at.pop(req.id, None)
+
+    def _cache(self, req: Request) -> None:
+        # with a draft, only pages whose draft keys/values were written too: a request that took plain decode
+        # steps (the batch was above spec_max_batch) has draft pages up to _draft_at until it catches up
+        if self.prefix_caching:
+            upto = self._draft_at.get(req.id, req.computed) if self.k is not None else req.computed
+            prefix_cache.cache_full_pages(self.allocator, req, upto)
+
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _grow(self, req: Request, upto: int) -> bool:
+        need = self._pages_for(upto) - len(req.pages)
+        if need <= 0:
+            return True
+        got = self.allocator.alloc(need)
+        if got is None:
+            return False
+        req.pages.extend(got)
+        return True
+
+    def _preempt(self) -> Request:
+        victim = max(self.running, key=lambda r: r.arrival)
+        self.running.remove(victim)
+        self._free(victim)  # recomputed later from prompt + outputs: greedy tokens unchanged
+        self.waiting.appendleft(victim)
+        self.stats["preemptions"] += 1
+        return victim
+
+    def _admit(self) -> None:
+        for req in self.running:
+            self._cache(req)
+        while self.waiting and len(self.running) < self.max_seqs:
+            req = self.waiting[0]
+            if self.prefix_caching:
+                prefix_cache.match_prefix(self.allocator, req)
+            need = self._pages_for(min(len(req.tokens), req.computed + self.budget)) - len(req.pages)
+            if (self.allocator.free < need + len(self.running)  # keep a page of headroom each
+                    or self.prefix_caching and prefix_cache.computed_by_another(req, self.running, self.page_size)):
+                self._free(req)  # a page another request is computing: wait a step for it, not compute it twice
+                break
+            self.stats["prefix_queries"] += len(req.tokens) if self.prefix_caching else 0
+            self.stats["prefix_hits"] += req.computed
+            self.waiting.popleft()
+            self.running.append(req)
+
+    def _speculates(self, req: Request) -> bool:
+        return (self.k is not None and len(self.running) <= self.spec_max_batch and speculative.supports(req.params)
+                and req.computed + self.k + 1 <= self.max_model_len)  # a round writes computed .. computed + k
+
+    def _schedule(self):
+        """-> (speculative rows, decode rows, prefill rows) of (req, n_tokens); pages allocated for them."""
+        budget = self.budget
+        spec, decode, prefill = [], [], []
+        # decoding rows first (a token or a round each keeps every stream moving), then prefill chunks, oldest first
+        ready = sorted(self.running, key=lambda r: r.arrival)
+        for req in [r for r in ready if len(r.tokens) - r.computed == 1]:
+            n = self.k + 1 if self._speculates(req) else 1
+            if budget < n:
+                break
+            if self._take(req, n):
+                (spec if n > 1 else decode).append((req, n))
+                if self.k is not None and n == 1:  # the draft's pages fall behind from here
+                    self._draft_at.setdefault(req.id, req.computed)
+                budget -= n
+        waiting = [r for r in ready if len(r.tokens) - r.computed > 1 and r in self.running]
+        t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, MIN_CHUNK, self._chunk_hi,
+                               self._rows_hi, self._slots)
+        for req in waiting[:rows]:
+            n = min(len(req.tokens) - req.computed, t, budget)
+            if n > 0 and self._take(req, n):
+                prefill.append((req, n))
+                budget -= n
+        live = set(id(r) for r in self.running)  # a later preemption may have hit an earlier row
+        return tuple([x for x in rows if id(x[0]) in live] for rows in (spec, decode, prefill))
+
+    def _take(self, req: Request, n: int) -> bool:
+        """Pages for req's next n tokens, preempting the latest admitted requests while they run out;
+        False when req itself was preempted."""
+        while req in self.running and not self._grow(req, req.computed + n):
+            self._preempt()
+        return req in self.running
+
