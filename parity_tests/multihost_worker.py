@@ -44,9 +44,9 @@ class Interrupted:
 
 
 def first(port: str, pid: int, root: Path) -> dict:
-    from jaxgpt.cli.common import _start_devices
+    from jaxgpt.cli.common import start_devices
 
-    _start_devices(argparse.Namespace(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, mesh=MESH))
+    start_devices(argparse.Namespace(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, mesh=MESH))
     import jax
 
     note("jax.distributed started")

@@ -180,19 +180,19 @@ def test_multi_host_flags_go_together(monkeypatch):
     joined = []  # never reach the real jax.distributed.initialize: it would wait for the other process
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: joined.append((a, k)))
 
-    from jaxgpt.cli.common import _start_devices
+    from jaxgpt.cli.common import start_devices
 
     args = argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=None, process_id=0, mesh=None)
     with pytest.raises(ValueError, match="needs --coordinator HOST:PORT, --num-processes N and --process-id I"):
-        _start_devices(args)
+        start_devices(args)
     with pytest.raises(ValueError, match=r"--process-id must be in \[0, 2\), got 2"):
-        _start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=2, mesh=None))
+        start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=2, mesh=None))
     # each process brings mesh size / processes devices: a mesh of 3 cannot be shared by 2 processes
     with pytest.raises(ValueError, match=r"^--mesh fsdp=3 spans 3 devices, which do not split evenly over "
                        r"--num-processes 2; use a mesh whose size is a multiple of 2$"):
-        _start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=0, mesh="fsdp=3"))
+        start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=0, mesh="fsdp=3"))
     assert joined == []
-    _start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=1, mesh="fsdp=2"))
+    start_devices(argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=1, mesh="fsdp=2"))
     assert joined == [(("127.0.0.1:1234",), {"num_processes": 2, "process_id": 1})]  # one host device each: fits
 
 

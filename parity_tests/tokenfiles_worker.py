@@ -18,9 +18,9 @@ STEPS = (0, 1, 7)
 
 
 def run(port: str, pid: int, data: str) -> dict:
-    from jaxgpt.cli.common import _start_devices
+    from jaxgpt.cli.common import start_devices
 
-    _start_devices(argparse.Namespace(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, mesh=MESH))
+    start_devices(argparse.Namespace(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, mesh=MESH))
     import jax
     import numpy as np
     from jax.experimental import multihost_utils

@@ -9,16 +9,15 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryEr
                FloatingPointError)
 
 
-
-def _train_sets(args) -> list[str]:
+def train_sets(args) -> list[str]:
     """``--set`` values, plus ``--epochs N`` as ``epochs=N``."""
     return args.set + ([f"epochs={args.epochs}"] if args.epochs else [])
 
 
-def _init_from(args, **train_sets):
+def init_from(args, **flags):
     """``train --init SRC``: fine-tune the weights of a jaxgpt checkpoint, .safetensors, .pt or HF
     directory with its own tokenizer. Returns what ``prepare`` does; a rerun resumes as usual.
-    ``train_sets``: TrainConfig fields set by flags (``--mesh``)."""
+    ``flags``: TrainConfig fields set by flags (``--mesh``)."""
     import jax
 
     from jaxgpt.models import abstract_params
@@ -28,9 +27,9 @@ def _init_from(args, **train_sets):
     from jaxgpt.train.tasks import fit_config, load_task, with_epochs
 
     fmt = detect_format(args.init)
-    config, params, extras = _load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
-    config, tc = apply_sets(config, _train_sets(args))
-    tc = tc.replace(**train_sets)
+    config, params, extras = load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
+    config, tc = apply_sets(config, train_sets(args))
+    tc = tc.replace(**flags)
     shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
     if shapes(abstract_params(config)) != shapes(params):
         raise ValueError(f"--set changes the shapes of {args.init}'s parameters; only shape-free settings "
@@ -60,7 +59,7 @@ def _init_from(args, **train_sets):
     return config, tc, task, init_state(config, tc, params)
 
 
-def _start_devices(args) -> None:
+def start_devices(args) -> None:
     """Before JAX starts: join a multi-host run (jax.distributed; each process gets
     ``--mesh``'s device count / ``--num-processes`` host devices), or, on one host, give the CPU as
     many host devices as ``--mesh`` needs (also a CPU speed lever: the batch split over both cores)."""
@@ -91,7 +90,7 @@ def _start_devices(args) -> None:
 
 
 
-def _load_hf_dir(path: str) -> tuple[object, dict, dict]:
+def load_hf_dir(path: str) -> tuple[object, dict, dict]:
     """(config, params, extras) of a Hugging Face model directory, its tokenizer.json included."""
     from jaxgpt.convert.files import load_weights
     from jaxgpt.data.hf_tokenizer import tokenizer_dict
@@ -106,7 +105,7 @@ def _is_hf_dir(path: str) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and not (p / "checkpoints").is_dir()
 
 
-def _load_for_inference(ckpt: str, step: int | None):
+def load_for_inference(ckpt: str, step: int | None):
     """A jaxgpt run/checkpoint directory or a Hugging Face model directory -> (config, params, meta, tokenizer)."""
     from jaxgpt.data import tokenizer_from_dict
     from jaxgpt.train.checkpoint import Checkpoints
@@ -114,7 +113,7 @@ def _load_for_inference(ckpt: str, step: int | None):
     if _is_hf_dir(ckpt):
         if step is not None:
             raise ValueError(f"--step {step}: {ckpt} is a Hugging Face directory, which holds one set of weights")
-        config, params, meta = _load_hf_dir(ckpt)
+        config, params, meta = load_hf_dir(ckpt)
     else:
         config, params, meta = Checkpoints(ckpt, create=False).restore_params(step)
     tok = tokenizer_from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxgpt.cli.common import _load_hf_dir
+from jaxgpt.cli.common import load_hf_dir
 
 def cmd_convert(args) -> int:
     from jaxgpt.convert.files import detect_format, load_weights, save_weights
@@ -12,7 +12,7 @@ def cmd_convert(args) -> int:
     dst_fmt = args.to or {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}.get(Path(args.dst).suffix,
                                                                                             "jaxgpt")
     if src_fmt == "hf":
-        config, params, extras = _load_hf_dir(args.src)
+        config, params, extras = load_hf_dir(args.src)
     else:
         config, params, extras = load_weights(args.src, src_fmt)
     save_weights(args.dst, dst_fmt, config, params, {**extras, "source": str(args.src)})

@@ -4,14 +4,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxgpt.cli.common import _load_for_inference
+from jaxgpt.cli.common import load_for_inference
 from jaxgpt.config import TrainConfig
 
 def cmd_eval(args) -> int:
     from jaxgpt.train.loop import evaluate
     from jaxgpt.train.tasks import load_task
 
-    config, params, meta, _ = _load_for_inference(args.ckpt, args.step)
+    config, params, meta, _ = load_for_inference(args.ckpt, args.step)
     if "train" not in meta and args.data is None and args.corpus is None:
         raise ValueError(f"{args.ckpt} records no training data (a Hugging Face directory): pass --data FILE "
                          "or --corpus NAME")

@@ -1,7 +1,7 @@
 """``jaxgpt sample``: generate from a checkpoint or an HF directory."""
 from __future__ import annotations
 
-from jaxgpt.cli.common import _load_for_inference
+from jaxgpt.cli.common import load_for_inference
 
 def cmd_sample(args) -> int:
     import jax
@@ -9,7 +9,7 @@ def cmd_sample(args) -> int:
 
     from jaxgpt.inference.generate import generate, generate_seq2seq
 
-    config, params, meta, tok = _load_for_inference(args.ckpt, args.step)
+    config, params, meta, tok = load_for_inference(args.ckpt, args.step)
     kind = meta.get("kind", "lm")
     if kind == "classify":
         raise ValueError(f"{args.ckpt} holds a classifier; use `jaxgpt eval` for its accuracy")

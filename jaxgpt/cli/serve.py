@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxgpt.cli.common import _load_for_inference
+from jaxgpt.cli.common import load_for_inference
 
 
 def chat_template_of(model: str) -> str | None:
@@ -27,7 +27,7 @@ def build_engine(args):
     from jaxgpt.config import ModelConfig
     from jaxgpt.inference.engine import Engine
 
-    config, params, meta, tok = _load_for_inference(args.model, None)
+    config, params, meta, tok = load_for_inference(args.model, None)
     if not isinstance(config, ModelConfig) or meta.get("kind", "lm") not in ("lm",):
         raise ValueError(f"{args.model} is not a decoder language model; `jaxgpt serve` serves GPT-2/LLaMA-style "
                          "models")
@@ -39,7 +39,7 @@ def build_engine(args):
               enable_prefix_caching=getattr(args, "prefix_caching", True))
     dconfig = None
     if args.draft:
-        dconfig, dparams, dmeta, _ = _load_for_inference(args.draft, None)
+        dconfig, dparams, dmeta, _ = load_for_inference(args.draft, None)
         if not isinstance(dconfig, ModelConfig) or dmeta.get("kind", "lm") != "lm":
             raise ValueError(f"--draft {args.draft} is not a decoder language model")
         kw.update(draft=(dconfig, dparams), num_speculative_tokens=args.num_speculative_tokens)

@@ -1,8 +1,10 @@
 """``jaxgpt train``: train a preset (or fine-tune --init weights) on text, pairs or a corpus."""
 from __future__ import annotations
 
-from jaxgpt.cli.common import _init_from, _start_devices, _train_sets
+from jaxgpt.cli.common import init_from, start_devices, train_sets
 from jaxgpt.config import apply_sets, get_preset
+from jaxgpt.config.overrides import parse_sets
+
 
 def _check_token_dir(args) -> None:
     """A token directory: its metadata must agree with ``--set vocab_size``; ``--check-data`` checks
@@ -14,7 +16,7 @@ def _check_token_dir(args) -> None:
             raise ValueError("--check-data checks a token directory; --data is not one")
         return
     meta = read_meta(args.data)
-    sets = {k.strip(): v for k, v in (s.split("=", 1) for s in args.set if "=" in s)}
+    sets = dict(parse_sets(args.set))
     if "vocab_size" in sets and meta["vocab_size"] is not None and int(sets["vocab_size"]) < meta["vocab_size"]:
         raise ValueError(f"--set vocab_size={sets['vocab_size']} is smaller than {args.data}'s vocabulary "
                          f"(vocab_size={meta['vocab_size']}); drop the --set (the vocabulary comes from the data), "
@@ -30,15 +32,15 @@ def cmd_train(args) -> int:
     from jaxgpt.models import abstract_params
     from jaxgpt.train.loop import fit, prepare
 
-    _start_devices(args)
+    start_devices(args)
     _check_token_dir(args)
     mesh = {"mesh": args.mesh} if args.mesh else {}
     if args.init:
-        config, tc, task, state = _init_from(args, **mesh)
+        config, tc, task, state = init_from(args, **mesh)
     else:
-        config, tc = apply_sets(get_preset(args.preset), _train_sets(args))
+        config, tc = apply_sets(get_preset(args.preset), train_sets(args))
         # --set vocab_size=N: a padded table of N rows (nanoGPT's 50304); else the data's vocabulary
-        padded = config.vocab_size if any(s.split("=", 1)[0].strip() == "vocab_size" for s in args.set) else None
+        padded = config.vocab_size if "vocab_size" in dict(parse_sets(args.set)) else None
         config, tc, task, state = prepare(args.out, config, tc.replace(**mesh), data=args.data, corpus=args.corpus,
                                           vocab_size=padded)
     n = count_params(abstract_params(config))

@@ -28,6 +28,17 @@ def _as_field(cls, name: str, raw: str, value):
     return raw if cls.field_types()[name] == (str,) else value
 
 
+def parse_sets(items: list[str]) -> list[tuple[str, str]]:
+    """``--set`` items -> (key, value text) pairs in order (a later key wins where they are applied)."""
+    pairs = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        pairs.append((key, raw))
+    return pairs
+
+
 def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
     """``key=value`` settings -> (model config, TrainConfig). Training keys go to TrainConfig;
     model keys to the config (BERT: its own fields or the encoder's; encoder-decoder: both
@@ -38,10 +49,7 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
     train: dict = {}
     model: dict[str, dict] = {}
     moe_sets: dict = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {item!r}")
+    for key, raw in parse_sets(items):
         value = parse_value(raw)
         if key in train_fields:
             train[key] = _as_field(TrainConfig, key, raw, value)
