@@ -113,7 +113,9 @@ def test_bench_train_quick_smoke(tmp_path):
     assert rows["torch-eager"]["vs_torch_eager"] == 1.0
     # the table names the setting it measured; 2 host devices ran (the batch split over them)
     assert rows["jaxgpt-unrolled-dp2"]["setting"] == {"scan_layers": False, "host_devices": 2}
-    assert rows["jaxgpt-unrolled-dp2"]["batch_shards"] == 2 and rows["jaxgpt-default"]["batch_shards"] == 1
+    assert rows["jaxgpt-unrolled-dp2"]["batch_shards"] == 2
+    # the default: batches placed as fit places them, rows split over the auto mesh (every host CPU device)
+    assert rows["jaxgpt-default"]["batch_shards"] == rows["jaxgpt-default"]["setting"]["host_devices"]
     assert result["shapes"]["quick"]["best_jaxgpt"] in ("jaxgpt-default", "jaxgpt-unrolled-dp2")
     for row in rows.values():  # random tokens over 65 symbols: a few steps stay near log(65) = 4.17
         assert abs(row["loss"] - math.log(65)) < 0.5, row["loss"]
@@ -161,3 +163,25 @@ def test_bench_gpu_quick_smoke(tmp_path):
     assert "jaxgpt-rolled" in result["train"]["2"]
     table = out.read_text()
     assert "| jaxgpt-rolled |" in table and "## Batch 2" in table and "## Batch 4" not in table
+
+
+def test_step_times_times_what_follows_the_warm_up_and_threads_the_state():
+    """jaxgpt.core.timing.step_times, the one step timer: a fake step that sleeps its batch's
+    seconds (a clock the test sets itself) and counts its calls in the state."""
+    import time
+
+    from jaxgpt.core.timing import step_times
+
+    synced = []
+
+    def step(state, seconds):
+        time.sleep(seconds)
+        return state + 1, f"out{state}"
+
+    state, out, times = step_times(step, 0, [0.2, 0.01, 0.03], warm=1, sync=synced.append)
+    assert (state, out, synced) == (3, "out2", ["out0", "out1", "out2"])  # each call synchronised
+    assert len(times) == 2 and 0.01 <= times[0] < 0.1 and 0.03 <= times[1] < 0.15  # not the 0.2 s warm-up
+    state, out, (mean,) = step_times(step, 0, [0.2, 0.02, 0.04], sync=synced.append, overlap=True)
+    assert state == 3 and synced[-1] == (3, "out2") and 0.03 <= mean < 0.12  # one sync at the end, the mean
+    with pytest.raises(ValueError, match="warm=2 leaves none of the 2 batches to time"):
+        step_times(step, 0, [0.0, 0.0], warm=2)

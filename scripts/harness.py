@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from jaxgpt.core.timing import step_times as step_times  # re-exported: the one step timer (jaxgpt bench uses it too); imports no framework
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 

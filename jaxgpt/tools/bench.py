@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxgpt.config import PRESETS, ModelConfig, TrainConfig, get_preset
+from jaxgpt.core.timing import step_times
 from jaxgpt.inference.generate import generate
 from jaxgpt.models import count_params
 from jaxgpt.train.step import init_state, make_train_step
@@ -84,13 +85,9 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
     # Compiled ahead so compile time is reported apart from the warm-up step's run time.
     step = make_train_step(config, tc).lower(state, device_batches[0]).compile()
     compile_s = time.perf_counter() - t
-    state, metrics = step(state, device_batches[0])
-    jax.block_until_ready(metrics)
-    t = time.perf_counter()
-    for b in device_batches[1:]:  # no sync inside the loop: dispatch overlaps compute, as in training
-        state, metrics = step(state, b)
-    jax.block_until_ready((state, metrics))
-    train_s = time.perf_counter() - t
+    # no sync inside the loop (overlap): dispatch overlaps compute, as in training
+    state, metrics, (step_s,) = step_times(step, state, device_batches, sync=jax.block_until_ready, overlap=True)
+    train_s = step_s * steps
     params = state.params
     del state, device_batches  # free the optimizer moments before decoding (big presets)
 
@@ -127,12 +124,10 @@ def _bench_torch(config: ModelConfig, tc: TrainConfig, batches: list[dict], prom
     torch.manual_seed(seed)
     model = torch_ref.build(config).float()
     opt, sched = make_optimizer(model, tc)
-    train_step(model, opt, sched, tc, batches[0])  # warm-up: allocator, AdamW state creation
-    steps = len(batches) - 1
-    t = time.perf_counter()
-    for b in batches[1:]:
-        metrics = train_step(model, opt, sched, tc, b)
-    train_s = time.perf_counter() - t
+    steps = len(batches) - 1  # the first is the warm-up: allocator, AdamW state creation
+    _, metrics, (step_s,) = step_times(lambda _, b: (None, train_step(model, opt, sched, tc, b)), None, batches,
+                                       overlap=True)
+    train_s = step_s * steps
     out = {"torch_version": torch.__version__, "torch_device": "cpu", "torch_threads": torch.get_num_threads(),
            "torch_train_tok_s": tc.batch_size * tc.seq_len * steps / train_s,
            "torch_train_ms_step": 1e3 * train_s / steps, "torch_final_loss": metrics["loss"]}

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.harness import RESULTS, best_of, matmul_peak, report, spawn
+from scripts.harness import RESULTS, best_of, matmul_peak, report, spawn, step_times
 
 GB80 = 80e9  # the H100's memory, as the issue counts it (80 GB)
 SHAPES = {"gpt2-small": dict(d_model=768, n_layer=12, n_head=12), "gpt2-medium": dict(d_model=1024, n_layer=24, n_head=16),
@@ -55,17 +55,11 @@ def flops_per_step(shape: str, batch: int, seq_len: int) -> float:
 # ---------------------------------------------------------------- workers (one process each)
 
 def _rounds(step, sync, steps: int) -> list[float]:
-    for _ in range(3):
-        step()
-    sync()
-    out = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync()
-        out.append(1e3 * (time.perf_counter() - t) / steps)
-    return out
+    """ms per step of 3 rounds of ``steps`` back-to-back calls of ``step()`` (after 3 untimed), each
+    round synchronised by ``sync()`` once at its end."""
+    call = lambda state, _: (state, step())
+    return [1e3 * step_times(call, None, [None] * (warm + steps), warm=warm, sync=lambda _: sync(), overlap=True)[2][0]
+            for warm in (3, 0, 0)]
 
 
 def worker_jax_train(spec: dict) -> dict:

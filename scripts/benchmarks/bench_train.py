@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 from jaxgpt.config import ModelConfig, TrainConfig, get_preset  # imports no framework
-from scripts.harness import ISAS, RESULTS, isa_env, load_average, matmul_peak, report, spawn, write_result
+from scripts.harness import (ISAS, RESULTS, isa_env, load_average, matmul_peak, report, spawn, step_times,
+                             write_result)
 
 # This script races the CPU; the GPU race is scripts/benchmarks/bench_gpu.py.
 GPU_NOTE = ("this script measures the CPU only; the GPU race (gpt2-small bf16 against nanoGPT + torch.compile) is "
@@ -87,6 +88,22 @@ def _row_shards(x) -> int:
     return x.shape[1] // x.sharding.shard_shape(x.shape)[1]
 
 
+def placed(config, tc: TrainConfig, batches: list[dict], devices: int | None):
+    """(tc, mesh, state, batches on the devices) as the library places them: ``devices`` None keeps the
+    defaults (``TrainConfig.mesh='auto'``); n > 1: a data=n mesh (``TrainConfig.mesh``), the state
+    and each batch's rows split over it as ``fit`` does (``train.plan``); 1: one device."""
+    import jax
+
+    from jaxgpt.train.plan import placer, resolve_mesh
+    from jaxgpt.train.step import init_state
+
+    if devices is not None:
+        tc = tc.replace(mesh=f"data={devices}" if devices > 1 else "")
+    mesh = resolve_mesh(tc)
+    place = placer(mesh)
+    return tc, mesh, init_state(config, tc, mesh=mesh), [jax.device_put(place(b, 1)) for b in batches]
+
+
 def _worker_jax(shape: str, setting: str, steps: int) -> dict:
     config, batch, seq_len, _ = SHAPES[shape]
     # a JAX_SETTINGS name, or a JSON {"config": {...}, "host_devices": n} (to try a setting by hand)
@@ -96,35 +113,18 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
         from jaxgpt.parallel.sharding import use_host_devices
         use_host_devices(devices)  # before jax initialises its backend
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxgpt.models import count_params
-    from jaxgpt.train.step import init_state, make_train_step
+    from jaxgpt.train.step import make_train_step
     config = config.replace(**chosen.get("config", {}))
     tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=steps + 2)
-    state = init_state(config, tc)
+    tc, mesh, state, batches = placed(config, tc, random_batches(config, batch, seq_len, steps + 1), devices)
+    devices = devices or jax.device_count()
     n_params = count_params(state.params)
-    batches = random_batches(config, batch, seq_len, steps + 1)
-    if devices is None:  # the defaults: init_state / make_train_step pick the mesh (sharding.train_mesh)
-        batches = [jax.device_put(b) for b in batches]
-        devices = jax.device_count()
-    elif devices > 1:  # data parallel: params replicated, the batch axis (axis 1) split; jit propagates it
-        tc = tc.replace(mesh="")  # this mesh only: the train step's own ('auto') mesh would be a second one
-        mesh = Mesh(jax.devices()[:devices], ("data",))
-        state = jax.device_put(state, NamedSharding(mesh, P()))
-        batches = [jax.device_put(b, NamedSharding(mesh, P(None, "data"))) for b in batches]
-    else:
-        batches = [jax.device_put(b) for b in batches]
     t = time.perf_counter()
-    step = make_train_step(config, tc).lower(state, batches[0]).compile()
+    step = make_train_step(config, tc, mesh=mesh).lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t
-    times = []
-    for i, b in enumerate(batches):
-        t = time.perf_counter()
-        state, metrics = step(state, b)
-        jax.block_until_ready(metrics)
-        if i:  # the first call is the warm-up
-            times.append(time.perf_counter() - t)
+    state, metrics, times = step_times(step, state, batches, sync=jax.block_until_ready)  # the first: warm-up
     return {"times_s": times, "compile_s": compile_s, "params": n_params, "loss": float(metrics["loss"]),
             "jax_version": jax.__version__, "batch_shards": _row_shards(batches[0]["x"]),
             "setting": {**chosen.get("config", {}), "host_devices": devices}}
@@ -149,13 +149,9 @@ def _worker_torch(shape: str, setting: str, steps: int) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     batches = random_batches(config, batch, seq_len, steps + 1)
     t = time.perf_counter()
-    metrics = step(batches[0])  # warm-up (and inductor compile)
+    step(batches[0])  # warm-up (and inductor compile)
     compile_s = time.perf_counter() - t
-    times = []
-    for b in batches[1:]:
-        t = time.perf_counter()
-        metrics = step(b)
-        times.append(time.perf_counter() - t)
+    _, metrics, times = step_times(lambda _, b: (None, step(b)), None, batches[1:], warm=0)
     return {"times_s": times, "compile_s": compile_s, "params": n_params, "loss": metrics["loss"],
             "torch_version": torch.__version__, "threads": torch.get_num_threads(), "setting": {"mode": setting}}
 

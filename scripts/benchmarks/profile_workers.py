@@ -18,7 +18,7 @@ from pathlib import Path
 from scripts.benchmarks import bench_train as bt  # SHAPES, JAX_SETTINGS, batches (imports no framework)
 from scripts.benchmarks.profile_ops import (classify_hlo, jax_category, per_op_summary, summarise, thunk_self_times,
                                             torch_category)
-from scripts.harness import matmul_peak, parse_hlo, report, single_thread
+from scripts.harness import matmul_peak, parse_hlo, report, single_thread, step_times
 
 # untimed steps every process runs first
 WARMUP = {"cpu-small": 2, "shakespeare-char": 1, "quick": 2}
@@ -31,38 +31,26 @@ def _jax_state(shape: str, setting: str, variant: str | None = None):
     from jaxgpt.parallel.sharding import use_host_devices
     use_host_devices(devices)
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.step import init_state, make_train_step
+    from jaxgpt.train.step import make_train_step
     if variant:
         apply_variant(variant)
     config = config.replace(**chosen.get("config", {}))
     tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=1000)
-    state = init_state(config, tc)
-    return config, tc, state, devices, jax, Mesh, NamedSharding, P, make_train_step
+    return config, tc, devices, jax, make_train_step
 
 
 def worker_jax(shape: str, setting: str, steps: int, time_steps: int, peak_n: int) -> dict:
-    config, tc, state, devices, jax, Mesh, NamedSharding, P, make_train_step = _jax_state(shape, setting)
+    config, tc, devices, jax, make_train_step = _jax_state(shape, setting)
     warm = WARMUP[shape]
     batches = bt.random_batches(config, tc.batch_size, tc.seq_len, warm + time_steps + steps)
-    if devices > 1:
-        mesh = Mesh(jax.devices()[:devices], ("data",))
-        state = jax.device_put(state, NamedSharding(mesh, P()))
-        batches = [jax.device_put(b, NamedSharding(mesh, P(None, "data"))) for b in batches]
-    else:
-        batches = [jax.device_put(b) for b in batches]
+    tc, mesh, state, batches = bt.placed(config, tc, batches, devices)
     peak = matmul_peak("jax", peak_n)
-    compiled = make_train_step(config, tc).lower(state, batches[0]).compile()
+    compiled = make_train_step(config, tc, mesh=mesh).lower(state, batches[0]).compile()
     info = classify_hlo(parse_hlo(compiled.as_text()))
-    times = []
-    for i, b in enumerate(batches[:warm + time_steps]):
-        t = time.perf_counter()
-        state, metrics = compiled(state, b)
-        jax.block_until_ready(metrics)
-        if i >= warm:
-            times.append(time.perf_counter() - t)
+    state, metrics, times = step_times(compiled, state, batches[:warm + time_steps], warm=warm,
+                                       sync=jax.block_until_ready)
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
         with jax.profiler.trace(d):
@@ -129,12 +117,9 @@ def worker_torch(shape: str, steps: int, time_steps: int, peak_n: int) -> dict:
     warm = WARMUP[shape]
     batches = bt.random_batches(config, batch, seq_len, warm + time_steps + steps)
     peak = matmul_peak("torch", peak_n)
-    times = []
-    for i, b in enumerate(batches[:warm + time_steps]):
-        t = time.perf_counter()
-        train_step(model, opt, sched, tc, b)  # the library's step, unprofiled
-        if i >= warm:
-            times.append(time.perf_counter() - t)
+    # the library's step, unprofiled
+    _, _, times = step_times(lambda _, b: (None, train_step(model, opt, sched, tc, b)), None,
+                             batches[:warm + time_steps], warm=warm)
     t = time.perf_counter()
     from torch.profiler import record_function
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -244,23 +229,23 @@ def apply_variant(name: str) -> None:
 def worker_variant(shape: str, setting: str, variant: str, steps: int) -> dict:
     """Time ``steps`` steps of the jaxgpt step (variant 'library' = unpatched); return the step times,
     the loss and grad-norm trajectory and the final params' checksum (for identical numerics)."""
-    config, tc, state, devices, jax, *_rest, make_train_step = _jax_state(
-        shape, setting, None if variant == "library" else variant)
+    config, tc, devices, jax, make_train_step = _jax_state(shape, setting, None if variant == "library" else variant)
     import numpy as np
-    batches = [jax.device_put(b) for b in bt.random_batches(config, tc.batch_size, tc.seq_len, steps + 2)]
-    compiled = make_train_step(config, tc).lower(state, batches[0]).compile()
-    times, losses = [], []
-    for i, b in enumerate(batches):
-        t = time.perf_counter()
+    tc, mesh, state, batches = bt.placed(config, tc, bt.random_batches(config, tc.batch_size, tc.seq_len, steps + 2),
+                                         devices)
+    compiled = make_train_step(config, tc, mesh=mesh).lower(state, batches[0]).compile()
+    metrics = []
+
+    def step(state, b):
         state, m = compiled(state, b)
-        jax.block_until_ready(m)
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-        losses.append([float(m["loss"]), float(m["grad_norm"])])
+        metrics.append(m)
+        return state, m
+
+    state, _, times = step_times(step, state, batches, warm=2, sync=jax.block_until_ready)
+    losses = [[float(m["loss"]), float(m["grad_norm"])] for m in metrics]
     flat = np.concatenate([np.asarray(a).ravel() for a in jax.tree.leaves(state.params)])
     return {"times_s": times, "losses": losses, "param_sum": float(np.abs(flat).sum()),
             "params_head": flat[:2000].tolist()}
-
 
 
 def main(argv=None) -> None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import numpy as np
 
 from jaxgpt.config import TrainConfig, get_preset
 from jaxgpt.train.step import init_state, make_train_step
-from scripts.harness import timed
+from scripts.harness import step_times
 
 
 def main() -> None:
@@ -39,14 +38,12 @@ def main() -> None:
     for name, kw in settings.items():
         config = base.replace(**kw)
         step, state = make_train_step(config, tc), init_state(config, tc)
-        t = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m)
-        runs[name] = [step, state, [], time.perf_counter() - t]
-    for _ in range(args.steps):
+        state, _, (first,) = step_times(step, state, [batch], warm=0, sync=jax.block_until_ready)
+        runs[name] = [step, state, [], first]
+    for _ in range(args.steps):  # A B A B: one step of each setting a round
         for run in runs.values():
-            (run[1], m), seconds = timed(lambda: jax.block_until_ready(run[0](run[1], batch)))  # noqa: B023 - called in this iteration
-            run[2].append(seconds)
+            run[1], _, seconds = step_times(run[0], run[1], [batch], warm=0, sync=jax.block_until_ready)
+            run[2] += seconds
     ref = statistics.median(runs["scan (default)"][2])
     print(f"{args.preset}, batch {tc.batch_size} x {tc.seq_len}, median of {args.steps} steps, "
           f"backend {jax.default_backend()}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 
 from scripts.experiments import expkit
+from scripts.harness import step_times
 
 NAME = "moe"
 EXPERTS, TOP_K, DENSE_FF, EXPERT_FF = 8, 2, 128, 64
@@ -99,13 +100,8 @@ def time_steps(config, tc, task, params, n: int) -> float:
 
     step = make_train_step(config, tc)
     state = init_state(config, tc, params=params)
-    state, m = step(state, task.batch(tc, 0))
-    jax.block_until_ready(m)
-    t = time.perf_counter()
-    for s in range(1, n + 1):
-        state, m = step(state, task.batch(tc, s))
-    jax.block_until_ready(m)
-    return (time.perf_counter() - t) / n * 1e3
+    batches = [task.batch(tc, s) for s in range(n + 1)]
+    return step_times(step, state, batches, sync=jax.block_until_ready, overlap=True)[2][0] * 1e3
 
 
 def main():
