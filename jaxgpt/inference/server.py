@@ -224,6 +224,7 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
             ("jaxgpt_kv_pages_total", "gauge", "allocatable KV cache pages", a.total),
             ("jaxgpt_requests_running", "gauge", "requests in the running batch", len(engine.running)),
             ("jaxgpt_requests_waiting", "gauge", "requests waiting for admission", len(engine.waiting)),
+            ("jaxgpt_prompt_tokens_total", "counter", "prompt tokens received", s["prompt_tokens"]),
             ("jaxgpt_generation_tokens_total", "counter", "output tokens generated", s["generated_tokens"]),
             ("jaxgpt_generation_tokens_per_second", "gauge", "output tokens/s over the last 10 s",
              el.tokens_per_second()),
