@@ -2,7 +2,8 @@
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
 #               every parity test and the unit tests, in parallel (pytest-xdist), 9-13 min on 2 CPU cores
-#   make test-experiments  the heaviest experiment smoke runs (-m experiment: exp_attnres, exp_minigpt, exp_seed004;
+#   make test-experiments  the heaviest experiment smoke runs (-m experiment: exp_attnres, exp_minigpt, exp_seed004,
+#                      exp_shakespeare nanogpt + big;
 #                      about 4 min of CPU), kept out of CI for its time (issue 41); make test-all runs them too
 #   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
 #                      SIGKILL tests (-m multiprocess), whole command-line runs and the server (-m e2e),
@@ -77,14 +78,14 @@ lint: $(VENV)/.test
 	$(BIN)/ruff check jaxgpt torch_ref parity_tests scripts
 
 test-gpu:
-	JAXGPT_EXPECT_BACKEND=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PYTHON) -m pytest \
+	JAXGPT_EXPECT_BACKEND=gpu JAXGPT_TEST_XLA_OPT=default XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PYTHON) -m pytest \
 		-n $(GPU_WORKERS) --dist loadscope -m "not ($(SLOW_TIERS))" --durations 10 $(GPU_TESTS) $(PYTEST_ARGS)
 
 # MARGIN_SEEDS="$$(seq 0 19)": the worst over 20 draws of the random weights (as committed); 0: the suite's own.
 parity-margins: $(VENV)/.test
 	mkdir -p .pytest_cache && rm -f .pytest_cache/parity-margins.json
 	status=0; for s in $(MARGIN_SEEDS); do JAXGPT_PARITY_SEED_OFFSET=$$s JAXGPT_PARITY_MARGINS=docs/parity-margins.md \
-		JAXGPT_PARITY_MARGINS_MERGE=.pytest_cache/parity-margins.json $(BIN)/python -m pytest $(XDIST) -q \
+		JAXGPT_PARITY_MARGINS_MERGE=.pytest_cache/parity-margins.json JAXGPT_TEST_XLA_OPT=default $(BIN)/python -m pytest $(XDIST) -q \
 		-k torch_ref $(MARGIN_TESTS) $(PYTEST_ARGS) || status=1; done; exit $$status
 
 experiments: $(VENV)/.test
