@@ -173,15 +173,20 @@ def test_training_curve_with_router_losses_matches_torch_ref():
     state = state.replace(params=randomize(state.params, 7))
     model = load_params(torch_ref.build(config), jax.device_get(state.params))
     step = make_train_step(config, tc)
-    ours, aux = [], []
+    ours, aux, load = [], [], []
     for s in range(tc.steps):
         state, m = step(state, task.batch(tc, s))
         ours.append(float(m["loss"]))
         aux.append(float(m["router_aux"]))
+        load.append(np.append(m["expert_load"], m["expert_load_max"]))
     ref = train(model, tc, task)
     assert ours[-1] < ours[0]
     assert_close(np.array(ours), np.array([m["loss"] for m in ref]), "training: 20-step MoE losses vs torch_ref")
     assert_close(np.array(aux), np.array([m["router_aux"] for m in ref]), "training: 20-step MoE aux loss vs torch_ref")
+    # per-expert load: each expert's share of the top-k picks, and the busiest over its fair share
+    assert_close(np.array(load), np.array([m["expert_load"] + [m["expert_load_max"]] for m in ref]),
+                 "training: 20-step MoE per-expert load vs torch_ref")
+    assert np.allclose(np.array(load)[:, :-1].sum(1), 1.0) and np.all(np.array(load)[:, -1] >= 1.0)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -125,6 +125,9 @@ def test_cli_trains_samples_evaluates_and_converts_a_moe_model(tmp_path, capsys)
                  "--set", "moe.n_experts=4", "--set", "moe.d_ff=32", "--set", "steps=4", "--out", str(run), *common]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("router_aux" in m for m in metrics)
+    load = [m for m in metrics if "expert_load" in m]  # per-expert load, a list of 4 shares a logged step
+    assert load and all(len(m["expert_load"]) == 4 and m["expert_load_max"] >= 1.0 for m in load)
+    assert (run / "expert_load.png").stat().st_size > 10_000  # and plotted beside loss.png
     assert main(["sample", "--ckpt", str(run), "--prompt-ids", "1,2", "--max-new-tokens", "4"]) == 0
     assert main(["eval", "--ckpt", str(run), "--corpus", "seed-synthetic", "--batches", "1"]) == 0
     assert main(["convert", str(run), str(hf), "--to", "hf"]) == 0

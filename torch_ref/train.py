@@ -26,10 +26,11 @@ def loss_terms(model: nn.Module, batch: dict) -> dict:
     correct = (keep & (logits.argmax(-1) == targets)).sum()
     terms = {"loss_sum": loss_sum, "count": keep.sum(), "correct": correct}
     if getattr(model.config, "moe", None) is not None:
-        from torch_ref.nn.moe import router_losses
+        from torch_ref.nn.moe import expert_counts, router_losses
 
         aux, z = router_losses(model)
-        terms.update(router_aux_sum=aux * terms["count"], router_z_sum=z * terms["count"])
+        terms.update(router_aux_sum=aux * terms["count"], router_z_sum=z * terms["count"],
+                     expert_counts=expert_counts(model))
     return terms
 
 
@@ -56,6 +57,7 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
     model.train()
     opt.zero_grad(set_to_none=True)
     totals = dict.fromkeys(("loss_sum", "count", "correct"), 0.0)
+    picks = None
     for i in range(tc.grad_accum):
         terms = loss_terms(model, {k: v[i] for k, v in batch.items()})
         loss = terms["loss_sum"]
@@ -64,6 +66,8 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
             totals = {"router_aux_sum": 0.0, "router_z_sum": 0.0} | totals
         loss.backward()
         totals = {k: totals[k] + terms[k].item() for k in totals}
+        if "expert_counts" in terms:  # MoE: top-k picks (L, E), summed over micro-batches
+            picks = terms["expert_counts"].detach() + (picks if i else 0.0)
     count = max(totals["count"], 1)
     for p in model.parameters():
         if p.grad is not None:
@@ -74,7 +78,10 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
     sched.step()
     out = {"loss": totals["loss_sum"] / count, "accuracy": totals["correct"] / count, "grad_norm": float(grad_norm), "lr": lr}
     if "router_aux_sum" in totals:
-        out.update(router_aux=totals["router_aux_sum"] / count, router_z=totals["router_z_sum"] / count)
+        from torch_ref.nn.moe import load_metrics
+
+        out.update(router_aux=totals["router_aux_sum"] / count, router_z=totals["router_z_sum"] / count,
+                   **load_metrics(picks))
     return out
 
 

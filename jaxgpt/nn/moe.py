@@ -133,7 +133,7 @@ def router_losses(router_collection, n_experts: int):
     k) and P_e the mean router probability of expert e, both over every row of every layer.
     z-loss (ST-MoE): the mean over rows and layers of logsumexp(router logits)^2.
     """
-    stats = [s for s in jax.tree.leaves(router_collection, is_leaf=lambda v: isinstance(v, dict) and "counts" in v)]
+    stats = _stats(router_collection)
     if not stats:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
@@ -142,3 +142,22 @@ def router_losses(router_collection, n_experts: int):
     rows = sum(s["rows"].sum() for s in stats)
     z = sum(s["z"].sum() for s in stats)
     return n_experts * jnp.sum(counts / rows * probs / rows), z / rows
+
+
+def _stats(router_collection) -> list[dict]:
+    return jax.tree.leaves(router_collection, is_leaf=lambda v: isinstance(v, dict) and "counts" in v)
+
+
+def expert_counts(router_collection, n_experts: int):
+    """The 'router' collection of one forward pass -> (L, E) float32: each MoE layer's top-k picks
+    per expert (the per-expert load; layers in the collection's order)."""
+    return jnp.concatenate([s["counts"].reshape(-1, n_experts) for s in _stats(router_collection)])
+
+
+def load_metrics(counts) -> dict:
+    """(L, E) top-k picks -> {'expert_load': (E,) each expert's share of its layer's picks, averaged
+    over layers (1 / E each when balanced), 'expert_load_max': the busiest expert's share in any
+    layer over its fair share 1 / E (1.0 = balanced)}."""
+    share = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0)
+    return {"expert_load": share.mean(0), "expert_load_max": share.max() * counts.shape[-1]}
+

@@ -28,6 +28,7 @@ from jaxgpt.data.prefetch import Prefetch
 from jaxgpt.train.progress import Progress
 from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
 from jaxgpt.parallel.hosts import barrier, is_primary
+from jaxgpt.train.plots import plot_expert_load, plot_losses
 from jaxgpt.train.plan import Plan, make_plan, resolve_mesh
 from jaxgpt.train.step import TrainState, init_state, make_eval_step
 from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
@@ -93,6 +94,11 @@ def evaluate(config, params, batches: list[dict], eval_step=None, place=None) ->
 
 
 _all_finite = jax.jit(lambda tree: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)])))
+
+
+def _value(x):
+    """A fetched metric as JSON: a float, or a list (a vector metric, e.g. MoE's expert_load)."""
+    return float(x) if np.ndim(x) == 0 else np.asarray(x, float).tolist()
 
 
 def _read_metrics(path: Path, upto: int) -> list[dict]:
@@ -229,7 +235,7 @@ class _Run:
             self.windows.append((now - self.t_flush) / n)
         tok_s = self.tokens * n / max(now - self.t_flush, 1e-9)
         multi = self.plan.multi
-        rows = [{"step": s, **{k: float(v[i] if multi else v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
+        rows = [{"step": s, **{k: _value(v[i] if multi else v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
                 for c, m in zip(calls, metrics) for i, s in enumerate(c)]
         self.pending.clear()
         bad = [r for r in rows if r["nonfinite"]]
@@ -346,35 +352,9 @@ class _Run:
             plot = plot_losses(history, self.out / "loss.png", title=f"{self.task.source}")
             if plot is None:
                 log("matplotlib is not installed: skipped loss.png (pip install 'jaxgpt[plots]')")
+            elif any("expert_load" in r for r in history):  # MoE: each expert's share of the picks
+                plot_expert_load(history, self.out / "expert_load.png", title=f"{self.task.source}")
         return summary | {"plot": str(plot) if plot else None, "history": history, "state": self.state}
-
-
-def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None:
-    """Per-step training loss, its 20-step moving average and the validation loss -> PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    train = [(r["step"], r["loss"]) for r in history if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    if train:
-        s, l = map(np.asarray, zip(*train))
-        ax.plot(s, l, alpha=0.3, color="tab:blue", label="train loss (per step)")
-        if len(l) >= 20:
-            ax.plot(s[19:], np.convolve(l, np.ones(20) / 20, mode="valid"), color="tab:blue", label="train (20-step mean)")
-    if val:
-        ax.plot(*zip(*val), "o-", color="tab:red", label="validation loss")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 __all__ = ["NonFiniteLoss", "Progress", "evaluate", "fit", "plot_losses", "prepare"]

@@ -35,7 +35,8 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     Encoder-decoder: teacher-forced loss over labels != IGNORE_INDEX. ``train`` turns dropout on
     (then ``rng`` is required). Mixture-of-Experts models add 'router_aux_sum' and 'router_z_sum':
     this batch's load-balancing and z losses (jaxgpt.nn.moe.router_losses) times ``count``, so
-    that micro-batches combine like the cross entropy.
+    that micro-batches combine like the cross entropy, and 'expert_counts' (L, E), each MoE layer's
+    top-k picks per expert (summed over micro-batches and devices like the rest).
     """
     *inputs, targets = (batch[k] for k in batch_keys(config))
     rngs = {"dropout": rng} if train else {}
@@ -48,10 +49,11 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     loss_sum, count, correct = cross_entropy(logits, targets)
     terms = {"loss_sum": loss_sum, "count": count, "correct": correct}
     if moe is not None:
-        from jaxgpt.nn.moe import router_losses
+        from jaxgpt.nn.moe import expert_counts, router_losses
 
         aux, z = router_losses(state.get("router", {}), moe.n_experts)
-        terms.update(router_aux_sum=aux * count, router_z_sum=z * count)
+        terms.update(router_aux_sum=aux * count, router_z_sum=z * count,
+                     expert_counts=expert_counts(state.get("router", {}), moe.n_experts))
     return terms
 
 

@@ -16,6 +16,7 @@ import optax
 from flax import struct
 
 from jaxgpt.nn import checks
+from jaxgpt.nn.moe import load_metrics
 from jaxgpt.config import TrainConfig
 from jaxgpt.config.mesh import batch_devices
 from jaxgpt.models import abstract_params, init_params
@@ -166,9 +167,9 @@ def _train_program(config, tc: TrainConfig, mesh):
                    "grad_norm": grad_norm, "lr": lr(state.step),
                    "nonfinite": 1.0 - finite.astype(jnp.float32)}  # skip: 1 = this update was skipped
         if "router_aux_sum" in terms:  # MoE: the router losses (token means), not in 'loss'
-            metrics.update(router_aux=terms["router_aux_sum"] / count, router_z=terms["router_z_sum"] / count)
+            metrics.update(router_aux=terms["router_aux_sum"] / count, router_z=terms["router_z_sum"] / count,
+                           **load_metrics(terms["expert_counts"]))  # per-expert load: expert_load (E,), _max
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
 
     if mesh is None:
         return train_step, None, {}, auto

@@ -70,3 +70,16 @@ def router_losses(model: nn.Module):
     rows = sum(s["rows"] for s in stats)
     counts, probs = sum(s["counts"] for s in stats), sum(s["probs"] for s in stats)
     return e * torch.sum(counts / rows * probs / rows), sum(s["z"] for s in stats) / rows
+
+
+def expert_counts(model: nn.Module) -> torch.Tensor:
+    """(L, E): each MoE layer's top-k picks per expert in the model's last forward, as
+    jaxgpt.nn.moe.expert_counts."""
+    return torch.stack([m.stats["counts"] for m in model.modules() if isinstance(m, MoE) and m.stats is not None])
+
+
+def load_metrics(counts: torch.Tensor) -> dict:
+    """As jaxgpt.nn.moe.load_metrics: expert_load (E,) (a list), expert_load_max (a float)."""
+    share = counts / counts.sum(-1, keepdim=True).clamp(min=1.0)
+    return {"expert_load": share.mean(0).tolist(), "expert_load_max": float(share.max() * counts.shape[-1])}
+
