@@ -170,3 +170,34 @@ def test_a_jsonl_file_splits_into_byte_range_shards(tmp_path, monkeypatch):
     ids = [open_tokens(d).train.read(0, 10**6) for d in (whole, *cut)]
     np.testing.assert_array_equal(ids[0], ids[1])
     np.testing.assert_array_equal(ids[1], ids[2])
+
+
+@pytest.mark.parametrize("unit,tokenizer", [("line", "char"), ("paragraph", "char"), ("file", "char"),
+                                            ("paragraph", "bpe"), ("file", "bpe")])
+def test_a_large_text_file_splits_into_line_ranges_with_the_bytes_of_one(unit, tokenizer, gpt2_like_tokenizer,
+                                                                         tmp_path, monkeypatch):
+    """One text file over text_ranges.SHARD_BYTES (here 200 bytes): byte ranges cut on line (or
+    paragraph) boundaries, encoded by two workers, give the token stream of reading it whole (shard
+    bytes 10^9), document for document; a whole-file document under a subword tokenizer is not cut
+    (tokens could merge across a cut), and the log says so."""
+    import jaxgpt.data.prepare as prep
+    from jaxgpt.data import text_ranges
+
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n\n".join(DOCS) + "\n", encoding="utf-8")  # paragraphs of 2 lines each
+    spec = "char" if tokenizer == "char" else str(gpt2_like_tokenizer)
+    runs, logs = {}, []
+    for name, shard_bytes, n in (("whole", 10**9, 1), ("cut", 200, 2)):
+        monkeypatch.setattr(text_ranges, "SHARD_BYTES", shard_bytes)
+        runs[name] = tmp_path / name
+        prepare([str(src)], runs[name], spec, text_unit=unit, val_fraction=0, min_val_tokens=0, num_proc=n,
+                merge=False, progress=False, log=logs.append)
+    meta = json.loads((runs["cut"] / "meta.json").read_text())
+    cut = not (unit == "file" and tokenizer == "bpe")
+    assert (len(meta["files"]["train"]) > 10) == cut, meta["files"]
+    assert any("one worker reads it whole" in m for m in logs) == (not cut)
+    assert meta["documents"] == json.loads((runs["whole"] / "meta.json").read_text())["documents"]
+    ids = [open_tokens(runs[k]).train.read(0, 10**6) for k in ("whole", "cut")]
+    np.testing.assert_array_equal(ids[0], ids[1])
+    assert len(prep.plan_shards([str(src)], text_unit=unit, tokenizer=tokenizer, shard_bytes=200)) == \
+        (-(-src.stat().st_size // 200) if cut else 1)

@@ -3,8 +3,9 @@
 Sources: text files or globs (a document per file, per paragraph or per line), ``.jsonl`` and
 ``.parquet`` with a named text field, and a Hugging Face ``datasets`` dataset saved with
 ``save_to_disk`` (``datasets`` / ``pyarrow`` are optional, needed only for those). Each document
-is encoded and followed by the EOS id. The work is cut into shards (a group of text files, one
-jsonl/parquet file, a range of dataset rows) that worker processes encode independently
+is encoded and followed by the EOS id. The work is cut into shards (a group of text files, a byte
+range of a large text file (text_ranges.py) or of a jsonl file, a parquet file, a range of dataset
+rows) that worker processes encode independently
 (``num_proc``), each into ``OUT/.shards/NNNNN.{train,val}.bin`` plus a ``.done`` marker, in
 chunks (memory bounded by one chunk and one document). A rerun skips shards with a marker.
 Finally the shards are concatenated, in order, into ``train.bin`` and ``val.bin`` and removed
@@ -33,6 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
+from jaxgpt.data import text_ranges
 from jaxgpt.data.tokenfiles import dtype_for, write_meta, write_nanogpt_meta
 
 CHAR_EOS = "\x00"
@@ -64,8 +66,12 @@ def _load_dataset(path: str, split: str):
     return ds
 
 
-def plan_shards(sources: list[str], *, split: str = "train") -> list[dict]:
-    """The shards of ``sources`` (paths or globs), in a fixed order."""
+def plan_shards(sources: list[str], *, split: str = "train", text_unit: str = "file", tokenizer: str = "char",
+                shard_bytes: int | None = None, log=None) -> list[dict]:
+    """The shards of ``sources`` (paths or globs), in a fixed order. A text file over ``shard_bytes``
+    is cut into byte ranges (text_ranges.py) where its documents allow it; ``log`` says why not.
+    ``shard_bytes`` None: text_ranges.SHARD_BYTES."""
+    shard_bytes = shard_bytes or text_ranges.SHARD_BYTES
     paths: list[str] = []
     for s in sources:
         hits = sorted(glob.glob(s)) if any(c in s for c in "*?[") else [s]
@@ -87,7 +93,12 @@ def plan_shards(sources: list[str], *, split: str = "train") -> list[dict]:
                        for a in range(0, max(size, 1), JSONL_SHARD_BYTES)]
         elif p.suffix == ".parquet":
             shards.append({"kind": "parquet", "path": path})
+        elif p.stat().st_size > shard_bytes and text_ranges.splittable(text_unit, tokenizer):
+            shards += text_ranges.plan(path, text_unit, shard_bytes)
         else:
+            if p.stat().st_size > shard_bytes and log is not None:
+                log(f"{path}: one worker reads it whole, as one document (--text-unit file): a subword tokenizer "
+                    "could merge tokens across a cut; --text-unit line or paragraph spreads it over --num-proc")
             texts.append(path)
     shards += [{"kind": "text", "paths": texts[i:i + FILES_PER_SHARD]} for i in range(0, len(texts), FILES_PER_SHARD)]
     if not shards:
@@ -98,7 +109,14 @@ def plan_shards(sources: list[str], *, split: str = "train") -> list[dict]:
 def documents(shard: dict, *, text_field: str = "text", text_unit: str = "file", split: str = "train") -> Iterator[str]:
     """The documents of one shard, in order."""
     kind = shard["kind"]
-    if kind == "text":
+    if kind == "text_range":  # a piece of a large text file, from one cut to the next (text_ranges.py)
+        text = text_ranges.read(shard, text_unit)
+        if text_unit == "file":
+            yield text
+        else:
+            parts = text.split("\n\n") if text_unit == "paragraph" else text.splitlines()
+            yield from (t for t in parts if t.strip())
+    elif kind == "text":
         for path in shard["paths"]:
             text = Path(path).read_text(encoding="utf-8")
             if text_unit == "file":
@@ -220,10 +238,11 @@ def encode_shard(i: int, shard: dict, work: Path, tok_dict: dict, eos_id: int, d
             ids_list = [tok.encode(d) for d in docs]
         for j, ids in enumerate(ids_list, j0):
             s = "val" if val_fraction and is_val(i, j, val_fraction) else "train"
-            arr = np.append(np.asarray(ids, np.int64), eos_id)
+            # a piece of a whole-file document that goes on in the next range has no EOS
+            arr = np.append(np.asarray(ids, np.int64), [eos_id] if shard.get("eos", True) else [])
             bufs[s].append(arr)
             sizes[s] += len(arr)
-            counts[s][0] += 1
+            counts[s][0] += int(shard.get("eos", True))  # a document counts where it ends
             counts[s][1] += len(arr)
             if sizes[s] >= CHUNK_TOKENS:
                 flush(s)
@@ -293,7 +312,7 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, tex
     work = out / ".shards"
     work.mkdir(exist_ok=True)
     opts = {"text_field": text_field, "text_unit": text_unit, "split": split}
-    shards = plan_shards(sources, split=split)
+    shards = plan_shards(sources, split=split, text_unit=text_unit, tokenizer=tokenizer, log=log)
     tok, eos_id, eos_token = load_tokenizer(tokenizer, shards, opts, eos)
     dtype = dtype_for(tok.vocab_size)
     plan = {"shards": shards, "tokenizer": tokenizer, "val_fraction": val_fraction, "opts": opts, "eos_id": eos_id}

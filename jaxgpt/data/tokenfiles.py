@@ -78,17 +78,17 @@ class Tokens:
         return int(self.offsets[-1])
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """ids [start, start + n) as a new array (may span files)."""
+        """ids [start, start + n) as a new array (may span files; as a slice, it stops at the end)."""
         if len(self.parts) == 1:
             return self._part(0, start, min(n, len(self) - start))
-        out, pos, end = [], start, start + n
+        out, pos, end = [], start, min(start + n, len(self))
         i = int(np.searchsorted(self.offsets, start, side="right")) - 1
         while pos < end:
             lo = pos - int(self.offsets[i])
             take = min(end - pos, len(self.parts[i]) - lo)
             out.append(self._part(i, lo, take))
             pos, i = pos + take, i + 1
-        return np.concatenate(out)
+        return np.concatenate(out) if out else np.zeros(0, self.dtype)
 
     def windows(self, starts: np.ndarray, n: int) -> np.ndarray:
         """(len(starts), n) int32: the n ids from each start."""
