@@ -25,7 +25,7 @@ import pytest
 
 from conftest import ACCELERATOR_SKIP
 from jaxgpt.config import ModelConfig, TrainConfig
-from jaxgpt.models.decoder import scan_unroll
+from jaxgpt.models.stack import scan_unroll
 from jaxgpt.nn.mlp import gelu
 from jaxgpt.parallel import host_devices
 from jaxgpt.train.step import init_state, make_train_step

@@ -69,6 +69,37 @@ def test_kernel_matches_numpy_and_the_gather_path(shape):
     keys, values, mask = cache.gather()
     gathered = np.asarray(attend(jnp.asarray(q), keys, values, impl="xla", mask=mask, kv_layout="rows"))
     np.testing.assert_allclose(got, gathered, atol=1e-6, rtol=0)
+    # attend's 'pages' layout: the kernel in place (the same call), or the gathered pages for the weights
+    pages = (jnp.asarray(table), jnp.asarray(q_pos))
+    in_place = attend(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), kv_layout="pages", pages=pages)
+    np.testing.assert_array_equal(np.asarray(in_place), got)
+    out, weights = attend(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), kv_layout="pages", pages=pages,
+                          return_weights=True)
+    np.testing.assert_allclose(np.asarray(out), gathered, atol=1e-6, rtol=0)
+    assert weights.shape == (shape["b"], shape["h"], shape["t"], table.shape[1] * k_pool.shape[2])
+
+
+def test_the_caches_share_one_write_contract():
+    """KVCache and PagedKVCache (both kernels): write -> (cache, keys, values, kv_layout, mask,
+    is_causal), what attend takes; the paged cache's 'ffi' gives its pools as layout 'pages'."""
+    from jaxgpt.nn.attention import KVCache
+
+    q, k_pool, v_pool, table, q_pos = _case(2, b=2, t=1, h=2, h_kv=2, d=8)
+    k_new = jnp.ones((2, 1, 2, 8))
+    slots = jnp.asarray(table[:, :1] * k_pool.shape[2])
+    for kernel, layout in (("ffi", "pages"), ("gather", "rows")):
+        cache = PagedKVCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(table), slots, jnp.asarray(q_pos),
+                             kernel=kernel)
+        out = cache.write(k_new, k_new)
+        assert len(out) == 6 and out[3] == layout and isinstance(out[0], PagedKVCache), (kernel, out[3])
+        assert (out[4] is None) == (kernel == "ffi") and out[5] == (kernel == "ffi")
+        with pytest.raises(ValueError, match="builds its own mask"):
+            cache.write(k_new, k_new, mask=jnp.ones((1, 1, 1, 1), bool))
+    contiguous = KVCache.init(2, 2, 8, 8)
+    c, keys, values, layout, mask, causal = contiguous.write(k_new, k_new)
+    assert (int(c.index), keys.shape, layout, mask, causal) == (1, (2, 2, 8, 8), "heads", None, True)
+    *_, mask, causal = contiguous.write(k_new, k_new, is_causal=False)  # not causal: the written slots only
+    np.testing.assert_array_equal(np.asarray(mask), np.arange(8) < 1)
 
 
 def test_kernel_refuses_a_position_past_the_page_table():

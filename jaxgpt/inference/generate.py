@@ -19,7 +19,8 @@ import numpy as np
 from jaxgpt.core import validate
 from jaxgpt.config import ModelConfig, check_sampling
 from jaxgpt.inference.sampling import argmax, filter_logits
-from jaxgpt.models.decoder import DecoderLM, check_tokens, init_cache, unstack_layers
+from jaxgpt.models.decoder import DecoderLM, init_cache, unstack_layers
+from jaxgpt.models.stack import check_tokens
 
 
 def sample_logits(logits, rng, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):

@@ -25,7 +25,8 @@ import numpy as np
 from jaxgpt.inference.paged_cache import init_pools, next_pow2
 from jaxgpt.inference.paged_model import paged_apply, write_slots
 from jaxgpt.inference.sampling import argmax, filter_logits, row_keys
-from jaxgpt.models.decoder import check_tokens, unstack_layers
+from jaxgpt.models.decoder import unstack_layers
+from jaxgpt.models.stack import check_tokens
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxgpt.nn import checks
 from jaxgpt.core import validate
 from jaxgpt.config import BertConfig
-from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
+from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxgpt.config import EncDecConfig, ModelConfig
 from jaxgpt.core.layout import ENCDEC_STACKED as STACKED  # noqa: F401  (re-exported: the scanned stacks)
 from jaxgpt.models.bert import key_mask
-from jaxgpt.models.decoder import check_tokens, embed_tokens, run_blocks
+from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope

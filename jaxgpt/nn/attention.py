@@ -13,7 +13,7 @@ from flax import struct
 
 from jaxgpt.core import validate
 from jaxgpt.nn import checks
-from jaxgpt.nn.kernels import attend, keys_before, paged_ffi
+from jaxgpt.nn.kernels import attend, keys_before
 from jaxgpt.nn.kernels import causal_mask, scaled_dot_product_attention  # noqa: F401  (public names)
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.positions import apply_rope
@@ -59,12 +59,22 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[-2]  # S is the second-to-last axis in every layout
 
-    def write(self, k, v):
+    def write(self, k, v, mask=None, is_causal=True):
         """Write keys and values k, v (B, T, H_kv, D) at slots [index, index + T).
 
-        Returns (the cache after the write, keys, values to attend over (all S slots; those past
-        the new index are empty), their kv_layout for ``kernels.attend``).
+        The KV caches' one contract (kernels.paged.PagedKVCache.write too): returns (the cache after
+        the write, keys, values to attend over (all S slots; those past the new index are empty),
+        their kv_layout for ``kernels.attend``, the call's ``mask`` (broadcastable to (B, H, T, S))
+        narrowed to the written slots where causality does not already hide the empty ones, is_causal).
         """
+        t = k.shape[1]
+        if mask is not None or not is_causal:  # causal from the cache offset already hides the empty slots
+            written = keys_before(self.capacity, self.index + t)  # (S,): slots past the write index are empty
+            mask = written if mask is None else mask & written
+        cache, k, v, kv_layout = self._write(k, v)
+        return cache, k, v, kv_layout, mask, is_causal
+
+    def _write(self, k, v):
         b, t, h_kv, d = k.shape
         if checks.is_traced(self.index):  # dynamic_update_slice would clamp the start and overwrite the last slots
             checks.check_cache_room(self.index, t, self.capacity)  # checked mode (checkify) only
@@ -153,35 +163,22 @@ class Attention(nn.Module):
             q = apply_rope(q, positions, base=self.rope_base, layout=self.rope_layout)
             k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
 
-        kv_layout = "tokens"
-        paged = getattr(cache, "paged", False)
-        in_place = paged and cache.kernel == "ffi" and not return_weights  # kernels/paged_ffi.py reads the pages
-        if paged:  # kernels/paged.py: ragged rows read their pages; mask = causal
-            if mask is not None:
-                raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
-            cache = cache.write(k, v)
-            if not in_place:
-                k, v, mask = cache.gather()
-                is_causal, kv_layout = False, "rows"
-        elif cache is not None:
+        kv_layout, pages = "tokens", None
+        if cache is not None:  # the caches' one contract: keys, values, layout and mask to attend over
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
-            if mask is not None:  # checked before `& written`, whose broadcast could hide a bad shape
+            if mask is not None:  # checked before the cache's `& written`, whose broadcast could hide a bad shape
                 mask = jnp.asarray(mask)
                 validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.capacity))
-            cache, k, v, kv_layout = cache.write(k, v)
-            if mask is not None or not is_causal:  # causal from the cache offset already hides the empty slots
-                written = keys_before(cache.capacity, cache.index)  # (S,): slots past the write index are empty
-                mask = written if mask is None else mask & written
+            cache, k, v, kv_layout, mask, is_causal = cache.write(k, v, mask, is_causal)
+            if kv_layout == "pages":  # a paged cache read in place: attend follows its page table
+                pages = (cache.page_table, cache.q_pos)
 
         rate = 0.0 if deterministic else self.attn_dropout
-        if in_place:
-            out, weights = paged_ffi.paged_attention(q, cache.k, cache.v, cache.page_table, cache.q_pos), None
-        else:
-            out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask,
-                         is_causal=is_causal, q_offset=offset, return_weights=return_weights, kv_layout=kv_layout,
-                         dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None)
-            out, weights = out if return_weights else (out, None)
+        out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,
+                     q_offset=offset, return_weights=return_weights, kv_layout=kv_layout, pages=pages,
+                     dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None)
+        out, weights = out if return_weights else (out, None)
         y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
         return y, cache, weights
 

@@ -10,7 +10,7 @@ from torch import nn
 from jaxgpt.core import validate
 from jaxgpt.config import BertConfig
 from torch_ref.nn.block import Block
-from torch_ref.models.decoder import add_embeddings, check_tokens, embed_tokens
+from torch_ref.models.stack import add_embeddings, check_tokens, embed_tokens
 from torch_ref.nn.norms import make_norm
 
 

@@ -2,18 +2,16 @@
 layers.{i}, norm, lm_head)."""
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from jaxgpt.core import validate
 from jaxgpt.config import ModelConfig
 from torch_ref.nn.attention import KVCache
 from torch_ref.nn.block import Block
 from torch_ref.nn.norms import make_norm
-from torch_ref.nn.positions import sinusoidal_table
+from torch_ref.models.stack import add_embeddings, check_tokens, embed_tokens
 
 
 class DecoderOutput(NamedTuple):
@@ -27,41 +25,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtyp
     """One empty KVCache per layer, each (B, H_kv, max_len, D)."""
     s = config.max_len if max_len is None else max_len
     return [KVCache.init(batch, config.kv_heads, s, config.head_dim, dtype, device) for _ in range(config.n_layer)]
-
-
-def check_tokens(tokens: torch.Tensor, vocab_size: int, max_len: int, offset: int = 0) -> None:
-    """Raise ValueError for ids outside [0, vocab_size) or sequences past the context window."""
-    t = tokens.shape[-1]
-    if offset + t > max_len:
-        raise ValueError(f"{t} tokens after {offset} cached positions exceed max_len={max_len}")
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        validate.check_ids(tokens.cpu().numpy(), vocab_size)  # the same message as jaxgpt, with the position
-
-
-def add_embeddings(module: nn.Module, config: ModelConfig) -> None:
-    """Give ``module`` tok_embed (+ pos_embed or a sinusoidal buffer) and an embedding dropout,
-    the attribute names jaxgpt's embed_tokens uses."""
-    cfg = config
-    module.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)  # no grad in that row
-    nn.init.normal_(module.tok_embed.weight, std=cfg.init_std)
-    if cfg.pos == "learned":
-        module.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model)
-        nn.init.normal_(module.pos_embed.weight, std=cfg.init_std)
-    elif cfg.pos == "sinusoidal":
-        module.register_buffer("pos_table", sinusoidal_table(cfg.max_len, cfg.d_model), persistent=False)
-    module.embed_drop = nn.Dropout(cfg.dropout)
-
-
-def embed_tokens(module: nn.Module, config: ModelConfig, tokens, positions):
-    """Token (+ absolute position) embeddings with dropout, from add_embeddings' attributes."""
-    x = module.tok_embed(tokens)
-    if config.embed_scale:
-        x = x * math.sqrt(config.d_model)
-    if config.pos == "learned":
-        x = x + module.pos_embed(positions)
-    elif config.pos == "sinusoidal":
-        x = x + module.pos_table[positions]
-    return module.embed_drop(x)
 
 
 class DecoderLM(nn.Module):

@@ -8,7 +8,7 @@ from torch import nn
 from jaxgpt.config import EncDecConfig, ModelConfig
 from torch_ref.nn.block import Block
 from torch_ref.models.bert import key_mask
-from torch_ref.models.decoder import add_embeddings, check_tokens, embed_tokens
+from torch_ref.models.stack import add_embeddings, check_tokens, embed_tokens
 from torch_ref.nn.norms import make_norm
 
 

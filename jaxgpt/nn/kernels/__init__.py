@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
-from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, paged_ffi, xla
+from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, paged, paged_ffi, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
 from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before
@@ -78,8 +78,11 @@ def _plain(q, mask, is_causal, q_offset, kv_layout, tk) -> bool:
 
 @precision.float32_full  # alone: full-precision float32 matmuls off the CPU; in a model: the model's setting
 def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_offset=0, scale=None,
-           return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None):
+           return_weights=False, kv_layout="tokens", pages=None, dropout_rate=0.0, dropout_rng=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
+    kv_layout 'pages': k, v are a paged cache's float32 pools (num_pages, H_kv, page_size, D) and
+    ``pages`` its (page_table (B, P), q_pos (B, Tq)); the C++ kernel reads them in place
+    (paged_ffi.paged_attention, causal by position), or, for the weights, the pages are gathered.
 
     The contract of xla.scaled_dot_product_attention on every kernel: bool masks (True = attend)
     broadcastable to (B, H, Tq, Tk), validated here; causal with a possibly traced ``q_offset``;
@@ -90,6 +93,13 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r} is not one of {ATTENTION_IMPLS}")
+    if kv_layout == "pages":
+        if mask is not None or dropout_rate > 0.0:
+            raise ValueError("kv_layout='pages' is causal by the query positions: no mask or dropout")
+        if not return_weights:
+            return paged_ffi.paged_attention(q, k, v, *pages, scale=scale)
+        k, v, mask = paged.gather(k, v, *pages)  # the weights: the xla kernel over the gathered pages
+        kv_layout, is_causal = "rows", False
     b, tq, h, _ = q.shape
     h_kv, tk = kv_shape(k, kv_layout, b)
     if mask is not None:

@@ -11,8 +11,9 @@ A batch is (B, T) ragged rows: row b's query t sits at absolute position q_pos[b
 padding) and writes its key/value to flat slot ``slots[b, t]`` = page * page_size + offset.
 Key j of the gathered row is the token at position j (page table entry j // page_size), so
 "written and causal" is one mask: key position <= query position. The attention itself goes
-through ``kernels.attend`` (layout 'rows'), the kernel every other call uses; on the CPU the engine
-reads float32 pages in place instead (``kernel='ffi'``, kernels/paged_ffi.py), with the same results.
+through ``kernels.attend``, as every call does: layout 'rows' (the gathered pages) for the kernel
+every other call uses, or, where the engine picked it on the CPU (``kernel='ffi'``), layout 'pages':
+attend reads the float32 pools in place (kernels/paged_ffi.py), with the same results.
 
 kv 'int8': the pools hold int8 with a float32 absmax scale per token and head (k_scale, v_scale
 (num_pages, H_kv, page_size)); gathered pages are dequantised before attention.
@@ -51,7 +52,6 @@ class PagedKVCache:
     v_scale: jax.Array | None = None
     compute_dtype: str = struct.field(pytree_node=False, default="float32")
     layout: str = struct.field(pytree_node=False, default="paged")
-    paged: bool = struct.field(pytree_node=False, default=True)
     # 'gather': pure JAX, pages gathered then kernels.attend; 'ffi': kernels/paged_ffi.py reads them
     # in place (CPU, float32 pools; PAGED_KERNELS, chosen by the engine)
     kernel: str = struct.field(pytree_node=False, default="gather")
@@ -65,9 +65,15 @@ class PagedKVCache:
     def capacity(self) -> int:
         return self.page_table.shape[1] * self.k.shape[2]
 
-    def write(self, k, v):
-        """The cache after writing k, v (B, T, H_kv, D) into their slots (the pools are updated in
-        place when the caller donates them)."""
+    def write(self, k, v, mask=None, is_causal=True):
+        """Write k, v (B, T, H_kv, D) into their slots (the pools are updated in place when the caller
+        donates them). The KV caches' one contract (attention.KVCache.write too): returns (the cache
+        after the write, keys, values, their kv_layout, mask, is_causal) for ``kernels.attend``. The
+        mask is built from the query positions ("written and causal"), so the call passes none.
+        kernel 'ffi': the pools themselves, kv_layout 'pages' (attend reads them in place through the
+        page table, ``pages=(page_table, q_pos)``); 'gather': each row's pages, layout 'rows'."""
+        if mask is not None:
+            raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
         n, h_kv, ps, d = self.k.shape
         page = (self.slots // ps).reshape(-1)  # (B*T,)
         off = (self.slots % ps).reshape(-1)
@@ -81,22 +87,32 @@ class PagedKVCache:
 
         kp, ks = put(self.k, self.k_scale, k)
         vp, vs = put(self.v, self.v_scale, v)
-        return self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
+        cache = self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
+        if self.kernel == "ffi":
+            return cache, cache.k, cache.v, "pages", None, True
+        k, v, mask = cache.gather()
+        return cache, k, v, "rows", mask, False
 
     def gather(self):
-        """Each row's pages, logically contiguous: keys, values in kv_layout 'rows'
-        (B * H_kv, P * page_size, D) and the mask (B, 1, T, S). One gather indexed by (row, head,
-        page) builds the 'rows' layout the decode kernel reads in place: no transpose."""
-        n, h_kv, ps, d = self.k.shape
-        b, p = self.page_table.shape
-        rows = self.page_table[:, None, :]  # (B, 1, P)
-        heads = jnp.arange(h_kv)[None, :, None]  # (1, H_kv, 1)
+        """Each row's pages, logically contiguous: (keys, values in kv_layout 'rows', the mask); ``gather``."""
+        return gather(self.k, self.v, self.page_table, self.q_pos, self.k_scale, self.v_scale, self.compute_dtype)
 
-        def gather(pool, scale):  # pool[(b, h, p)] -> (B, H_kv, P, page_size, D) -> (B * H_kv, S, D)
-            g = pool[rows, heads].reshape(b * h_kv, p * ps, d)
-            if scale is None:
-                return g
-            return dequantize_int8(g, scale[rows, heads].reshape(b * h_kv, p * ps), self.compute_dtype)
 
-        mask = jnp.arange(p * ps)[None, None, :] <= self.q_pos[:, :, None]  # (B, T, S): written and causal
-        return gather(self.k, self.k_scale), gather(self.v, self.v_scale), mask[:, None]
+def gather(k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=None, dtype="float32"):
+    """Each row's pages, logically contiguous: keys, values in kv_layout 'rows' (B * H_kv, P * page_size, D)
+    and the mask (B, 1, T, S), key position <= query position. One gather indexed by (row, head, page)
+    builds the 'rows' layout the decode kernel reads in place: no transpose. int8 pages (with their
+    scales) are dequantised to ``dtype``."""
+    n, h_kv, ps, d = k_pool.shape
+    b, p = page_table.shape
+    rows = page_table[:, None, :]  # (B, 1, P)
+    heads = jnp.arange(h_kv)[None, :, None]  # (1, H_kv, 1)
+
+    def one(pool, scale):  # pool[(b, h, p)] -> (B, H_kv, P, page_size, D) -> (B * H_kv, S, D)
+        g = pool[rows, heads].reshape(b * h_kv, p * ps, d)
+        if scale is None:
+            return g
+        return dequantize_int8(g, scale[rows, heads].reshape(b * h_kv, p * ps), dtype)
+
+    mask = jnp.arange(p * ps)[None, None, :] <= q_pos[:, :, None]  # (B, T, S): written and causal
+    return one(k_pool, k_scale), one(v_pool, v_scale), mask[:, None]
