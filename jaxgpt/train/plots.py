@@ -17,6 +17,18 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, path: Path, axes=(), dpi: int = 120) -> Path:
+    """A light grid and the legend on ``axes``, a tight layout, the PNG at ``path``; closes ``fig``."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7 if len(ax.get_legend_handles_labels()[0]) > 8 else None)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None:
     """Per-step training loss, its 20-step moving average and the validation loss -> PNG."""
     plt = _pyplot()
@@ -33,12 +45,7 @@ def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None
     if val:
         ax.plot(*zip(*val), "o-", color="tab:red", label="validation loss")
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, [ax])
 
 
 
@@ -60,14 +67,7 @@ def plot_expert_load(history: list[dict], path: Path, title: str = "") -> Path |
     top.plot(steps, [r["expert_load_max"] for r in rows], color="tab:red")
     top.axhline(1.0, color="k", ls="--", lw=1)
     top.set(xlabel="step", ylabel="busiest expert / fair share", title="max load (1 = balanced)")
-    for a in (ax, top):
-        a.grid(alpha=0.3)
-    if load.shape[1] <= 16:
-        ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, [ax, top])
 
 
-__all__ = ["plot_expert_load", "plot_losses"]
+__all__ = ["plot_expert_load", "plot_losses", "save_figure"]

@@ -138,12 +138,9 @@ def plot_runs(runs: dict[str, list[tuple[Sequence[float], Sequence[float]]]], pa
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     if logy:
         ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return path
+    from jaxgpt.train.plots import save_figure
+
+    return save_figure(fig, path, [ax], dpi=110)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
