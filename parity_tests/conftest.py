@@ -30,8 +30,9 @@ its expensive passes (``--xla_backend_optimization_level=0 --xla_llvm_disable_ex
 the suite is mostly compilation (in test_train.py's loss curves, 27 of 48 s compiling, 10 tracing),
 a test checks numbers and behaviour, not speed, and neither setting changes IEEE float semantics
 (no fast-math). -O0 cut a cold run of test_attnres.py + test_train.py from 125 to 92 s, the second
-flag test_train.py's loss curves from 46-51 to 37-41 s (2026-11-27, one process, A B A B). JAXGPT_TEST_XLA_OPT=default compiles as users do (``make parity-margins`` does); the
-subprocesses that set their own XLA_FLAGS (sharding, multi-host, fresh-interpreter checks) do too.
+flag test_train.py's loss curves from 46-51 to 37-41 s (2026-11-27, one process, A B A B).
+JAXGPT_TEST_XLA_OPT=default compiles as users do (``make parity-margins`` and ``make test-gpu`` do);
+so do the fresh-interpreter checks of the device-count flags.
 """
 from __future__ import annotations
 
@@ -46,14 +47,24 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-if os.environ.get("JAXGPT_TEST_XLA_OPT", "0") != "default":  # before JAX starts (see the docstring)
-    os.environ["XLA_FLAGS"] = (f"--xla_backend_optimization_level={os.environ.get('JAXGPT_TEST_XLA_OPT', '0')} "
-                               "--xla_llvm_disable_expensive_passes=true " + os.environ.get("XLA_FLAGS", "")).strip()
+# The compile flags of every test process: this one (set before JAX starts, see the docstring), the commands it
+# runs (inherited), and the workers that set XLA_FLAGS themselves (sharding, multi-host: ``xla_flags``).
+TEST_XLA_FLAGS = "" if os.environ.get("JAXGPT_TEST_XLA_OPT", "0") == "default" else (
+    f"--xla_backend_optimization_level={os.environ.get('JAXGPT_TEST_XLA_OPT', '0')} "
+    "--xla_llvm_disable_expensive_passes=true")
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once, if imported again as parity_tests.conftest
+    os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+import jax  # noqa: E402 - after the setup above, which must run first
+import jax.numpy as jnp  # noqa: E402 - after the setup above, which must run first
+import numpy as np  # noqa: E402 - after the setup above, which must run first
+import pytest  # noqa: E402 - after the setup above, which must run first
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a worker process that picks its own (a device count): the tests' compile flags too."""
+    return " ".join((TEST_XLA_FLAGS, *flags)).strip()
+
 
 # No JAX-wide matmul precision: on a GPU, float32 parity at 1e-5 is the library's own policy
 # (ModelConfig.matmul_precision='auto': full float32 for float32 compute; jaxgpt/nn/precision.py).

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from jaxgpt.config import PRESETS
 from jaxgpt.models import abstract_params
 from jaxgpt.parallel.sharding import logical_axes, parse_mesh
@@ -36,7 +37,8 @@ MOE_CASES = {"moe": ("expert=8", "data=2,expert=2,tensor=2", "fsdp=2,expert=4"),
 
 
 def run_worker(*args: str, devices: int, timeout: float = 300, wait: bool = True):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={devices}"),
+           "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(WORKER), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=WORKER.parent)
