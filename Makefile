@@ -1,10 +1,10 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
-#               every parity test and the unit tests, in parallel (pytest-xdist), 9-13 min on 2 CPU cores
+#               every parity test and the unit tests, in parallel (pytest-xdist), about 9 min on 2 CPU cores
 #   make test-experiments  the heaviest experiment smoke runs (-m experiment: exp_attnres, exp_minigpt, exp_seed004,
 #                      exp_shakespeare nanogpt + big;
-#                      about 4 min of CPU), kept out of CI for its time (issue 41); make test-all runs them too
+#                      about 8 min of CPU), kept out of CI for its time (issue 41); make test-all runs them too
 #   make test-slow     the slower tiers: experiment/benchmark smoke runs (-m smoke), multi-process and
 #                      SIGKILL tests (-m multiprocess), whole command-line runs and the server (-m e2e),
 #                      long unit tests (-m slow); CI (.ci/run) runs make test, then this
