@@ -93,10 +93,12 @@ def plan_shards(sources: list[str], *, split: str = "train", text_unit: str = "f
                        for a in range(0, max(size, 1), JSONL_SHARD_BYTES)]
         elif p.suffix == ".parquet":
             shards.append({"kind": "parquet", "path": path})
-        elif p.stat().st_size > shard_bytes and text_ranges.splittable(text_unit, tokenizer):
+        elif p.stat().st_size <= shard_bytes:
+            texts.append(path)
+        elif text_ranges.splittable(text_unit, tokenizer):
             shards += text_ranges.plan(path, text_unit, shard_bytes)
         else:
-            if p.stat().st_size > shard_bytes and log is not None:
+            if log is not None:
                 log(f"{path}: one worker reads it whole, as one document (--text-unit file): a subword tokenizer "
                     "could merge tokens across a cut; --text-unit line or paragraph spreads it over --num-proc")
             texts.append(path)
@@ -106,24 +108,23 @@ def plan_shards(sources: list[str], *, split: str = "train", text_unit: str = "f
     return shards
 
 
+def _text_documents(text: str, text_unit: str) -> Iterator[str]:
+    """The documents of a text: itself ('file'), or its non-blank paragraphs or lines."""
+    if text_unit == "file":
+        yield text
+    else:
+        parts = text.split("\n\n") if text_unit == "paragraph" else text.splitlines()
+        yield from (t for t in parts if t.strip())
+
+
 def documents(shard: dict, *, text_field: str = "text", text_unit: str = "file", split: str = "train") -> Iterator[str]:
     """The documents of one shard, in order."""
     kind = shard["kind"]
     if kind == "text_range":  # a piece of a large text file, from one cut to the next (text_ranges.py)
-        text = text_ranges.read(shard, text_unit)
-        if text_unit == "file":
-            yield text
-        else:
-            parts = text.split("\n\n") if text_unit == "paragraph" else text.splitlines()
-            yield from (t for t in parts if t.strip())
+        yield from _text_documents(text_ranges.read(shard, text_unit), text_unit)
     elif kind == "text":
         for path in shard["paths"]:
-            text = Path(path).read_text(encoding="utf-8")
-            if text_unit == "file":
-                yield text
-            else:
-                parts = text.split("\n\n") if text_unit == "paragraph" else text.splitlines()
-                yield from (t for t in parts if t.strip())
+            yield from _text_documents(Path(path).read_text(encoding="utf-8"), text_unit)
     elif kind == "jsonl":  # the lines that start in [start, stop)
         with open(shard["path"], "rb") as f:
             start, stop = shard.get("start", 0), shard.get("stop", float("inf"))

@@ -66,15 +66,15 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
     if t0 + max_new_tokens + k > room:
         raise ValueError(f"{t0} prompt + {max_new_tokens} new + {k} proposed tokens exceed the context ({room})")
     check_tokens(prompt, target_config.vocab_size, room)
-    models = [unstack_layers(c, p) for c, p in ((target_config, target_params), (draft_config, draft_params))]
+    tc, tp = unstack_layers(target_config, target_params)
+    dc, dp = unstack_layers(draft_config, draft_params)
+    tp, dp = jax.device_put((tp, dp))  # once: host (NumPy) params would be copied into every call
     # Pages 1..n hold the request in order (page 0 is the scratch page padding writes go to); a power
     # of two of them, so prompts of nearby lengths share the compiled programs.
     pages = next_pow2(-(-(t0 + max_new_tokens + k) // page_size))
     table = np.arange(1, pages + 1, dtype=np.int32)[None]  # (1, P)
-    (tc, tp), (dc, dp) = models
-    tp, dp = jax.device_put((tp, dp))  # once: host (NumPy) params would be copied into every call
-    pools, dpools = (init_pools(c, pages + 1, page_size) for c, _ in models)
-    kernels = [resolve_paged_kernel("auto", c.dtype, pl[0][0].dtype) for (c, _), pl in zip(models, (pools, dpools))]
+    pools, dpools = init_pools(tc, pages + 1, page_size), init_pools(dc, pages + 1, page_size)
+    kernels = [resolve_paged_kernel("auto", c.dtype, pl[0][0].dtype) for c, pl in ((tc, pools), (dc, dpools))]
     # Both prefill all but the last prompt token; every round then starts from one pending token.
     if t0 > 1:
         pools = _prefill(tp, pools, prompt[:, :-1], table, config=tc, kernel=kernels[0])

@@ -160,4 +160,3 @@ def load_metrics(counts) -> dict:
     layer over its fair share 1 / E (1.0 = balanced)}."""
     share = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0)
     return {"expert_load": share.mean(0), "expert_load_max": share.max() * counts.shape[-1]}
-

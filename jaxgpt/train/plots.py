@@ -21,8 +21,9 @@ def save_figure(fig, path: Path, axes=(), dpi: int = 120) -> Path:
     """A light grid and the legend on ``axes``, a tight layout, the PNG at ``path``; closes ``fig``."""
     for ax in axes:
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7 if len(ax.get_legend_handles_labels()[0]) > 8 else None)
+        handles = ax.get_legend_handles_labels()[0]
+        if handles:
+            ax.legend(fontsize=7 if len(handles) > 8 else None)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     _pyplot().close(fig)
@@ -46,8 +47,6 @@ def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None
         ax.plot(*zip(*val), "o-", color="tab:red", label="validation loss")
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=title)
     return save_figure(fig, path, [ax])
-
-
 
 
 def plot_expert_load(history: list[dict], path: Path, title: str = "") -> Path | None:
