@@ -31,6 +31,10 @@ the suite is mostly compilation (in test_train.py's loss curves, 27 of 48 s comp
 a test checks numbers and behaviour, not speed, and neither setting changes IEEE float semantics
 (no fast-math). -O0 cut a cold run of test_attnres.py + test_train.py from 125 to 92 s, the second
 flag test_train.py's loss curves from 46-51 to 37-41 s (2026-11-27, one process, A B A B).
+With jaxlib 0.10 they also use XLA:CPU's older fusion emitters (``--xla_cpu_use_fusion_emitters=false``):
+test_train.py + test_attention.py cold 152/148 -> 95/98 s, the fast tier cold 514 -> 320 s (2026-11-27).
+Tests marked ``same_bits`` (two different programs, equal bit for bit as XLA compiles by default) then run
+in a fresh pytest process with the default emitters; JAXGPT_TEST_FUSION_EMITTERS=default turns the flag off.
 JAXGPT_TEST_XLA_OPT=default compiles as users do (``make parity-margins`` and ``make test-gpu`` do);
 so do the fresh-interpreter checks of the device-count flags.
 """
@@ -40,6 +44,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -52,6 +57,12 @@ from pathlib import Path
 TEST_XLA_FLAGS = "" if os.environ.get("JAXGPT_TEST_XLA_OPT", "0") == "default" else (
     f"--xla_backend_optimization_level={os.environ.get('JAXGPT_TEST_XLA_OPT', '0')} "
     "--xla_llvm_disable_expensive_passes=true")
+# XLA:CPU's older fusion emitters compile about a third faster than its MLIR ones (the docstring). An XLA that does
+# not know the flag aborts the process, so it is set only for the jaxlib it was verified with.
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if (TEST_XLA_FLAGS and os.environ.get("JAXGPT_TEST_FUSION_EMITTERS") != "default"
+        and importlib.metadata.version("jaxlib").startswith("0.10.")):
+    TEST_XLA_FLAGS += f" {LEGACY_EMITTERS}"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once, if imported again as parity_tests.conftest
     os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
@@ -119,6 +130,26 @@ def on_ci() -> bool:
 # is not on. Every such skip reason starts with this; under CI=true any other skip (no C++ compiler
 # for the CPU kernels, one host device, ...) is reported as a failure, since it would hide one.
 ACCELERATOR_SKIP = "accelerator:"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A ``same_bits`` test compares two different programs bit for bit (a loop of steps against one-step calls),
+    which holds as XLA compiles by default, not with the tests' legacy fusion emitters: it runs in a fresh
+    pytest process compiled with XLA's own emitters, and passes or fails with it."""
+    if not (pyfuncitem.get_closest_marker("same_bits") and LEGACY_EMITTERS in TEST_XLA_FLAGS):
+        return None
+    import sys
+
+    env = dict(os.environ, JAXGPT_TEST_FUSION_EMITTERS="default",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(LEGACY_EMITTERS, "").strip())
+    env.pop("PYTEST_XDIST_WORKER", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                        pyfuncitem.nodeid], cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"{pyfuncitem.nodeid}, run with XLA's default fusion emitters, failed:\n{r.stdout[-6000:]}"
+                    f"{r.stderr[-2000:]}", pytrace=False)
+    return True
 
 
 @pytest.hookimpl(hookwrapper=True)

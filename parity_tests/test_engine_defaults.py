@@ -225,6 +225,7 @@ def test_attention_impl_auto_picks_by_backend_and_shape():
 
 # --- several updates per call (TrainConfig.steps_per_call, train.step.make_train_steps) ------------------
 
+@pytest.mark.same_bits
 @pytest.mark.parametrize("mesh", ["auto", None])
 def test_train_steps_give_the_updates_of_one_step_calls(mesh):
     """Self-consistency, bit for bit: 3 updates from a chunk of k=4 batches in one call (its 4th slot
@@ -272,6 +273,7 @@ def test_fit_resolves_the_mesh_once_and_trains_and_evaluates_on_it(monkeypatch):
     assert out["val_loss"] is not None
 
 
+@pytest.mark.same_bits
 def test_fit_runs_several_updates_per_call_with_the_numbers_of_one():
     """fit's calls end where it logs, evaluates or saves, the first update alone (it is timed as the
     compile); steps_per_call=1 dispatches every update by itself. Self-consistency: the same history."""

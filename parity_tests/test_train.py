@@ -335,6 +335,7 @@ def _no_orbax(monkeypatch):
     monkeypatch.setattr(loop, "Checkpoints", refuse)
 
 
+@pytest.mark.same_bits
 @pytest.mark.slow  # three fit runs, ~25 s: make test-slow
 def test_fit_without_checkpoints_returns_its_history(monkeypatch, tmp_path):
     """checkpoints=False, no run directory: nothing written, no orbax; the history holds every update's
