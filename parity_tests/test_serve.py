@@ -279,7 +279,7 @@ def test_queue_full_is_429_and_a_failing_request_fails_alone(model_dir, monkeypa
 
 @pytest.mark.smoke  # the benchmark end to end in subprocesses: make test-slow
 def test_bench_serving_quick_smoke(tmp_path):
-    """bench_serving --quick: the four arms on 8 requests to a tiny model, tokens identical across arms."""
+    """bench_serving --quick: the five arms on 8 requests to a tiny model, tokens identical across arms."""
     import subprocess
     import sys
     from pathlib import Path
@@ -290,7 +290,7 @@ def test_bench_serving_quick_smoke(tmp_path):
                        cwd=root, capture_output=True, text=True, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["arm"] for r in rows] == ["hf-one", "hf-batch", "engine", "serve"]
+    assert [r["arm"] for r in rows] == ["hf-one", "hf-batch", "engine", "serve", "serve-openai"]
     for r in rows:
         assert "error" not in r, r
         assert r["output_tok_per_s"] > 0 and r["identical"] == "8/8", r
