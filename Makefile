@@ -1,7 +1,7 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
-#               every parity test and the unit tests, in parallel (pytest-xdist), about 9 min on 2 CPU cores
+#               every parity test and the unit tests, in parallel (pytest-xdist), about 6 min on 2 CPU cores
 #   make test-experiments  the heaviest experiment smoke runs (-m experiment: exp_attnres, exp_minigpt, exp_seed004,
 #                      exp_shakespeare nanogpt + big;
 #                      about 8 min of CPU), kept out of CI for its time (issue 41); make test-all runs them too
