@@ -44,6 +44,12 @@ MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
 
+# ModelConfig's fields that take one of a fixed set of values, with that set
+_CHOICES = (("pos", POS), ("rope_layout", ROPE_LAYOUTS), ("norm", NORMS), ("mlp", MLPS), ("norm_placement", PLACEMENTS),
+            ("residual", RESIDUALS), ("attnres_variant", ATTNRES_VARIANTS), ("remat", REMATS),
+            ("attention_impl", ATTENTION_IMPLS), ("norm_impl", NORM_IMPLS), ("act_impl", ACT_IMPLS),
+            ("matmul_precision", MATMUL_PRECISIONS), ("dtype", DTYPES), ("param_dtype", DTYPES))
+
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -131,24 +137,12 @@ class ModelConfig(_Config):
             raise ValueError(f"pad_token_id={self.pad_token_id} is not a token id in [0, {self.token_vocab})")
         if self.d_ff is not None:
             _positive("d_ff", self.d_ff)
-        _choice("pos", self.pos, POS)
-        _choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
-        _choice("norm", self.norm, NORMS)
-        _choice("mlp", self.mlp, MLPS)
-        _choice("norm_placement", self.norm_placement, PLACEMENTS)
-        _choice("residual", self.residual, RESIDUALS)
-        _choice("attnres_variant", self.attnres_variant, ATTNRES_VARIANTS)
+        for name, allowed in _CHOICES:
+            _choice(name, getattr(self, name), allowed)
         _positive("attnres_blocks", self.attnres_blocks)
         if self.scan_unroll != "auto":
             _positive("scan_unroll", self.scan_unroll)
-        _choice("remat", self.remat, REMATS)
-        _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        _choice("norm_impl", self.norm_impl, NORM_IMPLS)
-        _choice("act_impl", self.act_impl, ACT_IMPLS)
-        _choice("matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
         _positive("attention_block", self.attention_block)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("param_dtype", self.param_dtype, DTYPES)
         if self.residual != "standard" and (self.remat != "none" or self.scan_unroll not in (1, "auto")):
             raise ValueError(f"residual={self.residual!r} layers are not scanned or rematerialised; got "
                              f"remat={self.remat!r}, scan_unroll={self.scan_unroll} (use 'none' and 1 or 'auto')")

@@ -57,10 +57,26 @@ def _expect_kind(d: dict, kind: str) -> None:
         raise ValueError(f"expected a tokenizer dict of kind {kind!r}, got kind={d.get('kind')!r}")
 
 
-class CharTokenizer:
+class _OneList:
+    """``to_dict`` / ``from_dict`` of a tokenizer that is its ``kind`` and one list (the attribute and
+    constructor argument named ``_field``)."""
+
+    kind: str
+    _field: str
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, self._field: list(getattr(self, self._field))}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        _expect_kind(d, cls.kind)
+        return cls(d[cls._field])
+
+
+class CharTokenizer(_OneList):
     """One id per character, ids in sorted character order (seeds 000 and 003)."""
 
-    kind = "char"
+    kind, _field = "char", "chars"
 
     def __init__(self, chars: Sequence[str]):
         chars = list(chars)
@@ -89,16 +105,8 @@ class CharTokenizer:
         """ids (T,) -> text of T characters."""
         return "".join(self.chars[i] for i in _check_ids(ids, self.vocab_size))
 
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "chars": list(self.chars)}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> CharTokenizer:
-        _expect_kind(d, cls.kind)
-        return cls(d["chars"])
-
-
-class PairTokenizer:
+class PairTokenizer(_OneList):
     """Seed 002's translation vocabulary: ``<pad> <bos> <eos> <sep>`` as ids 0-3, then every
     character of the training pairs in sorted order, with English spaces written as ``'▁'``.
 
@@ -106,7 +114,7 @@ class PairTokenizer:
     continue the prompt ``<bos> zh <sep>`` with the English side.
     """
 
-    kind = "pair"
+    kind, _field = "pair", "vocab"
     SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>")
     pad_id, bos_id, eos_id, sep_id = range(4)
 
@@ -179,14 +187,6 @@ class PairTokenizer:
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """ids (T,) -> every token, specials by name (for inspection)."""
         return "".join(self.vocab[i] for i in _check_ids(ids, self.vocab_size)).replace(SPACE, " ")
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "vocab": list(self.vocab)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PairTokenizer:
-        _expect_kind(d, cls.kind)
-        return cls(d["vocab"])
 
 
 class BPETokenizer:

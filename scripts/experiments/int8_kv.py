@@ -20,18 +20,18 @@ import numpy as np
 from scripts.harness import RESULTS, LoadSampler, timing_note, write_result
 
 
-def train_char_model(cfg, steps: int, seed: int = 0, batch: int = 16):
+def train_char_model(cfg, steps: int, seed: int = 0, batch: int = 16, lr: float = 3e-3):
     """A briefly trained character model on Tiny Shakespeare: (params, final loss, validation ids).
 
     The library's one loop (``expkit.train``: ``fit`` with its batch checks and NaN stop), constant
-    AdamW at lr 3e-3 (weight decay 0.1, no clipping), windows of ``cfg.max_len`` characters; the
+    AdamW at ``lr`` (3e-3) (weight decay 0.1, no clipping), windows of ``cfg.max_len`` characters; the
     validation ids are the text's last 10% (sorted-character ids, as the tokenizer numbers them)."""
     from jaxgpt.config import TrainConfig
     from jaxgpt.train.tasks import load_task
 
     from scripts.experiments.expkit import shakespeare, train
 
-    tc = TrainConfig(steps=steps, batch_size=batch, seq_len=cfg.max_len, lr=3e-3, schedule="constant",
+    tc = TrainConfig(steps=steps, batch_size=batch, seq_len=cfg.max_len, lr=lr, schedule="constant",
                      beta2=0.999, weight_decay=0.1, grad_clip=None, seed=seed, eval_every=0, eval_batches=1,
                      log_every=min(50, steps), mesh="")
     task = load_task(cfg, tc, data=str(shakespeare()))

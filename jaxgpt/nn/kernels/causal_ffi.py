@@ -23,15 +23,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpt.nn.kernels import native
 
-SOURCE = native.CPU / "causal_attention.cc"
 FWD, BWD = "jaxgpt_causal_attention_fwd", "jaxgpt_causal_attention_bwd"
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernels are built and registered (CPU backend only); warns once when they are not."""
-    return native.available(SOURCE, {FWD: "JaxgptCausalAttentionFwd", BWD: "JaxgptCausalAttentionBwd"},
-                            "attention_impl='auto' runs the XLA kernels")
+available = native.kernels("causal_attention.cc", {FWD: "JaxgptCausalAttentionFwd", BWD: "JaxgptCausalAttentionBwd"},
+                           "attention_impl='auto' runs the XLA kernels")
 
 
 def _fwd_call(q, k, v, scale):

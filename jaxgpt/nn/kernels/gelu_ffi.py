@@ -21,15 +21,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpt.nn.kernels import native
 
-SOURCE = native.CPU / "gelu.cc"
 FWD, BWD = "jaxgpt_gelu_fwd", "jaxgpt_gelu_bwd"
 _LETTERS = "abcdefgh"
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernels are built and registered (CPU backend only); warns once when they are not."""
-    return native.available(SOURCE, {FWD: "JaxgptGeluFwd", BWD: "JaxgptGeluBwd"}, "act_impl='auto' runs XLA's GELU")
+available = native.kernels("gelu.cc", {FWD: "JaxgptGeluFwd", BWD: "JaxgptGeluBwd"}, "act_impl='auto' runs XLA's GELU")
 
 
 def _fwd_call(x):

@@ -13,14 +13,12 @@ the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.matvec_dot_general`
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxgpt.nn.kernels import native
 
-SOURCE = native.CPU / "matvec.cc"
 TARGET = "jaxgpt_matvec"
 # Up to this many rows (a decode step's batch) it runs. By measurement, generate() on the 6 x 384
 # benchmark model, ms a step with and without it: batch 1 1.2 / 1.9, batch 4 2.5 / 3.6, batch 8
@@ -28,10 +26,7 @@ TARGET = "jaxgpt_matvec"
 MAX_ROWS = 4
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered (CPU backend only); warns once when it is not."""
-    return native.available(SOURCE, {TARGET: "JaxgptMatvec"}, "decode steps run XLA's dots")
+available = native.kernels("matvec.cc", {TARGET: "JaxgptMatvec"}, "decode steps run XLA's dots")
 
 
 def applies(x, w) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import functools
 import os
 import platform
 import shutil
@@ -120,4 +121,11 @@ def available(source: Path, targets: dict[str, str], fallback: str) -> bool:
         return False
 
 
-__all__ = ["AUTO_MIN_SIZE", "ISA_ENV", "OFF_ENV", "available", "build", "cache_dir", "isa_flags", "register", "use_kernel"]
+def kernels(source: str, targets: dict[str, str], fallback: str):
+    """A kernel module's ``available()``: whether ``CPU / source``'s ``targets`` are built and registered,
+    asked once per process (``available`` warns, once, that ``fallback`` runs when they cannot be)."""
+    return functools.cache(lambda: available(CPU / source, targets, fallback))
+
+
+__all__ = ["AUTO_MIN_SIZE", "ISA_ENV", "OFF_ENV", "available", "build", "cache_dir", "isa_flags", "kernels", "register",
+           "use_kernel"]

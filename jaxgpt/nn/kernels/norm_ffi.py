@@ -24,15 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpt.nn.kernels import native
 
-SOURCE = native.CPU / "layer_norm.cc"
 FWD, BWD = "jaxgpt_norm_fwd", "jaxgpt_norm_bwd"
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernels are built and registered (CPU backend only); warns once when they are not."""
-    return native.available(SOURCE, {FWD: "JaxgptNormFwd", BWD: "JaxgptNormBwd"},
-                            "norm_impl='auto' runs the XLA norms")
+available = native.kernels("layer_norm.cc", {FWD: "JaxgptNormFwd", BWD: "JaxgptNormBwd"},
+                           "norm_impl='auto' runs the XLA norms")
 
 
 def _fwd_call(x, w, b, eps, center):

@@ -22,16 +22,13 @@ import numpy as np
 from jaxgpt.nn.kernels import native, xla
 from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
-SOURCE = native.CPU / "paged_attention.cc"
 TARGET = "jaxgpt_paged_attention"
 CACHED_TARGET = "jaxgpt_cached_attention"
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the kernels are built and registered (CPU backend only); warns once when they are not."""
-    return native.available(SOURCE, {TARGET: "JaxgptPagedAttention", CACHED_TARGET: "JaxgptCachedAttention"},
-                            "paged attention gathers its pages and decode attention reads every cache slot")
+available = native.kernels("paged_attention.cc",
+                           {TARGET: "JaxgptPagedAttention", CACHED_TARGET: "JaxgptCachedAttention"},
+                           "paged attention gathers its pages and decode attention reads every cache slot")
 
 
 def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale: float | None = None):
