@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 def launch(phase: str, root: Path) -> list[dict]:
     """Both processes of one phase; their RESULT dicts (with the output under 'log'), process 0 first."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": xla_flags()}  # the worker asks for its own host devices
+    env = dict(os.environ, XLA_FLAGS=xla_flags())  # the worker asks for its own host devices
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(root / "jax-cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     port = str(_free_port())

@@ -33,7 +33,7 @@ def token_dir(d: Path) -> Path:
 
 def launch(tmp_path: Path, *args) -> list[dict]:
     """Both worker processes with ``args``; their RESULT dicts, process 0 first."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": xla_flags()}
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     port = str(_free_port())
     logs = [tmp_path / f"{i}.log" for i in range(2)]
@@ -86,7 +86,7 @@ def test_two_process_training_on_token_files_matches_one_process(tmp_path):
 
     d = token_dir(tmp_path / "data")
     assert [r["rc"] for r in launch(tmp_path, d, tmp_path / "two")] == [0, 0]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": xla_flags()}
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     subprocess.run([sys.executable, "-m", "jaxgpt", "train", "--preset", "seed-minigpt", "--data", str(d), "--quiet",
                     "--mesh", MESH, "--out", str(tmp_path / "one"), *[a for s in TRAIN_SETS for a in ("--set", s)]],
@@ -118,7 +118,7 @@ def test_sigkilled_token_file_run_resumes_bit_exact(tmp_path):
     (d / "meta.json").write_text(json.dumps({"vocab_size": 50, "dtype": "uint16", "tokenizer": None}))
     sets = ["n_layer=1", "d_model=32", "d_ff=64", "batch_size=4", "seq_len=16", "steps=400", "ckpt_every=100",
             "eval_every=0", "log_every=1", "dropout=0.1"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"XLA_FLAGS": xla_flags()}
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
 
     def cmd(out):

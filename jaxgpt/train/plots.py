@@ -18,12 +18,10 @@ def _pyplot():
 
 
 def save_figure(fig, path: Path, axes=(), dpi: int = 120) -> Path:
-    """A light grid and the legend on ``axes``, a tight layout, the PNG at ``path``; closes ``fig``."""
+    """A light grid on ``axes``, a tight layout, the PNG at ``path``; closes ``fig``. Legends are the
+    caller's (each figure places its own)."""
     for ax in axes:
         ax.grid(alpha=0.3)
-        handles = ax.get_legend_handles_labels()[0]
-        if handles:
-            ax.legend(fontsize=7 if len(handles) > 8 else None)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     _pyplot().close(fig)
@@ -46,6 +44,7 @@ def plot_losses(history: list[dict], path: Path, title: str = "") -> Path | None
     if val:
         ax.plot(*zip(*val), "o-", color="tab:red", label="validation loss")
     ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=title)
+    ax.legend()
     return save_figure(fig, path, [ax])
 
 
@@ -66,6 +65,8 @@ def plot_expert_load(history: list[dict], path: Path, title: str = "") -> Path |
     top.plot(steps, [r["expert_load_max"] for r in rows], color="tab:red")
     top.axhline(1.0, color="k", ls="--", lw=1)
     top.set(xlabel="step", ylabel="busiest expert / fair share", title="max load (1 = balanced)")
+    if load.shape[1] <= 16:
+        ax.legend(fontsize=7, ncol=2)
     return save_figure(fig, path, [ax, top])
 
 

@@ -16,8 +16,8 @@ mean 48, capped at 160 (at least 1). Arms, each in its own subprocess (``harness
 - serve-openai: the same through the ``openai`` package's client, whose own CPU shares the 2 cores
 Reported: requests/s, output tok/s, time to first token and time per output token (p50/p99),
 compile/warm-up excluded (every arm first runs the workload's lengths once untimed, with other prompt
-ids so that no prefix cache holds the timed prompts, then freezes its objects for the collector), and whether each
-arm's tokens equal hf-one's (``identical``: requests whose tokens all match; ``prefix``: requests
+ids so that no prefix cache holds the timed prompts, then freezes its objects for the collector), and
+whether each arm's tokens equal hf-one's (``identical``: requests whose tokens all match; ``prefix``: requests
 whose shorter output is a prefix of the other's).
 """
 from __future__ import annotations
@@ -251,8 +251,6 @@ def run_serve(path, prompts, outs, warm=True, client="lean"):
     import subprocess
     import urllib.request
 
-    import openai
-
     from scripts.harness import ROOT
 
     with socket.socket() as s:
@@ -271,7 +269,7 @@ def run_serve(path, prompts, outs, warm=True, client="lean"):
                     raise RuntimeError(f"jaxgpt serve exited with {proc.returncode}") from None
                 time.sleep(0.2)
 
-        async def one_lean(_, p, n):
+        async def one_lean(p, n):
             start, first, ids = time.perf_counter(), None, []
             body = dict(model="bench", prompt=p, max_tokens=n, temperature=0, stream=True, ignore_eos=True,
                         return_token_ids=True)
@@ -297,11 +295,15 @@ def run_serve(path, prompts, outs, warm=True, client="lean"):
             return ids, start, first, time.perf_counter()
 
         async def once(prompts):
-            # one client per event loop (its connection pool belongs to the loop)
-            sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            if client == "lean":
+                one = one_lean
+            else:  # one client per event loop (its connection pool belongs to the loop)
+                import openai
+
+                sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+                one = functools.partial(one_openai, sdk)
             t0 = time.perf_counter()
-            one = one_lean if client == "lean" else one_openai
-            res = await asyncio.gather(*[one(sdk, p, n) for p, n in zip(prompts, outs)])
+            res = await asyncio.gather(*[one(p, n) for p, n in zip(prompts, outs)])
             wall = time.perf_counter() - t0
             tokens = [r[0] for r in res]
             return tokens, _stats([r[1] for r in res], [r[2] for r in res], [r[3] for r in res],
@@ -344,8 +346,8 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def table(rows, ref, note) -> str:
-    lines = ["| arm | req/s | output tok/s (runs) | vs hf-one | vs hf-batch | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
-             "tokens = hf-one |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | req/s | output tok/s (runs) | vs hf-one | vs hf-batch | TTFT p50 / p99 ms | "
+             "TPOT p50 / p99 ms | tokens = hf-one |", "|---|---|---|---|---|---|---|---|"]
     by = {r["arm"]: r for r in rows if "error" not in r}
     f = lambda v: "-" if v is None else f"{v:.0f}"
     for r in rows:
@@ -356,8 +358,8 @@ def table(rows, ref, note) -> str:
         same = r.get("identical", "-")
         runs = r.get("runs_tok_per_s", [])
         spread = f" ({', '.join(f'{v:.0f}' for v in runs)})" if len(runs) > 1 else ""
-        lines.append(f"| {r['arm']} | {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.0f}{spread} | {rel('hf-one')} | "
-                     f"{rel('hf-batch')} | {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} | "
+        lines.append(f"| {r['arm']} | {r['requests_per_s']:.2f} | {r['output_tok_per_s']:.0f}{spread} | "
+                     f"{rel('hf-one')} | {rel('hf-batch')} | {f(r['ttft_ms_p50'])} / {f(r['ttft_ms_p99'])} | "
                      f"{f(r['tpot_ms_p50'])} / {f(r['tpot_ms_p99'])} | {same} |")
     return "\n".join(lines) + f"\n\n{note}\n"
 
@@ -396,7 +398,8 @@ def main(argv=None):
         if ref is not None and "tokens" in r:  # the worst of the arm's runs
             same, prefix = min(compare(x["tokens"], ref) for x in runs[r["arm"]] if "tokens" in x)
             r["identical"], r["prefix"] = f"{same}/{len(ref)}", f"{prefix}/{len(ref)}"
-    note = (f"{n} requests; {1 if a.quick else a.rounds} round(s), arms alternating, each arm's median run; {timing_note(load.record())}. uptime before: `{uptime_before}`; after: "
+    note = (f"{n} requests; {1 if a.quick else a.rounds} round(s), arms alternating, each arm's median run; "
+            f"{timing_note(load.record())}. uptime before: `{uptime_before}`; after: "
             f"`{os.popen('uptime').read().strip()}`.")
     result = {"rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows], "load": load.record(),
               "note": note}

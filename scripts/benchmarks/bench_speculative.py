@@ -36,8 +36,8 @@ def main(argv=None):
     ap.add_argument("--target", default="4x512", help="target layers x width (the draft is 1x64)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--target-lr", type=float, default=3e-3,
-                    help="the target's learning rate (the draft's is 3e-3): at 3e-3 a 4x512 target stalls near loss 2.5, "
-                         "above its 1x64 draft, and its greedy text is easy to predict (acceptance 0.92-0.96)")
+                    help="the target's learning rate (the draft's is 3e-3): at 3e-3 a 4x512 target stalls near "
+                         "loss 2.5, above its 1x64 draft, and its greedy text is easy to predict (acceptance 0.92-0.96)")
     ap.add_argument("--in-flight", default="8,1", help="engine arms: requests in flight together, comma-separated "
                                                        "(1 = one at a time); 1,2,4,8 finds Engine.spec_max_batch")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline (speculative_generate) arms")
@@ -117,8 +117,8 @@ def main(argv=None):
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         lines.append(f"| {r['setting']} | {r['k'] or 'none (target alone)'} | {r['tok_per_s']:.0f} | "
                      f"{r['speedup']:.2f}x | {acc} | {r['identical']} |")
-    note = (f"Target {a.target} (train loss {tloss:.2f}, lr {a.target_lr:g}), draft 1x64 (train loss {dloss:.2f}), {a.steps} AdamW steps "
-            f"each (batch 8 x 128 tokens); 8 prompts x {a.tokens} greedy tokens; medians of {a.rounds} alternating rounds; "
+    note = (f"Target {a.target} (train loss {tloss:.2f}, lr {a.target_lr:g}), draft 1x64 (train loss {dloss:.2f}), "
+            f"{a.steps} AdamW steps each (batch 8 x 128 tokens); 8 prompts x {a.tokens} greedy tokens; medians of {a.rounds} alternating rounds; "
             f"{timing_note(load.record())}.")
     write_result(a.out, {"rows": rows, "note": note, "target": a.target}, "\n".join(lines) + f"\n\n{note}\n")
     return 0

@@ -138,6 +138,7 @@ def plot_runs(runs: dict[str, list[tuple[Sequence[float], Sequence[float]]]], pa
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     if logy:
         ax.set_yscale("log")
+    ax.legend()
     from jaxgpt.train.plots import save_figure
 
     return save_figure(fig, path, [ax], dpi=110)

@@ -13,7 +13,6 @@ the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.matvec_dot_general`
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

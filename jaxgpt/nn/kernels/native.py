@@ -9,8 +9,8 @@ numbers.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import functools
+import hashlib
 import os
 import platform
 import shutil
