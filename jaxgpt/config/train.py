@@ -11,6 +11,7 @@ DECAY = ("all", "linear", "matrices")
 TOKENIZERS = ("char", "bpe")
 ON_NONFINITE = ("stop", "skip")
 DATA_ORDERS = ("random", "epochs")
+DOCUMENTS = ("stream", "masked", "isolated")  # jaxgpt.data.documents
 MAX_STEPS_PER_CALL = 64  # 'auto' steps_per_call: the batches of one call are stacked on the device
 
 
@@ -43,6 +44,10 @@ class TrainConfig(_Config):
     # (nanoGPT's get_batch); 'epochs' reads every window of seq_len + 1 tokens once an epoch, shuffled per
     # (seed, epoch) (jaxgpt.data.order). Pair and classification data always read each row once an epoch.
     data_order: str = "random"
+    # Documents in a language-model window (jaxgpt.data.documents; token directories record an EOS after each):
+    # 'stream' attends across them (nanoGPT); 'masked' keeps attention inside each document (segment ids);
+    # 'isolated' also restarts positions at each document, so each is computed as if alone in its row.
+    documents: str = "stream"
     tokenizer: str = "char"  # text files: 'char' (sorted characters) or 'bpe' (trained locally)
     bpe_vocab: int = 1024
     # The validation split: the fraction of the data held out for evaluation where train splits the data
@@ -94,6 +99,7 @@ class TrainConfig(_Config):
         _choice("tokenizer", self.tokenizer, TOKENIZERS)
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         _choice("data_order", self.data_order, DATA_ORDERS)
+        _choice("documents", self.documents, DOCUMENTS)
         if self.bpe_vocab < 257:
             raise ValueError(f"bpe_vocab must be >= 257 (256 byte tokens + merges), got {self.bpe_vocab!r}")
         if self.warmup_steps >= self.steps and self.schedule == "cosine" and self.warmup_steps:

@@ -15,6 +15,10 @@ BATCH_KEYS = {
     EncDecConfig: ("src", "tgt", "src_mask", "labels"),  # (B, S), (B, T), (B, S) bool, (B, T)
 }
 
+# Optional keys of a language-model batch, passed to the model by name (TrainConfig.documents):
+# segment_ids (B, T) int32 document ids, positions (B, T) int32 positions inside each document.
+DOCUMENT_KEYS = ("segment_ids", "positions")
+
 
 def batch_keys(config) -> tuple[str, ...]:
     """Keys of the batch dict ``config``'s model trains on: its inputs in call order, then targets."""

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
-from jaxgpt.core.constants import IGNORE_INDEX, batch_keys
+from jaxgpt.core.constants import DOCUMENT_KEYS, IGNORE_INDEX, batch_keys
 
 
 def int_at_least(name: str, value, low: int) -> None:
@@ -98,6 +98,15 @@ def check_mask(shape: Sequence[int], dtype, target: Sequence[int], name: str = "
                          f"(B, H, Tq, Tk) = {target} (each dim 1 or equal, aligned from the right)")
 
 
+def check_segment_ids(shape: Sequence[int], dtype, target: Sequence[int], name: str = "segment_ids") -> None:
+    """Segment ids of packed documents: integers of shape ``target`` = (B, T), one id per token."""
+    kind = str(dtype).removeprefix("torch.")
+    if not kind.startswith(("int", "uint")):
+        raise ValueError(f"{name} must be integer document ids, got dtype {kind}")
+    if tuple(int(s) for s in shape) != tuple(int(t) for t in target):
+        raise ValueError(f"{name} has shape {tuple(shape)}; expected (B, T) = {tuple(target)}, one id per token")
+
+
 def overflow_message(cached: int, new: int, capacity: int) -> str:
     """The one wording of a KV cache overflow, in both frameworks."""
     return f"KV cache overflow: {cached} cached + {new} new > capacity {capacity}"
@@ -128,6 +137,12 @@ def check_batch(batch: dict, config) -> dict:
         check_ids(a["x"], config.vocab_size, where=w["x"])
         _same_shape(a, w, "y", "x")
         check_targets(a["y"], config.vocab_size, where=w["y"])
+        for k in DOCUMENT_KEYS:
+            if k in batch:
+                a[k], w[k] = np.asarray(batch[k]), f"batch[{k!r}]"
+                _same_shape(a, w, k, "x")
+        if "positions" in batch:
+            check_ids(a["positions"], config.max_len, where=w["positions"], what="position", space="the model's positions")
     elif isinstance(config, BertConfig):
         check_ids(a["input_ids"], config.encoder.vocab_size, where=w["input_ids"])
         check_padding_mask(a["attention_mask"], a["input_ids"].shape, where=w["attention_mask"])

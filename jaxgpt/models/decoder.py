@@ -92,10 +92,13 @@ class DecoderLM(nn.Module):
     @module_scope
     def __call__(self, tokens, *, positions=None, cache: KVCache | None = None, mask=None,
                  return_weights: bool = False, return_depth_weights: bool = False, deterministic: bool = True,
-                 logits_at=None):
+                 logits_at=None, segment_ids=None):
         """tokens: (B, T) int ids. positions: (T,) or (B, T) (default: cache index + arange(T)).
         cache: from ``init_cache``; the call writes this chunk's keys/values and returns it.
         mask: optional (B, 1, 1, S) key mask (True = attend), e.g. left padding of prompts.
+        segment_ids: optional (B, T) ids of documents packed into each row (no cache): attention
+        stays inside a document (``jaxgpt.data.documents`` makes them, and positions restarting
+        per document, from the EOS ids).
 
         logits_at: optional (B,) positions: logits only there, (B, 1, vocab) (the vocabulary projection
         of the other positions is skipped).
@@ -124,7 +127,8 @@ class DecoderLM(nn.Module):
                              "(residual='full_attnres' or 'block_attnres' have)")
         if cfg.residual == "standard":
             x, cache, weights = run_blocks(cfg, x, mask=mask, positions=positions, cache=cache,
-                                           return_weights=return_weights, deterministic=deterministic)
+                                           return_weights=return_weights, deterministic=deterministic,
+                                           segment_ids=segment_ids)
         else:
             from jaxgpt.nn.attnres import AttnResLayers
 
@@ -132,7 +136,7 @@ class DecoderLM(nn.Module):
                 raise ValueError(f"residual={cfg.residual!r} does not support a KV cache; decode without one")
             x, weights, *depth = AttnResLayers(cfg, name="layers")(
                 x, mask=mask, positions=positions, return_weights=return_weights,
-                return_depth_weights=return_depth_weights, deterministic=deterministic)
+                return_depth_weights=return_depth_weights, deterministic=deterministic, segment_ids=segment_ids)
             depth = depth[0] if depth else None
         if logits_at is not None:  # (B,) one position per row: the engine's prefill skips the other rows' head
             x = x[jnp.arange(x.shape[0]), logits_at][:, None]  # (B, 1, d)

@@ -81,7 +81,7 @@ def remat_policy(name: str):
 
 def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None, mask=None,
                context_mask=None, positions=None, cache=None, return_weights=False, deterministic=True,
-               name="layers"):
+               name="layers", segment_ids=None):
     """n_layer Blocks. Call inside a compact module. Returns (x, cache, weights).
 
     ``config.scan_layers``: one Block under nn.scan (params (L, ...) under ``name``, unrolled
@@ -92,7 +92,8 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
 
     def body(block, h, layer_cache):
         h, new_cache, w = block(h, context, mask=mask, context_mask=context_mask, positions=positions,
-                                cache=layer_cache, return_weights=return_weights, deterministic=deterministic)
+                                cache=layer_cache, return_weights=return_weights, deterministic=deterministic,
+                                segment_ids=segment_ids)
         return h, (new_cache, w)
 
     if cache is not None:

@@ -134,12 +134,14 @@ class Attention(nn.Module):
     @nn.compact
     @module_scope
     def __call__(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
-                 return_weights=False, deterministic=True):
+                 return_weights=False, deterministic=True, segment_ids=None):
         """x: (B, T, d_model); context: (B, S, d_model) for cross-attention.
 
         positions: (T,) or (B, T) absolute positions for RoPE (default: cache index + arange(T)).
         cache: a KVCache (any layout) to write this call's keys/values into (self-attention only);
         a mask then spans its S slots.
+        segment_ids: (B, T) ids of packed documents (self-attention without a cache): a query
+        sees only keys of its own document.
         Returns (y (B, T, d_model), new cache or None, weights (B, H, T, S) or None).
         """
         if self.d_model % self.n_head:
@@ -177,7 +179,8 @@ class Attention(nn.Module):
         rate = 0.0 if deterministic else self.attn_dropout
         out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,
                      q_offset=offset, return_weights=return_weights, kv_layout=kv_layout, pages=pages,
-                     dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None)
+                     dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
+                     segment_ids=segment_ids)
         out, weights = out if return_weights else (out, None)
         y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
         return y, cache, weights

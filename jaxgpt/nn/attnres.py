@@ -81,7 +81,8 @@ class AttnResLayer(nn.Module):
     seal: str | None = None
 
     @nn.compact
-    def __call__(self, sources, partial, *, mask=None, positions=None, return_weights=False, deterministic=True):
+    def __call__(self, sources, partial, *, mask=None, positions=None, return_weights=False, deterministic=True,
+                 segment_ids=None):
         """sources: list of (B, T, d); partial: (B, T, d) or None (Full, or an empty paper block).
         Returns (sources, partial, attention weights (B, H, T, T) or None, [alpha (N, B, T)] x 2)."""
         cfg = self.config
@@ -93,7 +94,7 @@ class AttnResLayer(nn.Module):
         def attn(h):
             y, _, out["weights"] = attention_from_config(cfg, "attn")(
                 h, mask=mask, is_causal=True, positions=positions, return_weights=return_weights,
-                deterministic=deterministic)
+                deterministic=deterministic, segment_ids=segment_ids)
             return y
 
         alphas = []
@@ -129,7 +130,7 @@ class AttnResLayers(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, mask=None, positions=None, return_weights=False, return_depth_weights=False,
-                 deterministic=True):
+                 deterministic=True, segment_ids=None):
         cfg = self.config
         seed, full = cfg.attnres_variant == "seed", cfg.residual == "full_attnres"
         sources = [x]  # (B, T, d) each; the embedding is source / block 0
@@ -138,7 +139,7 @@ class AttnResLayers(nn.Module):
         for i, seal in enumerate(seal_schedule(cfg)):
             sources, partial, w, a = AttnResLayer(cfg, seal=seal, name=f"layers_{i}")(
                 sources, partial, mask=mask, positions=positions, return_weights=return_weights,
-                deterministic=deterministic)
+                deterministic=deterministic, segment_ids=segment_ids)
             weights.append(w)
             alphas += a
         if seed and full:

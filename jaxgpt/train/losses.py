@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxgpt.nn import checks
 from jaxgpt.core import validate
-from jaxgpt.core.constants import IGNORE_INDEX, batch_keys
+from jaxgpt.core.constants import DOCUMENT_KEYS, IGNORE_INDEX, batch_keys
 from jaxgpt.models import build
 
 def cross_entropy(logits, targets, ignore_index: int = IGNORE_INDEX):
@@ -31,7 +31,8 @@ def cross_entropy(logits, targets, ignore_index: int = IGNORE_INDEX):
 def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) -> dict:
     """Forward pass + cross entropy on one batch -> {'loss_sum', 'count', 'correct'} scalars.
 
-    Language models: next-token loss over y != IGNORE_INDEX. Classifiers: one label per row.
+    Language models: next-token loss over y != IGNORE_INDEX; a batch's 'segment_ids' and
+    'positions' (TrainConfig.documents) go to the model. Classifiers: one label per row.
     Encoder-decoder: teacher-forced loss over labels != IGNORE_INDEX. ``train`` turns dropout on
     (then ``rng`` is required). Mixture-of-Experts models add 'router_aux_sum' and 'router_z_sum':
     this batch's load-balancing and z losses (jaxgpt.nn.moe.router_losses) times ``count``, so
@@ -39,13 +40,14 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     top-k picks per expert (summed over micro-batches and devices like the rest).
     """
     *inputs, targets = (batch[k] for k in batch_keys(config))
+    docs = {k: batch[k] for k in DOCUMENT_KEYS if k in batch}  # packed documents (jaxgpt.data.documents)
     rngs = {"dropout": rng} if train else {}
     moe = getattr(config, "moe", None)
     if moe is None:
-        logits = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs)
+        logits = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs, **docs)
     else:
         logits, state = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs,
-                                            mutable=["router"])
+                                            mutable=["router"], **docs)
     loss_sum, count, correct = cross_entropy(logits, targets)
     terms = {"loss_sum": loss_sum, "count": count, "correct": correct}
     if moe is not None:

@@ -69,7 +69,8 @@ class MixtureTask(TokenTask):
     def batch(self, tc: TrainConfig, step: int) -> dict:
         samples = step * tc.batch_size + np.arange(tc.batch_size, dtype=np.int64)
         w = self._windows(self.train, samples, tc, step, self._rows(tc), tc.data_order == "epochs")
-        return {k: a.reshape(tc.grad_accum, tc.micro_batch, tc.seq_len) for k, a in (("x", w[:, :-1]), ("y", w[:, 1:]))}
+        return self.documents(tc, {k: a.reshape(tc.grad_accum, tc.micro_batch, tc.seq_len)
+                                   for k, a in (("x", w[:, :-1]), ("y", w[:, 1:]))})
 
     def eval_batches(self, tc: TrainConfig) -> list[dict]:
         if any(len(v) == 0 for v in self.val):
@@ -77,7 +78,7 @@ class MixtureTask(TokenTask):
         out = []
         for i in range(tc.eval_batches):  # the same proportions, random windows fixed by the seed
             w = self._windows(self.val, i * tc.micro_batch + np.arange(tc.micro_batch), tc, i, None, False)
-            out.append({"x": w[:, :-1], "y": w[:, 1:]})
+            out.append(self.documents(tc, {"x": w[:, :-1], "y": w[:, 1:]}))
         return out
 
     def steps_per_epoch(self, tc: TrainConfig) -> int:
@@ -98,6 +99,9 @@ def mixture_task(spec: str, tc: TrainConfig, *, vocab_size: int | None = None, t
         if t.tokenizer.to_dict() != first:
             raise ValueError(f"--data {spec!r}: {path} has another tokenizer than {parts[0][0]}; a mixture trains "
                              "one vocabulary (prepare every directory with the same tokenizer)")
+        if t.eos_id != tasks[0].eos_id:
+            raise ValueError(f"--data {spec!r}: {path} separates documents with EOS id {t.eos_id}, "
+                             f"{parts[0][0]} with {tasks[0].eos_id}; prepare every directory with the same --eos")
     counts = mixture_counts([w for _, w in parts])
     names = tuple(Path(p).name or p for p, _ in parts)
     share = ",".join(f"{p}={100 * c / sum(counts):.1f}%" for (p, _), c in zip(parts, counts))

@@ -20,6 +20,7 @@ from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig
 from jaxgpt.data import (IGNORE_INDEX, CharTokenizer, PairTokenizer, builtin_corpus, builtin_pairs, encode_pairs,
                          get_batch, load_text, pad_batch, shuffled_batch, split_train_val, tokenizer_from_dict,
                          train_bpe)
+from jaxgpt.data.documents import annotate
 from jaxgpt.data.order import n_windows
 from jaxgpt.data.tokenfiles import is_token_dir
 from jaxgpt.core.validate import check_ids, check_padding_mask, check_targets
@@ -60,13 +61,23 @@ class Task:
     def keys(self) -> tuple[str, ...]:
         return KEYS[self.kind]
 
+    @property
+    def eos_id(self) -> int | None:
+        """The id that separates documents in language-model data (None: none known)."""
+        return getattr(self.tokenizer, "eos_id", None)
+
+    def documents(self, tc: TrainConfig, batch: dict) -> dict:
+        """A language-model batch with the document inputs ``tc.documents`` asks for (jaxgpt.data.documents)."""
+        return annotate(batch, tc.documents, self.eos_id, self.source)
+
     def batch(self, tc: TrainConfig, step: int) -> dict:
         """Batch of update ``step``: arrays (grad_accum, micro_batch, ...)."""
         if self.kind == "lm":
             arrays = get_batch(self.train[0], tc.batch_size, tc.seq_len, tc.seed, step, tc.data_order)
         else:
             arrays = shuffled_batch(self.train, tc.batch_size, tc.seed, step)
-        return {k: a.reshape(tc.grad_accum, tc.micro_batch, *a.shape[1:]) for k, a in zip(self.keys, arrays)}
+        batch = {k: a.reshape(tc.grad_accum, tc.micro_batch, *a.shape[1:]) for k, a in zip(self.keys, arrays)}
+        return self.documents(tc, batch) if self.kind == "lm" else batch
 
     def eval_batches(self, tc: TrainConfig) -> list[dict]:
         """Fixed validation batches (no micro-batch axis): ``eval_batches`` random windows of the
@@ -74,7 +85,7 @@ class Task:
         if len(self.val[0]) == 0:  # val_fraction=0: nothing held out
             return []
         if self.kind == "lm":
-            return [dict(zip(self.keys, get_batch(self.val[0], tc.micro_batch, tc.seq_len, tc.seed, i)))
+            return [self.documents(tc, dict(zip(self.keys, get_batch(self.val[0], tc.micro_batch, tc.seq_len, tc.seed, i))))
                     for i in range(tc.eval_batches)]
         n = min(len(self.val[0]), tc.eval_batches * tc.micro_batch)
         return [{k: a[i:i + tc.micro_batch] for k, a in zip(self.keys, self.val)} for i in range(0, n, tc.micro_batch)]

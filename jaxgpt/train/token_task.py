@@ -49,7 +49,11 @@ class TokenTask(Task):
     def batch(self, tc: TrainConfig, step: int) -> dict:
         rows = self._rows(tc)
         x, y = global_batch(self.train[0], tc.batch_size, tc.seq_len, tc.seed, step, rows, tc.data_order)
-        return {k: a.reshape(tc.grad_accum, tc.micro_batch, tc.seq_len) for k, a in (("x", x), ("y", y))}
+        return self.documents(tc, {k: a.reshape(tc.grad_accum, tc.micro_batch, tc.seq_len) for k, a in (("x", x), ("y", y))})
+
+    @property
+    def eos_id(self) -> int | None:
+        return None if self.data is None else self.data.eos_id
 
     def _rows(self, tc: TrainConfig):
         cache = self.__dict__.setdefault("_rows_cache", {})  # frozen dataclass: a plain per-object memo
@@ -62,7 +66,7 @@ class TokenTask(Task):
         val = self.val[0]
         if len(val) == 0:
             return []
-        return [dict(zip(("x", "y"), global_batch(val, tc.micro_batch, tc.seq_len, tc.seed, i)))
+        return [self.documents(tc, dict(zip(("x", "y"), global_batch(val, tc.micro_batch, tc.seq_len, tc.seed, i))))
                 for i in range(tc.eval_batches)]
 
     def steps_per_epoch(self, tc: TrainConfig) -> int:

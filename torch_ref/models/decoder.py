@@ -48,7 +48,7 @@ class DecoderLM(nn.Module):
                 nn.init.zeros_(self.lm_head.bias)
 
     def forward(self, tokens, *, positions=None, cache=None, mask=None, return_weights=False,
-                return_depth_weights=False):
+                return_depth_weights=False, segment_ids=None):
         """Same contract as jaxgpt's DecoderLM: logits, or a DecoderOutput with a cache / weights."""
         cfg = self.config
         offset = 0 if cache is None else cache[0].index
@@ -64,7 +64,7 @@ class DecoderLM(nn.Module):
             new_cache, all_w = [], []
             for i, layer in enumerate(self.layers):
                 x, c, w = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i],
-                                return_weights=return_weights)
+                                return_weights=return_weights, segment_ids=segment_ids)
                 new_cache.append(c)
                 all_w.append(w)
             cache = None if cache is None else new_cache
@@ -73,7 +73,7 @@ class DecoderLM(nn.Module):
             if cache is not None:
                 raise ValueError(f"residual={cfg.residual!r} does not support a KV cache; decode without one")
             x, weights, *depth = self.layers(x, mask=mask, positions=positions, return_weights=return_weights,
-                                             return_depth_weights=return_depth_weights)
+                                             return_depth_weights=return_depth_weights, segment_ids=segment_ids)
             depth = depth[0] if depth else None
         if self.norm is not None:
             x = self.norm(x)

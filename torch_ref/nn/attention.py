@@ -99,9 +99,10 @@ class Attention(nn.Module):
         self.o_proj = linear(n_head * self.head_dim, d_model, o_bias, out_init_std)
 
     def forward(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
-                return_weights=False):
+                return_weights=False, segment_ids=None):
         """Returns (y (B, T, d_model), cache or None, weights (B, H, T, S) or None).
-        A given cache is written in place (its buffers) and returned with the index advanced."""
+        A given cache is written in place (its buffers) and returned with the index advanced.
+        segment_ids (B, T): packed documents, attended as the mask seg_i == seg_j (no cache)."""
         b, t, _ = x.shape
         d, h_kv = self.head_dim, self.n_kv_head
         src = x if context is None else context
@@ -133,6 +134,13 @@ class Attention(nn.Module):
                 validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.k.shape[2]))
                 mask = mask[..., :offset + t]
 
+        if segment_ids is not None:
+            if cache is not None or context is not None:
+                raise ValueError("segment_ids pack documents into self-attention without a KV cache")
+            segment_ids = torch.as_tensor(segment_ids, device=x.device)
+            validate.check_segment_ids(segment_ids.shape, segment_ids.dtype, (b, t))
+            same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # (B, 1, T, T)
+            mask = same if mask is None else torch.as_tensor(mask, device=x.device) & same
         rate = self.attn_dropout if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, q_offset=offset,
                                            return_weights=return_weights, kv_layout=kv_layout,

@@ -61,13 +61,13 @@ class AttnResLayer(nn.Module):
             self.attn_key_norm, self.mlp_key_norm = KeyNorm(d, eps, gain), KeyNorm(d, eps, gain)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, sources, partial, *, mask=None, positions=None, return_weights=False):
+    def forward(self, sources, partial, *, mask=None, positions=None, return_weights=False, segment_ids=None):
         """Same contract as jaxgpt's AttnResLayer: (sources, partial, weights, [alpha] x 2)."""
         out = {}
 
         def attn(h):
             y, _, out["weights"] = self.attn(h, mask=mask, is_causal=True, positions=positions,
-                                             return_weights=return_weights)
+                                             return_weights=return_weights, segment_ids=segment_ids)
             return y
 
         alphas = []
@@ -99,13 +99,14 @@ class AttnResLayers(nn.Module):
             self.w_out = nn.Parameter(torch.zeros(cfg.d_model))
             self.out_key_norm = KeyNorm(cfg.d_model, key_eps(cfg), cfg.attnres_key_gain)
 
-    def forward(self, x, *, mask=None, positions=None, return_weights=False, return_depth_weights=False):
+    def forward(self, x, *, mask=None, positions=None, return_weights=False, return_depth_weights=False,
+                segment_ids=None):
         sources = [x]  # (B, T, d) each
         partial = torch.zeros_like(x) if self.seed and not self.full else None
         weights, alphas = [], []
         for layer in self.layers:
             sources, partial, w, a = layer(sources, partial, mask=mask, positions=positions,
-                                           return_weights=return_weights)
+                                           return_weights=return_weights, segment_ids=segment_ids)
             weights.append(w)
             alphas += a
         if self.seed and self.full:

@@ -32,14 +32,15 @@ import jax.numpy as jnp
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
-from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, paged, paged_ffi, xla
+from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_ffi, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
-from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before
+from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before, segment_mask
 from jaxgpt.nn.kernels.xla import KV_LAYOUTS, kv_shape, scaled_dot_product_attention
 
 __all__ = ["ATTENTION_IMPLS", "KV_LAYOUTS", "attend", "auto_impl", "blocked_attention", "causal_mask", "cudnn_unsupported",
-           "ffi_unsupported", "grouped_mask", "jax_attention", "keys_before", "scaled_dot_product_attention", "warn_once"]
+           "ffi_unsupported", "grouped_mask", "jax_attention", "keys_before", "scaled_dot_product_attention",
+           "segment_mask", "warn_once"]
 
 
 FFI_MAX_LEN = 4096
@@ -78,7 +79,8 @@ def _plain(q, mask, is_causal, q_offset, kv_layout, tk) -> bool:
 
 @precision.float32_full  # alone: full-precision float32 matmuls off the CPU; in a model: the model's setting
 def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_offset=0, scale=None,
-           return_weights=False, kv_layout="tokens", pages=None, dropout_rate=0.0, dropout_rng=None):
+           return_weights=False, kv_layout="tokens", pages=None, dropout_rate=0.0, dropout_rng=None,
+           segment_ids=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
     kv_layout 'pages': k, v are a paged cache's float32 pools (num_pages, H_kv, page_size, D) and
     ``pages`` its (page_table (B, P), q_pos (B, Tq)); the C++ kernel reads them in place
@@ -89,13 +91,17 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     zeros for a query row with no visible key. ``block``: the 'blocked' kernel's block length.
     ``return_weights`` runs 'xla', the only kernel that builds the weights. Attention dropout
     exists on 'xla' only; any other kernel refuses it (ModelConfig refuses the pair up front).
+    ``segment_ids`` (B, T) int: packed documents in self-attention over the call's own keys (no
+    KV cache); a query sees only keys of its own id. 'blocked' and 'ffi' compare the ids block by
+    block; 'xla', 'jax' and 'cudnn' take them as a (B, 1, T, T) mask; 'auto' never picks cuDNN for
+    them (memory-linear 'blocked' on a GPU).
     Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r} is not one of {ATTENTION_IMPLS}")
     if kv_layout == "pages":
-        if mask is not None or dropout_rate > 0.0:
-            raise ValueError("kv_layout='pages' is causal by the query positions: no mask or dropout")
+        if mask is not None or dropout_rate > 0.0 or segment_ids is not None:
+            raise ValueError("kv_layout='pages' is causal by the query positions: no mask, segment ids or dropout")
         if not return_weights:
             return paged_ffi.paged_attention(q, k, v, *pages, scale=scale)
         k, v, mask = paged.gather(k, v, *pages)  # the weights: the xla kernel over the gathered pages
@@ -105,10 +111,16 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if mask is not None:
         mask = jnp.asarray(mask)
         validate.check_mask(mask.shape, mask.dtype, (b, h, tq, tk))
+    if segment_ids is not None:
+        if kv_layout != "tokens" or tk != tq or not (isinstance(q_offset, int) and q_offset == 0):
+            raise ValueError("segment_ids pack documents into a forward over its own keys: no KV cache "
+                             f"(got kv_layout={kv_layout!r}, {tq} queries over {tk} keys)")
+        segment_ids = jnp.asarray(segment_ids)
+        validate.check_segment_ids(segment_ids.shape, segment_ids.dtype, (b, tq))
     if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and \
             cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:
         return paged_ffi.cached_attention(q, k, v, q_offset, scale=scale)  # k, v as stored: no reshape
-    plain = _plain(q, mask, is_causal, q_offset, kv_layout, tk)
+    plain = segment_ids is None and _plain(q, mask, is_causal, q_offset, kv_layout, tk)
     picked = impl == "auto"  # a kernel auto_impl picks falls back to 'blocked' where it can run: never (T, T) scores
     if impl == "ffi" and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is not None:
         impl, picked = auto_impl(tq, tk, block, dropout_rate, q, plain), True  # a cache, a mask, bf16: 'auto' without it
@@ -120,6 +132,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if dropout_rate > 0.0 and impl != "xla":
         raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
                          f"set attn_dropout=0.0 or attention_impl='xla'")
+    if segment_ids is not None and (return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
+        mask, segment_ids = masks.both(mask, segment_mask(segment_ids, segment_ids)), None
     kw = dict(mask=mask, is_causal=is_causal, q_offset=q_offset, scale=scale)
     if impl == "xla" or return_weights:
         return xla.scaled_dot_product_attention(q, k, v, return_weights=return_weights, kv_layout=kv_layout,
@@ -127,9 +141,9 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if kv_layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
         k, v, kv_layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
     if impl == "ffi":
-        return causal_ffi.causal_attention(q, k, v, scale=scale)
+        return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=segment_ids)
     if impl == "blocked":
-        return blocked.blocked_attention(q, k, v, block=block, kv_layout=kv_layout, **kw)
+        return blocked.blocked_attention(q, k, v, block=block, kv_layout=kv_layout, segment_ids=segment_ids, **kw)
     return jax_sdpa.jax_attention(q, k, v, kv_layout=kv_layout, implementation="cudnn" if impl == "cudnn" else None,
                                   fallback=functools.partial(blocked.blocked_attention, block=block) if fallback else None,
                                   **kw)

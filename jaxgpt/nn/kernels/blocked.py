@@ -24,14 +24,19 @@ class _Static(NamedTuple):
     precision: str | None = None
 
 
-def _block_scores(cfg: _Static, qi, kj, i, j, mask, q_offset):
+def _block_scores(cfg: _Static, qi, kj, i, j, mask, q_offset, seg=None):
     """Scaled scores of query block i against key block j, -inf where not allowed.
-    qi: (B, K, G, bq, D); kj: (B, K, bk, D); mask: (B|1, K|1, G|1, Tq|1, Tk|1) or None."""
+    qi: (B, K, G, bq, D); kj: (B, K, bk, D); mask: (B|1, K|1, G|1, Tq|1, Tk|1) or None;
+    seg: segment ids of the (padded) queries and keys, ((B, Tq'), (B, Tk')), or None."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * cfg.scale
     allowed = None
+    if seg is not None:  # (B, 1, 1, bq, bk): this block pair's part of the segment mask, never the whole
+        qs = lax.dynamic_slice_in_dim(seg[0], i * cfg.bq, cfg.bq, 1)
+        ks = lax.dynamic_slice_in_dim(seg[1], j * cfg.bk, cfg.bk, 1)
+        allowed = (qs[:, :, None] == ks[:, None, :])[:, None, None]
     if mask is not None:
         mb = mask if mask.shape[3] == 1 else lax.dynamic_slice_in_dim(mask, i * cfg.bq, cfg.bq, 3)
-        allowed = mb if mb.shape[4] == 1 else lax.dynamic_slice_in_dim(mb, j * cfg.bk, cfg.bk, 4)
+        allowed = both(allowed, mb if mb.shape[4] == 1 else lax.dynamic_slice_in_dim(mb, j * cfg.bk, cfg.bk, 4))
     if cfg.causal:
         allowed = both(allowed, causal_mask(cfg.bq, cfg.bk, q_offset, q_start=i * cfg.bq, k_start=j * cfg.bk))
     if cfg.tk % cfg.bk:  # the last block's padded keys
@@ -46,7 +51,7 @@ def _kv_blocks_for(cfg: _Static, i, q_offset, nk):
     return jnp.clip(((i + 1) * cfg.bq + q_offset + cfg.bk - 1) // cfg.bk, 0, nk)
 
 
-def _forward(cfg: _Static, q, k, v, mask, q_offset):
+def _forward(cfg: _Static, q, k, v, mask, q_offset, seg):
     """Online softmax over key blocks for each query block. q: (B, K, G, Tq', D) padded to bq;
     k, v: (B, K, Tk', D) padded to bk. Returns out (same shape as q) and logsumexp (B, K, G, Tq')
     with +inf on rows that see no key (so the backward's exp(s - lse) is 0 there)."""
@@ -60,7 +65,7 @@ def _forward(cfg: _Static, q, k, v, mask, q_offset):
             m, l, acc = carry  # (B, K, G, bq), same, (B, K, G, bq, D) float32
             kj = lax.dynamic_slice_in_dim(k, j * cfg.bk, cfg.bk, 2)
             vj = lax.dynamic_slice_in_dim(v, j * cfg.bk, cfg.bk, 2)
-            s = _block_scores(cfg, qi, kj, i, j, mask, q_offset)  # (B, K, G, bq, bk)
+            s = _block_scores(cfg, qi, kj, i, j, mask, q_offset, seg)  # (B, K, G, bq, bk)
             m_new = jnp.maximum(m, s.max(-1))
             m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all -inf so far: keep exp() finite
             p = jnp.exp(s - m_use[..., None])
@@ -84,13 +89,13 @@ def _forward(cfg: _Static, q, k, v, mask, q_offset):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, mask, q_offset):
-    return _forward(cfg, q, k, v, mask, q_offset)[0]
+def _flash(cfg, q, k, v, mask, q_offset, seg):
+    return _forward(cfg, q, k, v, mask, q_offset, seg)[0]
 
 
-def _flash_fwd(cfg, q, k, v, mask, q_offset):
-    out, lse = _forward(cfg, q, k, v, mask, q_offset)
-    return out, (q, k, v, mask, q_offset, out, lse)  # linear in T: no (Tq, Tk) residual
+def _flash_fwd(cfg, q, k, v, mask, q_offset, seg):
+    out, lse = _forward(cfg, q, k, v, mask, q_offset, seg)
+    return out, (q, k, v, mask, q_offset, seg, out, lse)  # linear in T: no (Tq, Tk) residual
 
 
 def _flash_bwd(cfg, res, dout):
@@ -103,7 +108,7 @@ def _flash_bwd(cfg, res, dout):
 
 
 def _flash_bwd_body(cfg, res, dout):
-    q, k, v, mask, q_offset, out, lse = res
+    q, k, v, mask, q_offset, seg, out, lse = res
     b, hk, g, tqp, d = q.shape
     nq, nk = tqp // cfg.bq, k.shape[2] // cfg.bk
     delta = jnp.einsum("bhgqd,bhgqd->bhgq", dout.astype(jnp.float32), out.astype(jnp.float32))
@@ -116,7 +121,7 @@ def _flash_bwd_body(cfg, res, dout):
             dq, dk, dv = carry
             qi = lax.dynamic_slice_in_dim(q, i * cfg.bq, cfg.bq, 3)
             doi = lax.dynamic_slice_in_dim(dout, i * cfg.bq, cfg.bq, 3)
-            s = _block_scores(cfg, qi, kj, i, j, mask, q_offset)
+            s = _block_scores(cfg, qi, kj, i, j, mask, q_offset, seg)
             p = jnp.exp(s - lax.dynamic_slice_in_dim(lse, i * cfg.bq, cfg.bq, 3)[..., None])  # (B, K, G, bq, bk)
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
@@ -136,7 +141,7 @@ def _flash_bwd_body(cfg, res, dout):
     dq, (dk, dv) = lax.scan(kv_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(nk))
     dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)  # (nk, B, K, bk, D) -> (B, K, Tk', D)
     dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -153,13 +158,14 @@ def _pad_to(x, axis: int, size: int, value=0):
 
 @precision.float32_full
 def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_layout="tokens",
-                      block=128):
+                      block=128, segment_ids=None):
     """Flash-style attention: loops over query blocks and key/value blocks of ``block`` positions with
     an online softmax, and a custom VJP that recomputes block scores from the saved logsumexp, so
     forward and backward hold O(T * block) scores instead of O(Tq * Tk). Lengths that are not a
     multiple of ``block`` are padded internally (padded keys masked). GQA groups query heads over
     each key/value head; K/V are never repeated. Same contract as scaled_dot_product_attention,
-    with k, v in kv_layout 'tokens' or 'heads'."""
+    with k, v in kv_layout 'tokens' or 'heads'. ``segment_ids`` (B, T): packed documents in
+    self-attention (Tq == Tk), compared block pair by block pair."""
     if block < 1:
         raise ValueError(f"attention_block must be >= 1, got {block}")
     b, tq, h, d = q.shape
@@ -178,5 +184,8 @@ def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=
     if mask is not None:
         m = grouped_mask(mask, hk, g)
         m = _pad_to(_pad_to(m, 3, tqp, False), 4, tkp, False)  # (B|1, K|1, G|1, Tq'|1, Tk'|1)
-    out = _flash(cfg, qg, k, v, m, jnp.asarray(q_offset, jnp.int32))  # (B, K, G, Tq', D)
+    seg = None
+    if segment_ids is not None:  # padded positions get id -1: padded keys are masked anyway, padded queries dropped
+        seg = (_pad_to(segment_ids, 1, tqp, -1), _pad_to(segment_ids, 1, tkp, -1))
+    out = _flash(cfg, qg, k, v, m, jnp.asarray(q_offset, jnp.int32), seg)  # (B, K, G, Tq', D)
     return out[:, :, :, :tq].transpose(0, 3, 1, 2, 4).reshape(b, tq, h, d)

@@ -30,15 +30,15 @@ available = native.kernels("causal_attention.cc", {FWD: "JaxgptCausalAttentionFw
                            "attention_impl='auto' runs the XLA kernels")
 
 
-def _fwd_call(q, k, v, scale):
+def _fwd_call(q, k, v, seg, scale):
     b, t, h, _ = q.shape
     call = jax.ffi.ffi_call(FWD, (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)))
-    return call(q, k, v, scale=np.float32(scale))
+    return call(q, k, v, seg, scale=np.float32(scale))
 
 
-def _bwd_call(q, k, v, out, lse, dout, scale):
+def _bwd_call(q, k, v, seg, out, lse, dout, scale):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return jax.ffi.ffi_call(BWD, shapes)(q, k, v, out, lse, dout, scale=np.float32(scale))
+    return jax.ffi.ffi_call(BWD, shapes)(q, k, v, seg, out, lse, dout, scale=np.float32(scale))
 
 
 def _batch_axis(arg_shapes):
@@ -63,34 +63,36 @@ def _per_batch_shard(fn, rule: str, n_out: int):
     return op
 
 
-_fwd = _per_batch_shard(_fwd_call, "b t h d, b s k d, b s k e -> b t h d, b h t", 2)
-_bwd = _per_batch_shard(_bwd_call, "b t h d, b s k d, b s k e, b t h e, b h t, b t h e -> b t h d, b s k d, b s k e",
+_fwd = _per_batch_shard(_fwd_call, "b t h d, b s k d, b s k e, b t -> b t h d, b h t", 2)
+_bwd = _per_batch_shard(_bwd_call, "b t h d, b s k d, b s k e, b t, b t h e, b h t, b t h e -> b t h d, b s k d, b s k e",
                         3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, scale):
-    return _fwd(q, k, v, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, seg, scale):
+    return _fwd(q, k, v, seg, scale)[0]
 
 
-def _attention_fwd(q, k, v, scale):
-    out, lse = _fwd(q, k, v, scale)
-    return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, seg, scale):
+    out, lse = _fwd(q, k, v, seg, scale)
+    return out, (q, k, v, seg, out, lse)
 
 
 def _attention_bwd(scale, res, dout):
-    return _bwd(*res, dout, scale)
+    return (*_bwd(*res, dout, scale), None)  # segment ids: integers, no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def causal_attention(q, k, v, *, scale: float | None = None):
+def causal_attention(q, k, v, *, scale: float | None = None, segment_ids=None):
     """Causal self-attention of q (B, T, H, D) over k, v (B, T, H_kv, D), float32, T the same for
-    all three (no cache offset, no mask): out (B, T, H, D). Differentiable."""
+    all three (no cache offset, no mask): out (B, T, H, D). Differentiable. ``segment_ids`` (B, T)
+    int: packed documents, each query over its own segment's keys only (None: one segment)."""
     if not available():
         raise RuntimeError("the CPU causal-attention kernel is unavailable here (see the warning above)")
-    return _attention(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale))
+    seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    return _attention(q, k, v, seg, float(q.shape[-1] ** -0.5 if scale is None else scale))
 
 
 __all__ = ["available", "causal_attention"]

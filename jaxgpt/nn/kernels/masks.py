@@ -3,6 +3,10 @@
 A mask is bool, True = attend, broadcastable to (B, H, Tq, Tk). Causal: the query at absolute
 position p sees the keys at positions <= p. Positions and offsets may be traced (a cache index,
 a block's start), so one compiled program serves every decode step and every block.
+
+Segment ids (B, T) pack several documents into one row: a query sees a key only when both carry
+the same id (``segment_mask``; the blocked and C++ kernels compare the ids block by block instead
+of building the (Tq, Tk) mask).
 """
 from __future__ import annotations
 
@@ -24,6 +28,12 @@ def keys_before(k_len: int, limit, *, k_start=0):
     """(k_len,) bool, True for keys k_start + j < limit: a cache's written slots, or a block's
     keys that are not padding."""
     return _positions(k_len, k_start) < limit
+
+
+def segment_mask(q_segments, k_segments):
+    """(B, 1, Tq, Tk) bool, True where query i and key j carry the same segment id: packed documents
+    see only their own tokens. q_segments (B, Tq), k_segments (B, Tk) integer ids."""
+    return (q_segments[:, :, None] == k_segments[:, None, :])[:, None]
 
 
 def both(a, b):

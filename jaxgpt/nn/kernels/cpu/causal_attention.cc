@@ -11,6 +11,8 @@
 // backward: FlashAttention-2's, scores recomputed from lse: p = exp(s - lse), dv = p^T dout,
 //           dp = dout v^T, ds = p (dp - rowsum(dout * out)) scale, dq = ds k, dk = ds^T q.
 // Query head h reads key/value head h / (H / H_kv) (grouped-query attention).
+// Segment ids (B, T) pack documents into a row: s_ij counts only where seg_i == seg_j, so each
+// row's softmax and its backward see its own document's keys (all ids equal: plain causal).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -160,20 +162,32 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-// Causal softmax of row i (stride-padded, scaled in place into probabilities, zero past i); returns
-// the row's logsumexp.
-float SoftmaxRow(float* s, int64_t i, float scale) {
+// Lanes j, j + 1, ... that row i attends to: at or below the diagonal and in row i's segment.
+// seg: the batch row's ids, padded to a multiple of kLanes.
+inline VI Visible(const int32_t* seg, int64_t j, int64_t i) {
+  return Below(j, i + 1) & (LoadI(seg + j) == seg[i]);
+}
+
+// Bring a batch row's segment ids into a buffer padded to ld (whole-vector loads stay inside it).
+void CopySegments(const int32_t* from, int64_t T, std::vector<int32_t>& to) {
+  std::copy(from, from + T, to.begin());
+  std::fill(to.begin() + T, to.end(), -1);
+}
+
+// Causal softmax of row i (stride-padded, scaled in place into probabilities, zero past i and
+// outside its segment); returns the row's logsumexp.
+float SoftmaxRow(float* s, int64_t i, float scale, const int32_t* seg) {
   const int64_t n = i + 1;
   V mx = Splat(-INFINITY);
   for (int64_t j = 0; j < n; j += kLanes) {
     const V x = Load(s + j) * scale;
     Store(s + j, x);
-    mx = Below(j, n) ? (x > mx ? x : mx) : mx;
+    mx = Visible(seg, j, i) ? (x > mx ? x : mx) : mx;
   }
   const float m = Max(mx);
   V sm = {};
   for (int64_t j = 0; j < n; j += kLanes) {
-    const V e = Below(j, n) ? ExpNeg(Load(s + j) - m) : Splat(0.0f);
+    const V e = Visible(seg, j, i) ? ExpNeg(Load(s + j) - m) : Splat(0.0f);
     Store(s + j, e);
     sm += e;
   }
@@ -182,25 +196,36 @@ float SoftmaxRow(float* s, int64_t i, float scale) {
   return m + std::log(sum);
 }
 
+ffi::Error CheckSegments(const ffi::Buffer<ffi::S32>& seg, const Shape& s) {
+  auto sd = seg.dimensions();
+  if (sd.size() != 2 || sd[0] != s.B || sd[1] != s.T)
+    return ffi::Error::InvalidArgument("causal attention: segment ids (B, T)");
+  return ffi::Error::Success();
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                       ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
-                       float scale) {
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::ResultBuffer<ffi::F32> lse, float scale) {
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
+  if (auto e = CheckSegments(seg, s); e.failure()) return e;
   const auto [B, T, H, K, D] = s;
   const int64_t G = H / K, ld = Padded(T);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const int32_t* sp = seg.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data();  // lse (B, H, T)
   ParallelFor(pool, B * H, [&](int64_t lo, int64_t hi) {
     std::vector<float> kt(D * ld), sc(T * ld);
+    std::vector<int32_t> sg(ld);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = it / H, h = it % H, hk = h / G;
+      CopySegments(sp + b * T, T, sg);
       const float* qh = qp + (b * T * H + h) * D;
       const float* kh = kp + (b * T * K + hk) * D;
       const float* vh = vp + (b * T * K + hk) * D;
       PackT(kh, K * D, kt.data(), ld, T, D);
       Scores(qh, H * D, kt.data(), ld, sc.data(), T, D);
-      for (int64_t i = 0; i < T; ++i) lp[it * T + i] = SoftmaxRow(sc.data() + i * ld, i, scale);
+      for (int64_t i = 0; i < T; ++i) lp[it * T + i] = SoftmaxRow(sc.data() + i * ld, i, scale, sg.data());
       MixD<false>(sc.data(), ld, vh, K * D, op + (b * T * H + h) * D, H * D, T, D, false);
     }
   });
@@ -208,11 +233,13 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 }
 
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
-                        ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv, float scale) {
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> out,
+                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
+                        ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale) {
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
+  if (auto e = CheckSegments(seg, s); e.failure()) return e;
+  const int32_t* sp = seg.typed_data();
   const auto [B, T, H, K, D] = s;
   const int64_t G = H / K, ld = Padded(T);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *op = out.typed_data(),
@@ -221,8 +248,10 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   // one item per (batch, key/value head): its G query heads add into the same dk, dv rows
   ParallelFor(pool, B * K, [&](int64_t lo, int64_t hi) {
     std::vector<float> kt(D * ld), vt(D * ld), p(T * ld), dp(T * ld);
+    std::vector<int32_t> sg(ld);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = it / K, hk = it % K;
+      CopySegments(sp + b * T, T, sg);
       const float* kh = kp + (b * T * K + hk) * D;
       const float* vh = vp + (b * T * K + hk) * D;
       float* dkh = dkp + (b * T * K + hk) * D;
@@ -242,7 +271,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
           float* pi = p.data() + i * ld;
           float* dpi = dp.data() + i * ld;
           for (int64_t j = 0; j <= i; j += kLanes) {
-            const V pj = Below(j, i + 1) ? ExpNeg(Load(pi + j) * scale - l[i]) : Splat(0.0f);
+            const V pj = Visible(sg.data(), j, i) ? ExpNeg(Load(pi + j) * scale - l[i]) : Splat(0.0f);
             Store(pi + j, pj);
             Store(dpi + j, pj * (Load(dpi + j) - dl) * scale);  // ds
           }
@@ -264,6 +293,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionFwd, ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q (B, T, H, D)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k (B, T, H_kv, D)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v (B, T, H_kv, D)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // segment ids (B, T)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, T, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (B, H, T)
                                   .Attr<float>("scale"));
@@ -274,6 +304,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBwd, BackwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // segment ids
                                   .Arg<ffi::Buffer<ffi::F32>>()  // out
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // dout

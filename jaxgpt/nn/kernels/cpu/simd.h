@@ -30,7 +30,11 @@ typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
 // reads what float stores wrote)
 typedef float VU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
 
+typedef int32_t VIU __attribute__((vector_size(4 * kLanes), aligned(4), may_alias));
+
 inline V Load(const float* p) { return *reinterpret_cast<const VU*>(p); }
+
+inline VI LoadI(const int32_t* p) { return *reinterpret_cast<const VIU*>(p); }
 
 inline void Store(float* p, V v) { *reinterpret_cast<VU*>(p) = v; }
 
