@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jaxgpt.config import TrainConfig
-from jaxgpt.core.constants import IGNORE_INDEX, batch_keys
+from jaxgpt.core.constants import DOCUMENT_KEYS, IGNORE_INDEX, batch_keys
 
 
 def loss_terms(model: nn.Module, batch: dict) -> dict:
@@ -18,7 +18,8 @@ def loss_terms(model: nn.Module, batch: dict) -> dict:
     MoE models add 'router_aux_sum' and 'router_z_sum' (the router losses times count), as jaxgpt."""
     *inputs, targets = (torch.as_tensor(batch[k]) for k in batch_keys(model.config))
     inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
-    logits = model(*inputs).float()
+    docs = {k: torch.as_tensor(batch[k]).long() for k in DOCUMENT_KEYS if k in batch}  # packed documents
+    logits = model(*inputs, **docs).float()
     targets = targets.long()
     keep = targets != IGNORE_INDEX
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
