@@ -12,7 +12,8 @@ propagates the rest (activations follow their inputs and the parameters):
   (FSDP / ZeRO-3: params and Adam moments are split, gathered where used), heads / kv_heads / mlp /
   vocab over 'tensor' (Megatron: q/k/v and gate/up column-split, o/down row-split), the experts of
   a MoE layer over 'expert' (expert parallelism: each device of the axis holds E/expert experts and
-  its own rows of the batch; XLA moves the tokens to their experts and back).
+  its own rows of the batch; XLA moves the tokens to their experts and back, or with MoE impl
+  'alltoall' an explicit all-to-all does: jaxgpt/nn/moe_dispatch.py).
 
 A dimension that does not divide by its mesh axes is replicated over them rather than padded:
 with GQA, kv heads that do not divide by the tensor size (n_kv_head 2, tensor 8) leave k_proj and
