@@ -1,11 +1,12 @@
 """Subprocess side of test_moe_dispatch.py: runs with 8 simulated CPU devices (set by the caller through
 XLA_FLAGS before JAX starts) and prints one JSON line: the expert-parallel ('alltoall') train step on
-a data=2,expert=4 mesh against the single-device step of the dense impl, per capacity factor.
+MESH against the single-device step of the dense impl, per capacity factor.
 
-    python moe_dispatch_worker.py CF [CF...]  # CF: 'none' (dropless) or a float
+    python moe_dispatch_worker.py MESH/CF [MESH/CF...]  # e.g. data=2,expert=4/0.5; CF 'none': dropless
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -23,7 +24,6 @@ from jaxgpt.train.step import init_state, make_train_step  # noqa: E402 - after 
 DENSE = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_ff=48, max_len=16, pos="rope", scan_unroll=1,
                     moe=MoEConfig(n_experts=8, top_k=2, d_ff=16))
 TC = TrainConfig(steps=10, batch_size=8, seq_len=8, mesh="")  # mesh='': the reference runs on one device
-MESH = "data=2,expert=4"
 
 
 def batch() -> dict:
@@ -35,11 +35,16 @@ def max_diff(a, b) -> float:
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def run(cf: float | None) -> dict:
+@functools.cache
+def reference():
+    """The dense impl (dropless, another code path) on one device: (state after one step, metrics)."""
+    return make_train_step(DENSE, TC)(init_state(DENSE, TC), batch())
+
+
+def run(spec: str, cf: float | None) -> dict:
     cfg = DENSE.replace(moe=DENSE.moe.replace(impl="alltoall", capacity_factor=cf))
-    # the reference: the dense impl (dropless, another code path) on one device
-    ref, m_ref = make_train_step(DENSE, TC)(init_state(DENSE, TC), batch())
-    mesh = make_mesh(MESH)
+    ref, m_ref = reference()
+    mesh = make_mesh(spec)
     step, placed = make_train_step(cfg, TC, mesh=mesh), shard_batch(batch(), mesh)
     s1, m = step(init_state(cfg, TC, mesh=mesh), placed)
     hlo = step.lower(s1, placed).compile().as_text()
@@ -50,5 +55,8 @@ def run(cf: float | None) -> dict:
 
 
 if __name__ == "__main__":
-    out = {arg: run(None if arg == "none" else float(arg)) for arg in sys.argv[1:]}
+    out = {}
+    for arg in sys.argv[1:]:
+        spec, cf = arg.split("/")
+        out[arg] = run(spec, None if cf == "none" else float(cf))
     print("RESULT " + json.dumps(out), flush=True)

@@ -5,7 +5,7 @@ Bottom-up: the capacity and priority rule against hand-worked slots (and torch_r
 with a factor that drops, the train step's expert_dropped metric, the config's errors, and (8 simulated
 CPU devices, a subprocess) the expert-parallel train step on data=2,expert=4: all-to-alls in its
 compiled HLO, loss / grad norm / updated params within 1e-5 of the one-device dense step when nothing is
-dropped, dropped pairs reported when the factor is small.
+dropped, dropped pairs reported when the factor is small (and fsdp=2,expert=2,tensor=2, dropless).
 
 Tolerances: float32 1e-5, as everywhere. Router inputs have a gap > 1e-4 between the k-th and (k+1)-th
 logit (asserted), so no top-k choice is a tie."""
@@ -112,25 +112,31 @@ def test_capacity_factor_errors_name_the_value(moe, message):
         MoEConfig(**moe)
 
 
-@pytest.mark.multiprocess  # an 8-device subprocess (~60 s on 2 cores): make test-slow
+CASES = ("data=2,expert=4/none", "data=2,expert=4/3", "data=2,expert=4/0.5", "fsdp=2,expert=2,tensor=2/none")
+
+
+@pytest.mark.multiprocess  # an 8-device subprocess (30-100 s on 2 cores): make test-slow
 def test_expert_parallel_dispatch_on_eight_devices():
     """data=2,expert=4: one token group per device, two all-to-alls per MoE layer and direction in the
     compiled train step (rolled layer scan: the forward's and the backward's bodies hold 2 each). Dropless,
     and with capacity factor 3 (6 slots of 8 tokens per group; nothing drops on this batch, asserted),
     loss, grad norm and updated params equal the one-device step of the dense impl within 1e-5; with 0.5
-    (1 slot) pairs are dropped, reported as expert_dropped, and the loss moves."""
+    (1 slot) pairs are dropped, reported as expert_dropped, and the loss moves. fsdp=2,expert=2,tensor=2,
+    dropless: the experts' fsdp and tensor splits gathered at the dispatch's boundary, the same numbers."""
     env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu",
            # the worktree's jaxgpt, not an installed copy
            "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKER.parent.parent), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(WORKER), "none", "3", "0.5"], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(WORKER), *CASES], env=env, capture_output=True, text=True,
                           timeout=600, cwd=WORKER.parent)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"worker failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
     rows = json.loads(lines[-1][len("RESULT "):])
-    for cf, row in rows.items():
-        assert row["all_to_all"] >= 4, f"capacity_factor={cf}: {row['all_to_all']} all-to-alls in the HLO"
-    for cf in ("none", "3"):
-        assert rows[cf]["dropped"] == 0.0, rows[cf]
+    for case, row in rows.items():
+        assert row["all_to_all"] >= 4, f"{case}: {row['all_to_all']} all-to-alls in the HLO"
+    for case in CASES:
+        if case.endswith("/0.5"):
+            assert rows[case]["dropped"] > 0.1 and rows[case]["loss"] > 1e-5, rows[case]
+            continue
+        assert rows[case]["dropped"] == 0.0, rows[case]
         for what in ("loss", "grad_norm", "params"):
-            assert rows[cf][what] <= TOL, f"capacity_factor={cf}: {what} differs from one device by {rows[cf][what]:.3g}"
-    assert rows["0.5"]["dropped"] > 0.1 and rows["0.5"]["loss"] > 1e-5, rows["0.5"]
+            assert rows[case][what] <= TOL, f"{case}: {what} differs from one device by {rows[case][what]:.3g}"
