@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from conftest import assert_close, check_module, random_params, xla_flags
+from jaxgpt import build
 from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
 from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.moe_dispatch import capacity, slots
@@ -89,8 +90,6 @@ def test_train_step_reports_expert_dropped():
     for cf in (None, 0.25):
         cfg = QWEN.replace(moe=QWEN.moe.replace(capacity_factor=cf))
         state = init_state(cfg, tc)
-        from jaxgpt import build
-
         _, sown = build(cfg).apply({"params": state.params}, batch["x"][0], mutable=["router"])
         want = sum(float(np.sum(s["dropped"])) for s in jax.tree.leaves(
             sown["router"], is_leaf=lambda v: isinstance(v, dict) and "dropped" in v)) / (2 * 8 * 2 * 2)
@@ -110,6 +109,23 @@ def test_train_step_reports_expert_dropped():
 def test_capacity_factor_errors_name_the_value(moe, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig(**moe)
+
+
+@pytest.mark.parametrize("sizes,message", [
+    ((1, 1, 3, 1), "n_experts=4 is not a multiple of expert=3"),
+    ((2, 1, 2, 1), "6 tokens do not split over data\\*fsdp\\*expert=4 devices"),
+], ids=["experts", "tokens"])
+def test_expert_mesh_that_does_not_divide_is_named(sizes, message):
+    """Under an (abstract, device-free) expert mesh, shapes that cannot be split are errors at trace time."""
+    from jax.sharding import AbstractMesh
+
+    from jaxgpt.nn.moe_dispatch import experts_alltoall
+
+    z = jnp.zeros
+    with jax.sharding.use_abstract_mesh(AbstractMesh(sizes, ("data", "fsdp", "expert", "tensor"))):
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(lambda: experts_alltoall(z((6, 4)), z((4, 4, 2)), z((4, 4, 2)), z((4, 2, 4)), z((6, 2)),
+                                                    z((6, 2), jnp.int32)))
 
 
 CASES = ("data=2,expert=4/none", "data=2,expert=4/3", "data=2,expert=4/0.5", "fsdp=2,expert=2,tensor=2/none")

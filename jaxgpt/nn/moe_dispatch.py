@@ -113,6 +113,7 @@ def experts_alltoall(x, gate, up, down, weights, idx, factor: float | None = Non
     if x.shape[0] % groups:
         raise ValueError(f"moe.impl='alltoall' makes one token group per device: {x.shape[0]} tokens do not split "
                          f"over data*fsdp*expert={groups} devices")
+
     def local(x, gate, up, down, weights, idx):
         y, dropped = _group(x, gate, up, down, weights, idx, factor, "expert", n_axis)
         return y, jax.lax.psum(dropped, BATCH_AXES)  # over every group
