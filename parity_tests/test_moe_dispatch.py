@@ -2,7 +2,7 @@
 
 Bottom-up: the capacity and priority rule against hand-worked slots (and torch_ref's loop), the
 'alltoall' layer against torch_ref (forward, every gradient and the dropped-pair count) dropless and
-with a factor that drops, the train step's expert_dropped metric, the config's errors, and (8 simulated
+with a factor that drops, the train step's expert_dropped metric against torch_ref's, the errors, and (8 simulated
 CPU devices, a subprocess) the expert-parallel train step on data=2,expert=4: all-to-alls in its
 compiled HLO, loss / grad norm / updated params within 1e-5 of the one-device dense step when nothing is
 dropped, dropped pairs reported when the factor is small (and fsdp=2,expert=2,tensor=2, dropless).
@@ -23,13 +23,15 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, check_module, random_params, xla_flags
-from jaxgpt import build
+import torch_ref
+from conftest import assert_close, check_module, random_params, randomize, xla_flags
 from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
 from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.moe_dispatch import capacity, slots
 from jaxgpt.train import init_state, make_train_step
+from torch_ref.convert import load_params
 from torch_ref.nn.moe import MoE as TMoE
+from torch_ref.train import make_optimizer, train_step as torch_train_step
 
 BASE = dict(vocab_size=40, d_model=16, n_head=2, n_layer=2, max_len=32, pos="rope", d_ff=24)
 # a shared expert and unrenormalised weights (Qwen2-MoE), the 'alltoall' impl
@@ -79,24 +81,25 @@ def test_alltoall_layer_matches_torch_ref(cf):
     assert (dropped > 0) == (cf is not None), dropped  # 14 tokens x 2 picks over 4 experts of 4 slots each
 
 
-def test_train_step_reports_expert_dropped():
-    """metrics['expert_dropped']: the dropped pairs' share of all layers' top-k pairs; 0.0 when dropless.
-    The reference count is the sown one of a plain forward on the same params and batch (self-consistency:
-    the metric's plumbing, not the drop rule, which the torch_ref test checks)."""
+def test_train_step_reports_expert_dropped_as_torch_ref():
+    """One update with a factor that drops (1.0: 8 slots per expert for a layer's 32 picks; 1/8 dropped) and
+    dropless: metrics['expert_dropped'] (the dropped pairs' share of all layers' top-k pairs), loss and
+    grad norm against torch_ref's train_step on the same unit-scale weights and batch."""
     tc = TrainConfig(steps=2, batch_size=2, seq_len=8, mesh="")
     tokens = np.random.default_rng(0).integers(0, 40, (1, 2, 9)).astype(np.int32)
     batch = {"x": tokens[..., :-1], "y": tokens[..., 1:]}
     seen = {}
-    for cf in (None, 0.25):
+    for cf in (None, 1.0):
         cfg = QWEN.replace(moe=QWEN.moe.replace(capacity_factor=cf))
         state = init_state(cfg, tc)
-        _, sown = build(cfg).apply({"params": state.params}, batch["x"][0], mutable=["router"])
-        want = sum(float(np.sum(s["dropped"])) for s in jax.tree.leaves(
-            sown["router"], is_leaf=lambda v: isinstance(v, dict) and "dropped" in v)) / (2 * 8 * 2 * 2)
+        state = state.replace(params=randomize(state.params, 7))
+        model = load_params(torch_ref.build(cfg), jax.device_get(state.params))
+        ref = torch_train_step(model, *make_optimizer(model, tc), tc, batch)
         _, m = make_train_step(cfg, tc)(state, batch)
         seen[cf] = float(m["expert_dropped"])
-        assert_close(seen[cf], want, f"expert_dropped (capacity_factor={cf})")
-    assert seen[None] == 0.0 and seen[0.25] > 0.0, seen
+        for what in ("expert_dropped", "loss", "grad_norm"):
+            assert_close(float(m[what]), ref[what], f"train step {what} (capacity_factor={cf}) vs torch_ref")
+    assert seen[None] == 0.0 and seen[1.0] > 0.0, seen
 
 
 @pytest.mark.parametrize("moe,message", [

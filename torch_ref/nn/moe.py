@@ -101,8 +101,18 @@ def expert_counts(model: nn.Module) -> torch.Tensor:
     return torch.stack([m.stats["counts"] for m in model.modules() if isinstance(m, MoE) and m.stats is not None])
 
 
-def load_metrics(counts: torch.Tensor) -> dict:
-    """As jaxgpt.nn.moe.load_metrics: expert_load (E,) (a list), expert_load_max (a float)."""
+def expert_dropped(model: nn.Module) -> torch.Tensor:
+    """(L,): each MoE layer's (token, expert) pairs dropped by the capacity factor in the model's last
+    forward, as jaxgpt.nn.moe.expert_dropped."""
+    return torch.tensor([m.stats["dropped"] for m in model.modules() if isinstance(m, MoE) and m.stats is not None])
+
+
+def load_metrics(counts: torch.Tensor, dropped: torch.Tensor | None = None) -> dict:
+    """As jaxgpt.nn.moe.load_metrics: expert_load (E,) (a list), expert_load_max (a float), and with
+    ``dropped`` expert_dropped (a float)."""
     share = counts / counts.sum(-1, keepdim=True).clamp(min=1.0)
-    return {"expert_load": share.mean(0).tolist(), "expert_load_max": float(share.max() * counts.shape[-1])}
+    out = {"expert_load": share.mean(0).tolist(), "expert_load_max": float(share.max() * counts.shape[-1])}
+    if dropped is not None:
+        out["expert_dropped"] = float(dropped.sum() / counts.sum().clamp(min=1.0))
+    return out
 
