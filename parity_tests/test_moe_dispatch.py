@@ -62,6 +62,13 @@ def test_capacity_and_priority_rule():
                                                 capacity_factor=1.0)))  # C = ceil(1.0 * 4 * 2 / 3) = 3
     tm.capacity_factor = 0.75  # C = ceil(0.75 * 4 * 2 / 3) = 2, as above
     assert tm.kept(torch.from_numpy(idx)).tolist() == want_keep
+    # capacity 1: token 1's first choice (expert 1) outranks token 0's second (expert 1 too), which
+    # token order alone would have kept
+    idx = np.array([[0, 1], [1, 2]])
+    pos, keep = slots(jnp.asarray(idx), 3, 1)
+    assert np.asarray(pos).tolist() == [[0, 1], [0, 0]] and np.asarray(keep).tolist() == [[True, False], [True, True]]
+    tm.capacity_factor = 0.75  # C = ceil(0.75 * 2 * 2 / 3) = 1
+    assert tm.kept(torch.from_numpy(idx)).tolist() == [[True, False], [True, True]]
 
 
 @pytest.mark.parametrize("cf", [None, 0.5], ids=["dropless", "cf0.5"])
