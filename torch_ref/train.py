@@ -15,7 +15,8 @@ from jaxgpt.core.constants import DOCUMENT_KEYS, IGNORE_INDEX, batch_keys
 
 def loss_terms(model: nn.Module, batch: dict) -> dict:
     """Forward + summed cross entropy on one batch -> {'loss_sum', 'count', 'correct'} (tensors);
-    MoE models add 'router_aux_sum' and 'router_z_sum' (the router losses times count), as jaxgpt."""
+    MoE models add 'router_aux_sum' and 'router_z_sum' (the router losses times count), 'expert_counts'
+    and 'expert_dropped', as jaxgpt."""
     *inputs, targets = (torch.as_tensor(batch[k]) for k in batch_keys(model.config))
     inputs = [x.long() if x.dtype != torch.bool else x for x in inputs]
     docs = {k: torch.as_tensor(batch[k]).long() for k in DOCUMENT_KEYS if k in batch}  # packed documents
@@ -27,11 +28,11 @@ def loss_terms(model: nn.Module, batch: dict) -> dict:
     correct = (keep & (logits.argmax(-1) == targets)).sum()
     terms = {"loss_sum": loss_sum, "count": keep.sum(), "correct": correct}
     if getattr(model.config, "moe", None) is not None:
-        from torch_ref.nn.moe import expert_counts, router_losses
+        from torch_ref.nn.moe import expert_counts, expert_dropped, router_losses
 
         aux, z = router_losses(model)
         terms.update(router_aux_sum=aux * terms["count"], router_z_sum=z * terms["count"],
-                     expert_counts=expert_counts(model))
+                     expert_counts=expert_counts(model), expert_dropped=expert_dropped(model))
     return terms
 
 
@@ -58,7 +59,7 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
     model.train()
     opt.zero_grad(set_to_none=True)
     totals = dict.fromkeys(("loss_sum", "count", "correct"), 0.0)
-    picks = None
+    picks = dropped = None
     for i in range(tc.grad_accum):
         terms = loss_terms(model, {k: v[i] for k, v in batch.items()})
         loss = terms["loss_sum"]
@@ -69,6 +70,7 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
         totals = {k: totals[k] + terms[k].item() for k in totals}
         if "expert_counts" in terms:  # MoE: top-k picks (L, E), summed over micro-batches
             picks = terms["expert_counts"].detach() + (picks if i else 0.0)
+            dropped = terms["expert_dropped"] + (dropped if i else 0.0)  # (L,) pairs past capacity
     count = max(totals["count"], 1)
     for p in model.parameters():
         if p.grad is not None:
@@ -82,7 +84,7 @@ def train_step(model: nn.Module, opt, sched, tc: TrainConfig, batch: dict) -> di
         from torch_ref.nn.moe import load_metrics
 
         out.update(router_aux=totals["router_aux_sum"] / count, router_z=totals["router_z_sum"] / count,
-                   **load_metrics(picks))
+                   **load_metrics(picks, dropped))
     return out
 
 

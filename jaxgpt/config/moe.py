@@ -3,7 +3,8 @@
 A router (a Linear without bias) scores ``n_experts`` SwiGLU experts per token; a float32 softmax
 over all experts, then top-k, then (``norm_topk``) renormalising the k weights, gives the mix. This
 is Mixtral's router (``norm_topk=True``) and Qwen2-MoE's (``norm_topk`` = its ``norm_topk_prob``,
-off by default there). Dropless: every token reaches its k experts, no capacity limit.
+off by default there). Dropless by default: every token reaches its k experts; ``capacity_factor``
+(impl 'alltoall' only) bounds each expert's tokens per group and drops the overflow.
 Framework-free: torch_ref builds its MoE layer from the same object.
 """
 from __future__ import annotations
@@ -15,8 +16,10 @@ from jaxgpt.config.base import _Config, _choice, _positive
 # 'dense': every expert on every token, weighted by the (mostly zero) routing weights: one einsum, exact,
 # fast on the CPU for a few experts. 'grouped': tokens sorted by expert and multiplied group by group with
 # jax.lax.ragged_dot (k/E of the dense FLOPs on accelerators; on the CPU ragged_dot lowers to a masked
-# dense product). The same math; an engine knob.
-MOE_IMPLS = ("dense", "grouped")
+# dense product). 'alltoall': per-expert capacity buffers, sent to the devices holding their experts with an
+# all-to-all under a mesh with an 'expert' axis (jaxgpt/nn/moe_dispatch.py); the only impl that takes a
+# capacity_factor. Dropless, the three are the same math: an engine knob.
+MOE_IMPLS = ("dense", "grouped", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class MoEConfig(_Config):
     every: int = 1
     dense_layers: tuple | list = ()  # layer indices that stay dense
     impl: str = "dense"  # one of MOE_IMPLS (engine knob: same math)
+    # None: dropless. A float > 0 (impl='alltoall'): each expert takes at most
+    # ceil(capacity_factor * tokens_in_group * top_k / n_experts) tokens of a group, first choices first, then
+    # token order; the rest of its tokens skip it (jaxgpt/nn/moe_dispatch.py). 1.0: room for a balanced load.
+    capacity_factor: float | None = None
     # The load-balancing loss coefficient this model trains with (HF's router_aux_loss_coef: 0.001 in
     # Mixtral's and Qwen2-MoE's configs; Switch's 0.01 here). TrainConfig.router_aux_coef overrides it per run.
     aux_loss_coef: float = 0.01
@@ -55,6 +62,13 @@ class MoEConfig(_Config):
         if bad:
             raise ValueError(f"moe.dense_layers must hold layer indices >= 0, got {list(self.dense_layers)}")
         _choice("moe.impl", self.impl, MOE_IMPLS)
+        cf = self.capacity_factor
+        if cf is not None:
+            if not cf > 0:  # the type (a finite float) is checked by _Config
+                raise ValueError(f"moe.capacity_factor must be None (dropless) or a finite number > 0, got {cf!r}")
+            if self.impl != "alltoall":
+                raise ValueError(f"moe.capacity_factor={cf!r} needs moe.impl='alltoall' (the 'dense' and 'grouped' "
+                                 f"impls are dropless); got impl={self.impl!r}")
         if not self.aux_loss_coef >= 0:
             raise ValueError(f"moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
 

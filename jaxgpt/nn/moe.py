@@ -2,19 +2,24 @@
 
 router (Linear, no bias) -> float32 softmax over all experts -> top-k -> optional renormalisation
 of the k weights (``MoEConfig.norm_topk``) -> each token's output is the weighted sum of its k
-experts' SwiGLU outputs (+ a shared expert scaled by sigmoid(shared_expert_gate(x))). Dropless.
+experts' SwiGLU outputs (+ a shared expert scaled by sigmoid(shared_expert_gate(x))). Dropless,
+unless impl 'alltoall' has a ``capacity_factor``.
 
-Two implementations of the same math (``MoEConfig.impl``):
+Three implementations of the same math (``MoEConfig.impl``):
 - 'dense': every expert on every token, one einsum per projection, combined with the (N, E)
   routing matrix that is zero off the top-k. E/k times the useful FLOPs, but no gathers: exact
   and the fastest on a CPU for a few experts.
 - 'grouped': the N*k (token, expert) pairs sorted by expert and multiplied group by group with
   ``jax.lax.ragged_dot``, then scattered back with their weights. k/E of the dense FLOPs where
   ragged_dot has a grouped kernel (GPU/TPU); on the CPU it lowers to a masked dense product.
+- 'alltoall' (jaxgpt/nn/moe_dispatch.py): per-expert capacity buffers; under a mesh with an
+  'expert' axis they travel to the experts' devices by all-to-all (expert parallelism). The only
+  one that takes ``MoEConfig.capacity_factor`` (tokens past an expert's capacity are dropped).
 
 The router statistics of the auxiliary losses are sown into the 'router' collection
 (``apply(..., mutable=['router'])``; a no-op otherwise): per layer the top-k counts and the
-summed probabilities per expert, the summed squared logsumexp (z-loss) and the row count.
+summed probabilities per expert, the summed squared logsumexp (z-loss), the row count and the
+(token, expert) pairs dropped by a capacity factor (0 when dropless).
 ``router_losses`` turns them into Mixtral's load-balancing loss and the ST-MoE z-loss.
 
 Parameters (Flax layout (in, out) per expert; torch_ref stores the very same arrays):
@@ -28,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.nn.mlp import SwiGLU, dense
+from jaxgpt.nn.moe_dispatch import experts_alltoall
 from jaxgpt.nn.precision import module_scope
 
 
@@ -112,7 +118,10 @@ class MoE(nn.Module):
         gate, up, down = Experts(moe.n_experts, cfg.d_model, cfg.expert_dim, cfg.init_std, cfg.out_init_std,
                                  cfg.param_dtype, name="experts")()
         cast = lambda a: a.astype(cfg.dtype)
-        y = EXPERT_IMPLS[moe.impl](x, cast(gate), cast(up), cast(down), weights, idx)
+        if moe.impl == "alltoall":
+            y, dropped = experts_alltoall(x, cast(gate), cast(up), cast(down), weights, idx, moe.capacity_factor)
+        else:
+            y, dropped = EXPERT_IMPLS[moe.impl](x, cast(gate), cast(up), cast(down), weights, idx), 0
         if moe.shared_d_ff:
             shared = SwiGLU(cfg.d_model, moe.shared_d_ff, False, cfg.init_std, cfg.out_init_std, name="shared_expert",
                             **dt)(x)
@@ -121,7 +130,8 @@ class MoE(nn.Module):
         self.sow("router", "stats", {
             "counts": jax.nn.one_hot(idx, moe.n_experts, dtype=jnp.float32).sum((0, 1)),  # (E,) top-k picks
             "probs": probs.sum(0),  # (E,)
-            "z": jnp.sum(lse ** 2), "rows": jnp.asarray(x.shape[0], jnp.float32)})
+            "z": jnp.sum(lse ** 2), "rows": jnp.asarray(x.shape[0], jnp.float32),
+            "dropped": jnp.asarray(dropped, jnp.float32)})  # () pairs past their expert's capacity
         return y.reshape(shape)
 
 
@@ -154,9 +164,19 @@ def expert_counts(router_collection, n_experts: int):
     return jnp.concatenate([s["counts"].reshape(-1, n_experts) for s in _stats(router_collection)])
 
 
-def load_metrics(counts) -> dict:
+def expert_dropped(router_collection):
+    """The 'router' collection of one forward pass -> (L,) float32: each MoE layer's (token, expert)
+    pairs dropped by the capacity factor (moe_dispatch; zeros when dropless)."""
+    return jnp.concatenate([s["dropped"].reshape(-1) for s in _stats(router_collection)])
+
+
+def load_metrics(counts, dropped=None) -> dict:
     """(L, E) top-k picks -> {'expert_load': (E,) each expert's share of its layer's picks, averaged
     over layers (1 / E each when balanced), 'expert_load_max': the busiest expert's share in any
-    layer over its fair share 1 / E (1.0 = balanced)}."""
+    layer over its fair share 1 / E (1.0 = balanced)}; with ``dropped`` ((L,) pairs past capacity),
+    'expert_dropped': their share of all layers' top-k pairs (0.0 when dropless)."""
     share = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1.0)
-    return {"expert_load": share.mean(0), "expert_load_max": share.max() * counts.shape[-1]}
+    out = {"expert_load": share.mean(0), "expert_load_max": share.max() * counts.shape[-1]}
+    if dropped is not None:
+        out["expert_dropped"] = dropped.sum() / jnp.maximum(counts.sum(), 1.0)
+    return out

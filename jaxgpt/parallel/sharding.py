@@ -12,7 +12,8 @@ propagates the rest (activations follow their inputs and the parameters):
   (FSDP / ZeRO-3: params and Adam moments are split, gathered where used), heads / kv_heads / mlp /
   vocab over 'tensor' (Megatron: q/k/v and gate/up column-split, o/down row-split), the experts of
   a MoE layer over 'expert' (expert parallelism: each device of the axis holds E/expert experts and
-  its own rows of the batch; XLA moves the tokens to their experts and back).
+  its own rows of the batch; XLA moves the tokens to their experts and back, or with MoE impl
+  'alltoall' an explicit all-to-all does: jaxgpt/nn/moe_dispatch.py).
 
 A dimension that does not divide by its mesh axes is replicated over them rather than padded:
 with GQA, kv heads that do not divide by the tensor size (n_kv_head 2, tensor 8) leave k_proj and
@@ -24,6 +25,7 @@ whole over each axis; ``unsplit`` returns the same as data.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -334,9 +336,12 @@ def shard_batch(batch: dict, mesh: Mesh, lead: int = 1) -> dict:
     return jax.tree.map(put, batch)
 
 
+@contextlib.contextmanager
 def constrain_activations(mesh: Mesh, rows: int):
     """Context manager (flax ``nn.intercept_methods``): every module output of shape (rows, ...)
     is constrained to rows over ('data', 'fsdp', 'expert'), the rest replicated or left to propagation.
+    It also makes ``mesh`` the ambient (abstract) mesh of the trace, where MoE's 'alltoall' dispatch
+    finds its 'expert' axis (jaxgpt/nn/moe_dispatch.py); ``jax.set_mesh`` cannot be entered inside jit.
 
     This is the activation half of the logical-axis rules, applied from outside the model code.
     Without it XLA may keep the weights' 'fsdp' split and move the batch instead (gather the
@@ -355,7 +360,8 @@ def constrain_activations(mesh: Mesh, rows: int):
         out = next_fun(*args, **kwargs)
         return jax.tree.map(constrain, out) if context.method_name == "__call__" else out
 
-    return nn.intercept_methods(interceptor)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.intercept_methods(interceptor):
+        yield
 
 
 def gathers_in_scan(hlo: str) -> bool:

@@ -37,7 +37,9 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     (then ``rng`` is required). Mixture-of-Experts models add 'router_aux_sum' and 'router_z_sum':
     this batch's load-balancing and z losses (jaxgpt.nn.moe.router_losses) times ``count``, so
     that micro-batches combine like the cross entropy, and 'expert_counts' (L, E), each MoE layer's
-    top-k picks per expert (summed over micro-batches and devices like the rest).
+    top-k picks per expert, and 'expert_dropped' (L,), each MoE layer's (token, expert) pairs past
+    their expert's capacity (``MoEConfig.capacity_factor``; zeros when dropless), both summed over
+    micro-batches and devices like the rest.
     """
     *inputs, targets = (batch[k] for k in batch_keys(config))
     docs = {k: batch[k] for k in DOCUMENT_KEYS if k in batch}  # packed documents (jaxgpt.data.documents)
@@ -51,11 +53,12 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     loss_sum, count, correct = cross_entropy(logits, targets)
     terms = {"loss_sum": loss_sum, "count": count, "correct": correct}
     if moe is not None:
-        from jaxgpt.nn.moe import expert_counts, router_losses
+        from jaxgpt.nn.moe import expert_counts, expert_dropped, router_losses
 
         aux, z = router_losses(state.get("router", {}), moe.n_experts)
         terms.update(router_aux_sum=aux * count, router_z_sum=z * count,
-                     expert_counts=expert_counts(state.get("router", {}), moe.n_experts))
+                     expert_counts=expert_counts(state.get("router", {}), moe.n_experts),
+                     expert_dropped=expert_dropped(state.get("router", {})))
     return terms
 
 

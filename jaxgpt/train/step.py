@@ -168,7 +168,8 @@ def _train_program(config, tc: TrainConfig, mesh):
                    "nonfinite": 1.0 - finite.astype(jnp.float32)}  # skip: 1 = this update was skipped
         if "router_aux_sum" in terms:  # MoE: the router losses (token means), not in 'loss'
             metrics.update(router_aux=terms["router_aux_sum"] / count, router_z=terms["router_z_sum"] / count,
-                           **load_metrics(terms["expert_counts"]))  # per-expert load: expert_load (E,), _max
+                           # per-expert load: expert_load (E,), _max; expert_dropped: share of top-k pairs dropped
+                           **load_metrics(terms["expert_counts"], terms["expert_dropped"]))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     if mesh is None:

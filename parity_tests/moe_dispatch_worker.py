@@ -1,0 +1,62 @@
+"""Subprocess side of test_moe_dispatch.py: runs with 8 simulated CPU devices (set by the caller through
+XLA_FLAGS before JAX starts) and prints one JSON line: the expert-parallel ('alltoall') train step on
+MESH against the single-device step of the dense impl, per capacity factor.
+
+    python moe_dispatch_worker.py MESH/CF [MESH/CF...]  # e.g. data=2,expert=4/0.5; CF 'none': dropless
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.parallel.sharding import make_mesh, shard_batch  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.train.step import init_state, make_train_step  # noqa: E402 - after the setup above, which must run first
+
+# 8 experts, top-2; rolled layer scans; the router losses in the objective (TrainConfig defaults)
+DENSE = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_ff=48, max_len=16, pos="rope", scan_unroll=1,
+                    moe=MoEConfig(n_experts=8, top_k=2, d_ff=16))
+TC = TrainConfig(steps=10, batch_size=8, seq_len=8, mesh="")  # mesh='': the reference runs on one device
+
+
+def batch() -> dict:
+    x = np.random.default_rng(0).integers(0, 64, (1, 8, 8)).astype(np.int32)  # (A, B, T)
+    return {"x": x, "y": np.roll(x, -1, axis=-1)}
+
+
+def max_diff(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@functools.cache
+def reference():
+    """The dense impl (dropless, another code path) on one device: (state after one step, metrics)."""
+    return make_train_step(DENSE, TC)(init_state(DENSE, TC), batch())
+
+
+def run(spec: str, cf: float | None) -> dict:
+    cfg = DENSE.replace(moe=DENSE.moe.replace(impl="alltoall", capacity_factor=cf))
+    ref, m_ref = reference()
+    mesh = make_mesh(spec)
+    step, placed = make_train_step(cfg, TC, mesh=mesh), shard_batch(batch(), mesh)
+    s1, m = step(init_state(cfg, TC, mesh=mesh), placed)
+    hlo = step.lower(s1, placed).compile().as_text()
+    return {"loss": abs(float(m["loss"]) - float(m_ref["loss"])),
+            "grad_norm": abs(float(m["grad_norm"]) - float(m_ref["grad_norm"])),
+            "params": max_diff(ref.params, s1.params), "all_to_all": hlo.count("all-to-all("),
+            "dropped": float(m["expert_dropped"])}
+
+
+if __name__ == "__main__":
+    out = {}
+    for arg in sys.argv[1:]:
+        spec, cf = arg.split("/")
+        out[arg] = run(spec, None if cf == "none" else float(cf))
+    print("RESULT " + json.dumps(out), flush=True)
