@@ -97,6 +97,13 @@ def test_moe_export_refusals_name_the_field():
     cfg = ModelConfig(pos="rope", moe=MoEConfig(n_experts=4, norm_topk=False))  # Mixtral renormalises
     with pytest.raises(ValueError, match="moe=MoEConfig"):
         save_hf("/nonexistent", cfg, {})
+    # a capacity factor drops tokens, HF's MoE layers never do: refused, not exported without it
+    dropping = ModelConfig(pos="rope", moe=MoEConfig(n_experts=4, impl="alltoall", capacity_factor=1.25))
+    with pytest.raises(ValueError, match="capacity_factor=None"):
+        save_hf("/nonexistent", dropping, {})
+    shared = MoEConfig(n_experts=4, norm_topk=False, shared_d_ff=8, impl="alltoall", capacity_factor=1.25)
+    with pytest.raises(ValueError, match="capacity_factor=None"):
+        save_hf("/nonexistent", ModelConfig(pos="rope", qkv_bias=True, moe=shared), {})
 
 
 @pytest.mark.slow

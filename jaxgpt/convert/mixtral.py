@@ -108,7 +108,8 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, t
 
 
 def _moe_field(v, c) -> bool:
-    return (v is not None and v.norm_topk and v.shared_d_ff == 0 and v.every == 1 and not v.dense_layers)
+    return (v is not None and v.norm_topk and v.shared_d_ff == 0 and v.every == 1 and not v.dense_layers
+            and v.capacity_factor is None)  # HF runs dropless
 
 
 FIELDS: dict[str, Field] = {
@@ -116,7 +117,8 @@ FIELDS: dict[str, Field] = {
     "d_ff": Field(lambda v, c: True, "unused: every Mixtral layer is a MoE (moe.d_ff -> intermediate_size)"),
     "mlp_bias": Field(lambda v, c: True, "unused: experts have no biases"),
     "qkv_bias": Field(lambda v, c: not v, "False"), "o_bias": Field(lambda v, c: not v, "False"),
-    "moe": Field(_moe_field, "MoEConfig with norm_topk=True, shared_d_ff=0, every=1, dense_layers=()"),
+    "moe": Field(_moe_field, "MoEConfig with norm_topk=True, shared_d_ff=0, every=1, dense_layers=(), "
+                             "capacity_factor=None (HF Mixtral drops no token: export with moe.capacity_factor=None)"),
 }
 
 

@@ -66,7 +66,9 @@ FIELDS: dict[str, Field] = {
     **llama.FIELDS,
     "qkv_bias": Field(lambda v, c: True, "-> qkv_bias"), "o_bias": Field(lambda v, c: not v, "False"),
     "mlp_bias": Field(lambda v, c: not v, "False"),
-    "moe": Field(lambda v, c: v is not None and v.shared_d_ff > 0, "a MoEConfig with shared_d_ff > 0"),
+    "moe": Field(lambda v, c: v is not None and v.shared_d_ff > 0 and v.capacity_factor is None,
+                 "a MoEConfig with shared_d_ff > 0 and capacity_factor=None (HF Qwen2-MoE drops no token: export "
+                 "with moe.capacity_factor=None)"),
 }
 
 
