@@ -89,7 +89,7 @@ def _loss(cfg, p, aux=0.3, z=0.05):
     """Mean next-token cross entropy + aux * load balancing + z * z-loss."""
     logits, state = build(cfg).apply({"params": p}, TOKENS[:, :-1], mutable=["router"])
     nll = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), TOKENS[:, 1:, None], -1))
-    lb, zl = router_losses(state["router"], cfg.moe.n_experts)
+    lb, zl = router_losses(state["router"], cfg.moe.n_experts, cfg.moe.aux_loss_scope)
     return nll + aux * lb + z * zl, logits
 
 
@@ -101,9 +101,11 @@ def _value_and_grad(cfg, p):
 _JITTED: dict = {}
 
 
-@pytest.fixture(scope="module", params=["mixtral", pytest.param("qwen2-moe-mixed", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["mixtral", "mixtral-layer-aux", pytest.param("qwen2-moe-mixed",
+                                                                                      marks=pytest.mark.slow)])
 def model_case(request):
-    cfg = MIXTRAL if request.param == "mixtral" else QWEN
+    cfg = {"mixtral": MIXTRAL, "qwen2-moe-mixed": QWEN,  # the load-balancing loss per layer, averaged
+           "mixtral-layer-aux": MIXTRAL.replace(moe=MIXTRAL.moe.replace(aux_loss_scope="layer"))}[request.param]
     p = random_params(build(cfg), TOKENS[:1, :1], seed=5)
     return request.param, cfg, p
 
@@ -117,7 +119,7 @@ def test_moe_decoder_logits_loss_and_grads_match_torch_ref(model_case):
     tlogits = t(torch.from_numpy(TOKENS[:, :-1]).long())
     from torch_ref.nn.moe import router_losses as trl
 
-    lb, zl = trl(t)
+    lb, zl = trl(t, cfg.moe.aux_loss_scope)
     tl = torch.nn.functional.cross_entropy(tlogits.flatten(0, 1), torch.from_numpy(TOKENS[:, 1:]).long().flatten())
     (tl + 0.3 * lb + 0.05 * zl).backward()
     assert_close(logits, tlogits, f"MoE decoder {name} logits")
@@ -160,6 +162,27 @@ def test_router_losses_match_transformers_load_balancing_loss():
         assert_no_ties(z.numpy(), 2)
     want = load_balancing_loss_func(tuple(logits), 4, 2)
     assert_close(lb, want.item(), "MoE load-balancing loss vs transformers")
+
+
+def test_aux_loss_scope_sees_layers_that_favour_different_experts():
+    """Hand-made statistics: layer 0 routes every pick to experts 0-1, layer 1 to experts 2-3.
+    Pooled (transformers), the two layers together look balanced (the loss's floor, k); per layer,
+    each layer's imbalance counts (twice the floor)."""
+    n, e, k = 8.0, 4, 2
+    def layer(hot):  # n rows, each picking the two `hot` experts with all of its probability
+        counts, probs = np.zeros(e, np.float32), np.zeros(e, np.float32)
+        counts[hot], probs[hot] = n, n / 2
+        return {"counts": jnp.asarray(counts), "probs": jnp.asarray(probs), "z": jnp.float32(0.0),
+                "rows": jnp.float32(n)}
+    stats = {"layers_0": {"stats": (layer([0, 1]),)}, "layers_1": {"stats": (layer([2, 3]),)}}
+    pooled, _ = router_losses(stats, e, "pooled")
+    per_layer, _ = router_losses(stats, e, "layer")
+    # pooled over 2n rows: f_e = n / 2n = 0.5, P_e = (n / 2) / 2n = 0.25 for every e: 4 * 4 * 0.5 * 0.25 = 2 = k
+    assert float(pooled) == pytest.approx(k)
+    # per layer over n rows: f = (1, 1, 0, 0), P = (0.5, 0.5, 0, 0): 4 * 1 = 4 in each layer
+    assert float(per_layer) == pytest.approx(2 * k)
+    with pytest.raises(ValueError, match="aux_loss_scope"):
+        MoEConfig(aux_loss_scope="global")
 
 
 @pytest.mark.slow

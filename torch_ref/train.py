@@ -30,7 +30,7 @@ def loss_terms(model: nn.Module, batch: dict) -> dict:
     if getattr(model.config, "moe", None) is not None:
         from torch_ref.nn.moe import expert_counts, expert_dropped, router_losses
 
-        aux, z = router_losses(model)
+        aux, z = router_losses(model, model.config.moe.aux_loss_scope)
         terms.update(router_aux_sum=aux * terms["count"], router_z_sum=z * terms["count"],
                      expert_counts=expert_counts(model), expert_dropped=expert_dropped(model))
     return terms

@@ -20,6 +20,11 @@ from jaxgpt.config.base import _Config, _choice, _positive
 # all-to-all under a mesh with an 'expert' axis (jaxgpt/nn/moe_dispatch.py); the only impl that takes a
 # capacity_factor. Dropless, the three are the same math: an engine knob.
 MOE_IMPLS = ("dense", "grouped", "alltoall")
+# How the load-balancing loss spans the layers. 'pooled': transformers' load_balancing_loss_func, every layer's
+# router rows pooled into one f_e and P_e (what HF Mixtral / Qwen2-MoE train with; layers that favour different
+# experts cancel out in it). 'layer': the loss of each layer, averaged (Switch Transformer, MaxText): each layer's
+# own imbalance is penalised.
+AUX_LOSS_SCOPES = ("pooled", "layer")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class MoEConfig(_Config):
     # The load-balancing loss coefficient this model trains with (HF's router_aux_loss_coef: 0.001 in
     # Mixtral's and Qwen2-MoE's configs; Switch's 0.01 here). TrainConfig.router_aux_coef overrides it per run.
     aux_loss_coef: float = 0.01
+    aux_loss_scope: str = "pooled"  # one of AUX_LOSS_SCOPES
 
     def _validate(self) -> None:
         _positive("moe.n_experts", self.n_experts)
@@ -69,6 +75,7 @@ class MoEConfig(_Config):
             if self.impl != "alltoall":
                 raise ValueError(f"moe.capacity_factor={cf!r} needs moe.impl='alltoall' (the 'dense' and 'grouped' "
                                  f"impls are dropless); got impl={self.impl!r}")
+        _choice("moe.aux_loss_scope", self.aux_loss_scope, AUX_LOSS_SCOPES)
         if not self.aux_loss_coef >= 0:
             raise ValueError(f"moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
 

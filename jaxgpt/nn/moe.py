@@ -135,23 +135,28 @@ class MoE(nn.Module):
         return y.reshape(shape)
 
 
-def router_losses(router_collection, n_experts: int):
+def router_losses(router_collection, n_experts: int, scope: str = "pooled"):
     """The 'router' collection of one forward pass -> (load-balancing loss, z-loss), float32 scalars.
 
-    Load balancing is transformers' ``load_balancing_loss_func`` (Switch Transformer, eq. 4-6) over
-    all MoE layers pooled: E * sum_e f_e * P_e, with f_e the share of the top-k picks (summing to
-    k) and P_e the mean router probability of expert e, both over every row of every layer.
+    Load balancing (Switch Transformer, eq. 4-6): E * sum_e f_e * P_e, with f_e the share of the
+    top-k picks (summing to k) and P_e the mean router probability of expert e. ``scope``
+    (MoEConfig.aux_loss_scope) 'pooled': f and P over every row of every layer, transformers'
+    ``load_balancing_loss_func``; 'layer': f and P per layer, the layers' losses averaged.
     z-loss (ST-MoE): the mean over rows and layers of logsumexp(router logits)^2.
     """
     stats = _stats(router_collection)
     if not stats:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
-    counts = sum(s["counts"].reshape(-1, n_experts).sum(0) for s in stats)
-    probs = sum(s["probs"].reshape(-1, n_experts).sum(0) for s in stats)
-    rows = sum(s["rows"].sum() for s in stats)
-    z = sum(s["z"].sum() for s in stats)
-    return n_experts * jnp.sum(counts / rows * probs / rows), z / rows
+    counts = jnp.concatenate([s["counts"].reshape(-1, n_experts) for s in stats])  # (L, E)
+    probs = jnp.concatenate([s["probs"].reshape(-1, n_experts) for s in stats])  # (L, E)
+    rows = jnp.concatenate([s["rows"].reshape(-1) for s in stats])  # (L,)
+    z = sum(s["z"].sum() for s in stats) / rows.sum()
+    if scope == "layer":
+        return n_experts * jnp.mean(jnp.sum(counts * probs, -1) / rows ** 2), z
+    if scope != "pooled":
+        raise ValueError(f"aux_loss_scope={scope!r} is not 'pooled' or 'layer'")
+    return n_experts * jnp.sum(counts.sum(0) / rows.sum() * probs.sum(0) / rows.sum()), z
 
 
 def _stats(router_collection) -> list[dict]:

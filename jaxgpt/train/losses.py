@@ -55,7 +55,7 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     if moe is not None:
         from jaxgpt.nn.moe import expert_counts, expert_dropped, router_losses
 
-        aux, z = router_losses(state.get("router", {}), moe.n_experts)
+        aux, z = router_losses(state.get("router", {}), moe.n_experts, moe.aux_loss_scope)
         terms.update(router_aux_sum=aux * count, router_z_sum=z * count,
                      expert_counts=expert_counts(state.get("router", {}), moe.n_experts),
                      expert_dropped=expert_dropped(state.get("router", {})))

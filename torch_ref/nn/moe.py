@@ -84,15 +84,19 @@ class MoE(nn.Module):
         return keep
 
 
-def router_losses(model: nn.Module):
-    """(load-balancing loss, z-loss) of the model's last forward, as jaxgpt.nn.moe.router_losses."""
+def router_losses(model: nn.Module, scope: str = "pooled"):
+    """(load-balancing loss, z-loss) of the model's last forward, as jaxgpt.nn.moe.router_losses
+    (``scope``: 'pooled' over every layer's rows, or 'layer': per layer, averaged)."""
     stats = [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
     if not stats:
         return torch.zeros(()), torch.zeros(())
     e = stats[0]["counts"].shape[0]
     rows = sum(s["rows"] for s in stats)
+    z = sum(s["z"] for s in stats) / rows
+    if scope == "layer":
+        return e * torch.stack([torch.sum(s["counts"] * s["probs"]) / s["rows"] ** 2 for s in stats]).mean(), z
     counts, probs = sum(s["counts"] for s in stats), sum(s["probs"] for s in stats)
-    return e * torch.sum(counts / rows * probs / rows), sum(s["z"] for s in stats) / rows
+    return e * torch.sum(counts / rows * probs / rows), z
 
 
 def expert_counts(model: nn.Module) -> torch.Tensor:
