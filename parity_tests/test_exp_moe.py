@@ -22,11 +22,12 @@ def _collection(counts, probs, rows):
     import jax.numpy as jnp
 
     counts, probs = jnp.asarray(counts, jnp.float32), jnp.asarray(probs, jnp.float32)
-    stats = {"counts": counts, "probs": probs, "z": jnp.zeros(len(counts)), "rows": jnp.full(len(counts), rows, jnp.float32)}
+    stats = {"counts": counts, "probs": probs, "z": jnp.arange(len(counts), dtype=jnp.float32) + 1,
+             "rows": jnp.full(len(counts), rows, jnp.float32)}
     return {"layers": {"mlp": {"stats": (stats,)}}}
 
 
-def test_per_layer_aux_sees_what_pooling_hides():
+def test_per_layer_aux_sees_what_pooling_hides(monkeypatch):
     """2 layers, 4 experts, top-2, one row each: layer 0 routes to experts 0-1, layer 1 to 2-3
     (probability 0.5 each). Pooled over layers (the library, as transformers) every expert gets
     a quarter: E * sum f P = 4 * 4 * (1/2 * 1/4) = 2, the loss's minimum k. Per layer: 4 * (1 * 0.5 * 2)
@@ -36,6 +37,11 @@ def test_per_layer_aux_sees_what_pooling_hides():
     coll = _collection([[1, 1, 0, 0], [0, 0, 1, 1]], [[0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5]], rows=1)
     assert float(router_losses(coll, 4)[0]) == 2.0
     assert float(exp_moe.per_layer_router_losses(coll, 4)[0]) == 4.0
+    assert float(exp_moe.per_layer_router_losses(coll, 4)[1]) == float(router_losses(coll, 4)[1]) == 1.5  # z: (1+2)/2
+    from jaxgpt.nn import moe
+
+    monkeypatch.setattr(moe, "router_losses", exp_moe.per_layer_router_losses)  # as exp_moe --aux-per-layer does
+    assert float(moe.router_losses(coll, 4)[0]) == 4.0
     balanced = _collection([[1, 1, 1, 1]] * 2, [[0.5] * 4] * 2, rows=2)  # 2 rows: each expert picked once per layer
     assert float(exp_moe.per_layer_router_losses(balanced, 4)[0]) == 2.0
 

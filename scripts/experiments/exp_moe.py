@@ -119,7 +119,8 @@ def per_layer_router_losses(router_collection, n_experts: int):
     """``jaxgpt.nn.moe.router_losses`` with the load-balancing loss per layer, averaged over layers
     (Switch Transformer's form) instead of over all layers pooled (transformers' form, the
     library's): pooled, 'layer 1 on experts 0-1, layer 2 on experts 2-3' scores as balanced. The
-    z-loss is the library's. A stand-in for a library option, only for --aux-per-layer runs."""
+    z-loss is the library's (pooled: a mean over rows either way). A stand-in for a library option,
+    for --aux-per-layer runs (which put it in place of jaxgpt.nn.moe.router_losses)."""
     import jax.numpy as jnp
 
     from jaxgpt.nn import moe
@@ -132,7 +133,7 @@ def per_layer_router_losses(router_collection, n_experts: int):
     probs = jnp.concatenate([s["probs"].reshape(-1, n_experts) for s in stats])  # (L, E)
     rows = jnp.concatenate([s["rows"].reshape(-1) for s in stats])[:, None]  # (L, 1)
     aux = n_experts * jnp.mean(jnp.sum(counts / rows * probs / rows, -1))
-    return aux, moe.router_losses(router_collection, n_experts)[1]
+    return aux, sum(s["z"].sum() for s in stats) / rows.sum()
 
 
 def parse_coefs(text: str) -> list[float]:
