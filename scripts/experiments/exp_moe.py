@@ -235,7 +235,8 @@ def main():
     from scripts.experiments import exp_moe_report as report
 
     report.figures(results, args.out)
-    expkit.write_results(args.out, NAME, results, report.markdown(results, smoke=args.smoke), smoke=args.smoke,
+    expkit.write_results(args.out, NAME, results, report.markdown(results, smoke=args.smoke,
+                                                                      variants=report.variants(args.out)), smoke=args.smoke,
                          started=started)
 
 

@@ -105,17 +105,38 @@ def command(C: dict, smoke: bool) -> str:
     return " ".join(["python -m scripts.experiments.exp_moe"] + [f for f, on in flags if on])
 
 
-def _loss_row(dense: dict, moe: dict, coef: float) -> list[str]:
+def loss_name(C: dict) -> str:
+    """The router losses of a run's config, in words."""
+    return (("per-layer load-balancing loss (the script's stand-in)" if C.get("aux_per_layer") else
+             "load-balancing loss") + (f" with z-loss x {C['router_z_coef']:g}" if C["router_z_coef"] else ""))
+
+
+def load_rows(res: dict) -> list[tuple]:
+    """One claimed-vs-measured row per swept coefficient: does the router balance (the criterion)?"""
+    crit, rows = res["criterion"], []
+    for arm in res["sweep"].values():
+        b, lo = arm["busiest"], arm["least"]
+        fails = [f"busiest x{b['max']:.2f} > {crit['busiest_max']:g}" if b["max"] > crit["busiest_max"] else "",
+                 f"least-used x{lo['min']:.2f} < {crit['least_min']:g}" if lo["min"] < crit["least_min"] else ""]
+        rows.append(("issue 39", f"the {loss_name(res['config'])} at {arm['aux_coef']:g} keeps every expert in use: "
+                     f"busiest <= {crit['busiest_max']:g}x, least-used >= {crit['least_min']:g}x fair share in every "
+                     "layer and seed", f"final busiest expert x{b['max']:.2f} at worst (mean over seeds x{b['mean']:.2f});"
+                     f" least-used x{lo['min']:.2f} at worst",
+                     "holds" if arm["balanced"] else f"does not hold ({'; '.join(t for t in fails if t)})"))
+    return rows
+
+
+def _loss_row(dense: dict, moe: dict, coef: float, name: str = "load-balancing loss") -> list[str]:
     diff = dense["mean"] - moe["mean"]
     noise = (dense["std"] ** 2 + moe["std"] ** 2) ** 0.5
     verdict = (f"holds (by {diff:.3f}, seed spread ±{noise:.3f})" if diff > noise else
                f"does not hold (MoE worse by {-diff:.3f}, spread ±{noise:.3f})" if diff < -noise else
                f"not measurable here: the difference {diff:+.3f} is within the seed spread ±{noise:.3f}")
     return [f"MoE reaches a lower validation loss than a dense model with the same active parameters at equal "
-            f"updates (load-balancing loss x {coef:g})", f"dense {expkit.pm(dense)}, MoE {expkit.pm(moe)}", verdict]
+            f"updates ({name} x {coef:g})", f"dense {expkit.pm(dense)}, MoE {expkit.pm(moe)}", verdict]
 
 
-def markdown(res: dict, *, smoke: bool) -> str:
+def markdown(res: dict, *, smoke: bool, variants: list | None = None) -> str:
     C, P, crit, dense = res["config"], res["params"], res["criterion"], res["dense"]
     shown, best = headline_coefs(res), res["balancing_coef"]
     up = res.get("uptime", {})
@@ -140,33 +161,29 @@ def markdown(res: dict, *, smoke: bool) -> str:
                 "**No swept coefficient meets it**; the headline uses the one closest.\n"),
              "![validation loss](val_loss.png)\n", "![router load across the sweep](router_load.png)\n",
              "![per-layer router load, seed 0](router_load_layers.png)\n", "## Claimed vs measured\n"]
-    rows = [_loss_row(dense["final_val"], _arm(res, c)["final_val"], c) for c in reversed(shown)]
+    rows = [("issue 21", *_loss_row(dense["final_val"], _arm(res, c)["final_val"], c, loss_name(C)))
+            for c in reversed(shown)]
     ms_d, ms_m = dense["ms_per_step"]["mean"], _arm(res, shown[-1])["ms_per_step"]["mean"]
-    rows.append(["MoE costs about the same time per update (equal active parameters)",
+    rows.append(("issue 21", "MoE costs about the same time per update (equal active parameters)",
                  f"dense {ms_d:.1f} ms, MoE {ms_m:.1f} ms (dense all-experts einsum, x{ms_m / ms_d:.2f})"
                  + (f"; grouped ragged_dot {res['grouped_ms_per_step']:.1f} ms" if res.get("grouped_ms_per_step") else ""),
                  "does not hold on this CPU (every expert runs on every token in the dense implementation; ragged_dot "
-                 "lowers to a masked dense product here)" if ms_m > 1.2 * ms_d else "holds (within the load noise)"])
-    for arm in res["sweep"].values():
-        b, lo = arm["busiest"], arm["least"]
-        rows.append([f"the load-balancing loss (x {arm['aux_coef']:g}) keeps every expert in use: busiest <= "
-                     f"{crit['busiest_max']:g}x, least-used >= {crit['least_min']:g}x fair share in every layer and seed",
-                     f"final busiest expert x{b['max']:.2f} at worst (mean over seeds x{b['mean']:.2f}); least-used "
-                     f"x{lo['min']:.2f} at worst", "holds" if arm["balanced"] else
-                     "does not hold (" + "; ".join(t for t in (
-                         f"busiest x{b['max']:.2f} > {crit['busiest_max']:g}" if b["max"] > crit["busiest_max"] else "",
-                         f"least-used x{lo['min']:.2f} < {crit['least_min']:g}" if lo["min"] < crit["least_min"] else "")
-                         if t) + ")"])
-    lines.append(expkit.table(["claim", "measured", "verdict"], rows))
-    res["claim_rows"] = [{"source": "issue 39" if "load-balancing loss (x" in c else "issue 21", "claim": c,
-                          "measured": m, "verdict": v} for c, m, v in rows]
+                 "lowers to a masked dense product here)" if ms_m > 1.2 * ms_d else "holds (within the load noise)"))
+    rows += load_rows(res)
+    for _, other in variants or []:  # their balancing coefficient's loss row and their load rows
+        if other["balancing_coef"] is not None:
+            arm = _arm(other, other["balancing_coef"])
+            rows.append(("issue 39", *_loss_row(other["dense"]["final_val"], arm["final_val"], arm["aux_coef"],
+                                                loss_name(other["config"]))))
+        rows += load_rows(other)
+    lines.append(expkit.table(["claim", "measured", "verdict"], [r[1:] for r in rows]))
+    res["claim_rows"] = [{"source": src, "claim": c, "measured": m, "verdict": v} for src, c, m, v in rows]
     lines.append("\n## The load-balancing sweep (MoE)\n")
-    lines.append(expkit.table(
-        ["aux coef", "final validation loss", "busiest expert, worst seed and layer", "busiest, mean over seeds",
-         "least-used, worst", "balanced"],
-        [[f"{a['aux_coef']:g}", expkit.pm(a["final_val"]), f"x{a['busiest']['max']:.2f}", expkit.pm(a["busiest"], 2),
-          f"x{a['least']['min']:.2f}", "yes" if a["balanced"] else "no"] for a in res["sweep"].values()]))
-    lines.append("\nBusiest and least-used: share x E of the final evaluation, the worst layer of each seed.\n")
+    lines.append(sweep_table(res))
+    lines.append(f"\nBusiest and least-used: share x E of the final evaluation, the worst layer of each seed. Aux loss: "
+                 f"the load-balancing loss the run optimised (times its coefficient in the objective), mean of the "
+                 f"last 10% of updates over seeds; {C['top_k']} (= top-k) is its minimum, reached when the load it "
+                 f"measures is uniform.\n")
     head = "at the balancing coefficient" if best is not None else "at the coefficient closest to balance"
     lines.append(f"\n## Dense vs MoE {head} (headline), with 0.01 for reference\n")
     arms = [("dense", dense)] + [(f"MoE, aux {c:g}", _arm(res, c)) for c in reversed(shown)]
@@ -175,7 +192,31 @@ def markdown(res: dict, *, smoke: bool) -> str:
                                 expkit.pm(a["ms_per_step"], 1), f"{a['runs'][0]['compile_s']:.1f}"] for k, a in arms]))
     lines.append("\nThe same seed gives every arm the same batches, and every MoE arm the same initial weights. "
                  "Timings are secondary here (the machine was shared).\n")
+    for name, other in variants or []:
+        lines.append(f"\n## Variant: [{name}/]({name}/README.md)\n")
+        lines.append(f"`{command(other['config'], other['smoke'])} --out results/moe/{name}`; balancing coefficient: "
+                     + (f"{other['balancing_coef']:g}" if other["balancing_coef"] is not None else "none") + ".\n")
+        lines.append(sweep_table(other))
     return "\n".join(lines) + "\n"
+
+
+def sweep_table(res: dict) -> str:
+    def aux_tail(arm):  # the last 10% of the updates, mean over seeds
+        return float(np.mean([np.mean(r["aux"][-max(1, len(r["aux"]) // 10):]) for r in arm["runs"]]))
+
+    return expkit.table(
+        ["aux coef", "final validation loss", "busiest expert, worst seed and layer", "busiest, mean over seeds",
+         "least-used, worst", "aux loss", "balanced"],
+        [[f"{a['aux_coef']:g}", expkit.pm(a["final_val"]), f"x{a['busiest']['max']:.2f}", expkit.pm(a["busiest"], 2),
+          f"x{a['least']['min']:.2f}", f"{aux_tail(a):.3f}", "yes" if a["balanced"] else "no"]
+         for a in res["sweep"].values()])
+
+
+def variants(out: Path) -> list[tuple[str, dict]]:
+    """Sub-folders of ``out`` holding another exp_moe run (e.g. per_layer/ from --aux-per-layer)."""
+    import json
+
+    return [(p.parent.name, json.loads(p.read_text())) for p in sorted(out.glob("*/moe.json"))]
 
 
 def main():
@@ -189,7 +230,7 @@ def main():
     path = args.out / "moe.json"
     res = json.loads(path.read_text())
     figures(res, args.out)
-    (args.out / "README.md").write_text(markdown(res, smoke=res["smoke"]))  # also refreshes res["claim_rows"]
+    (args.out / "README.md").write_text(markdown(res, smoke=res["smoke"], variants=variants(args.out)))  # also refreshes res["claim_rows"]
     path.write_text(json.dumps(res, indent=1, default=expkit.json_default) + "\n")
     print(f"rebuilt {args.out}")
 
