@@ -223,7 +223,7 @@ def main():
                                 "ms_per_step": expkit.stats([r["ms_per_step"] for r in rs]),
                                 **load_summary(rs, BALANCE_MAX, BALANCE_MIN), "runs": rs}
     balancing = next((s["aux_coef"] for s in sweep.values() if s["balanced"]), None)
-    results = {"config": {"steps": args.steps, "seeds": args.seeds, "layers": 4, "width": 64, "experts": EXPERTS,
+    results = {"smoke": args.smoke, "config": {"steps": args.steps, "seeds": args.seeds, "layers": 4, "width": 64, "experts": EXPERTS,
                           "top_k": TOP_K, "dense_d_ff": DENSE_FF, "expert_d_ff": EXPERT_FF, "batch_size": 16,
                           "seq_len": 64, "lr": 2e-3, "aux_coefs": args.aux_coefs, "router_z_coef": args.z_coef,
                           "aux_per_layer": args.aux_per_layer},
@@ -235,8 +235,7 @@ def main():
     from scripts.experiments import exp_moe_report as report
 
     report.figures(results, args.out)
-    expkit.write_results(args.out, NAME, results, report.markdown(results, smoke=args.smoke,
-                                                                      variants=report.variants(args.out)), smoke=args.smoke,
+    expkit.write_results(args.out, NAME, results, report.markdown(results, report.variants(args.out)), smoke=args.smoke,
                          started=started)
 
 

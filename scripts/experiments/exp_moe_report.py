@@ -94,14 +94,16 @@ def layers_figure(res: dict, coefs: list[float], path: Path) -> None:
     plt.close(fig)
 
 
-def command(C: dict, smoke: bool) -> str:
+def command(res: dict) -> str:
     """The command line that wrote these results (options left at their defaults omitted)."""
     from scripts.experiments import exp_moe
 
+    C, smoke = res["config"], res["smoke"]
     flags = [("--smoke", smoke), (f"--steps {C['steps']}", not smoke and C["steps"] != 300),
              (f"--seeds {C['seeds']}", not smoke and C["seeds"] != 3),
              ("--aux-coefs " + ",".join(f"{c:g}" for c in C["aux_coefs"]), tuple(C["aux_coefs"]) != exp_moe.AUX_COEFS),
-             ("--aux-per-layer", C.get("aux_per_layer")), (f"--z-coef {C['router_z_coef']:g}", C["router_z_coef"])]
+             ("--aux-per-layer", C.get("aux_per_layer")), (f"--z-coef {C['router_z_coef']:g}", C["router_z_coef"]),
+             ("--grouped-steps 0", not smoke and res.get("grouped_ms_per_step") is None)]
     return " ".join(["python -m scripts.experiments.exp_moe"] + [f for f, on in flags if on])
 
 
@@ -136,12 +138,12 @@ def _loss_row(dense: dict, moe: dict, coef: float, name: str = "load-balancing l
             f"updates ({name} x {coef:g})", f"dense {expkit.pm(dense)}, MoE {expkit.pm(moe)}", verdict]
 
 
-def markdown(res: dict, *, smoke: bool, variants: list | None = None) -> str:
+def markdown(res: dict, variants: list | None = None) -> str:
     C, P, crit, dense = res["config"], res["params"], res["criterion"], res["dense"]
     shown, best = headline_coefs(res), res["balancing_coef"]
     up = res.get("uptime", {})
     lines = ["# Mixture of Experts vs dense at equal active parameters (tinyshakespeare, characters)\n",
-             f"`{command(C, smoke)}`: 4 layers x 64 wide, "
+             f"`{command(res)}`: 4 layers x 64 wide, "
              f"{C['steps']} updates of 16 x 64 characters, {C['seeds']} seeds. Dense FFN: SwiGLU {C['dense_d_ff']}; "
              f"MoE FFN: {C['experts']} SwiGLU experts of {C['expert_d_ff']}, top-{C['top_k']} (Mixtral router), "
              f"load-balancing loss coefficient swept over {', '.join(f'{c:g}' for c in C['aux_coefs'])}, "
@@ -186,18 +188,25 @@ def markdown(res: dict, *, smoke: bool, variants: list | None = None) -> str:
                  f"measures is uniform.\n")
     head = "at the balancing coefficient" if best is not None else "at the coefficient closest to balance"
     lines.append(f"\n## Dense vs MoE {head} (headline), with 0.01 for reference\n")
-    arms = [("dense", dense)] + [(f"MoE, aux {c:g}", _arm(res, c)) for c in reversed(shown)]
-    lines.append(expkit.table(["model", "final validation loss", "per seed", "ms/update", "compile s (seed 0)"],
-                              [[k, expkit.pm(a["final_val"]), " ".join(f"{r['final_val']:.3f}" for r in a["runs"]),
-                                expkit.pm(a["ms_per_step"], 1), f"{a['runs'][0]['compile_s']:.1f}"] for k, a in arms]))
+    lines.append(headline_table(res, list(reversed(shown))))
     lines.append("\nThe same seed gives every arm the same batches, and every MoE arm the same initial weights. "
                  "Timings are secondary here (the machine was shared).\n")
     for name, other in variants or []:
         lines.append(f"\n## Variant: [{name}/]({name}/README.md)\n")
-        lines.append(f"`{command(other['config'], other['smoke'])} --out results/moe/{name}`; balancing coefficient: "
+        lines.append(f"`{command(other)} --out results/moe/{name}`; balancing coefficient: "
                      + (f"{other['balancing_coef']:g}" if other["balancing_coef"] is not None else "none") + ".\n")
         lines.append(sweep_table(other))
+        if other["balancing_coef"] is not None:
+            lines.append(f"\nDense vs MoE at its balancing coefficient {other['balancing_coef']:g}:\n")
+            lines.append(headline_table(other, [other["balancing_coef"]]))
     return "\n".join(lines) + "\n"
+
+
+def headline_table(res: dict, coefs: list[float]) -> str:
+    arms = [("dense", res["dense"])] + [(f"MoE, aux {c:g}", _arm(res, c)) for c in coefs]
+    return expkit.table(["model", "final validation loss", "per seed", "ms/update", "compile s (seed 0)"],
+                        [[k, expkit.pm(a["final_val"]), " ".join(f"{r['final_val']:.3f}" for r in a["runs"]),
+                          expkit.pm(a["ms_per_step"], 1), f"{a['runs'][0]['compile_s']:.1f}"] for k, a in arms])
 
 
 def sweep_table(res: dict) -> str:
@@ -230,7 +239,7 @@ def main():
     path = args.out / "moe.json"
     res = json.loads(path.read_text())
     figures(res, args.out)
-    (args.out / "README.md").write_text(markdown(res, smoke=res["smoke"], variants=variants(args.out)))  # also refreshes res["claim_rows"]
+    (args.out / "README.md").write_text(markdown(res, variants(args.out)))  # also refreshes res["claim_rows"]
     path.write_text(json.dumps(res, indent=1, default=expkit.json_default) + "\n")
     print(f"rebuilt {args.out}")
 
