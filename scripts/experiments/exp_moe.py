@@ -13,9 +13,10 @@ The MoE runs sweep the router's load-balancing loss coefficient (TrainConfig.rou
 the share of the top-2 picks each expert receives on 2 fixed validation batches, per layer, at
 every evaluation. Balance criterion, fixed before the runs: at the final evaluation, in every layer
 and every seed, the busiest expert takes at most 1.5x its fair share (1/8) and the least-used at
-least 0.5x. The balancing coefficient is the smallest swept that meets it; the headline compares
-dense with MoE at that coefficient (and at 0.01, the first run's). Report and figures:
-exp_moe_report.
+least 0.5x. The balancing coefficient is the smallest swept that meets it (none: the one whose
+busiest expert came closest); the headline compares dense with MoE at that coefficient and at 0.01,
+the first run's. Report and figures: exp_moe_report, which also summarises runs written to
+sub-folders of --out (results/moe/per_layer, results/moe/zloss) and rebuilds a folder from its JSON.
 
 Also measured: ms per update (the jitted step, compile apart; moe.impl='dense', every expert on
 every token, the fast choice on a CPU; the grouped ragged_dot implementation is timed on a few

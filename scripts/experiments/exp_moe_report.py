@@ -160,7 +160,9 @@ def markdown(res: dict, variants: list | None = None) -> str:
              f"the runs): at the final evaluation, in every layer of every seed, the busiest expert <= "
              f"{crit['busiest_max']:g}x and the least-used >= {crit['least_min']:g}x its fair share. "
              + (f"**Balancing coefficient: {best:g}** (the smallest swept that meets it).\n" if best is not None else
-                "**No swept coefficient meets it**; the headline uses the one closest.\n"),
+                "**No swept coefficient meets it**; the headline uses the one closest"
+                + "".join(f"; [{name}/]({name}/README.md) balances at {o['balancing_coef']:g} (below)"
+                          for name, o in variants or [] if o["balancing_coef"] is not None) + ".\n"),
              "![validation loss](val_loss.png)\n", "![router load across the sweep](router_load.png)\n",
              "![per-layer router load, seed 0](router_load_layers.png)\n", "## Claimed vs measured\n"]
     rows = [("issue 21", *_loss_row(dense["final_val"], _arm(res, c)["final_val"], c, loss_name(C)))
