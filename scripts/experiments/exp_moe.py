@@ -1,24 +1,33 @@
-"""Experiment: Mixture of Experts vs a dense model at equal active parameters (issue 21).
+"""Experiment: Mixture of Experts vs a dense model at equal active parameters (issues 21, 39).
 
 A character LM on tinyshakespeare (expkit.shakespeare(), char tokenizer, 90/10 split, held-out
 validation loss): 4 layers x 64 wide, RoPE, RMSNorm, SwiGLU. The dense model's FFN is one SwiGLU
 of width 128; the MoE model's FFN is 8 SwiGLU experts of width 64 with top-2 routing (Mixtral's
 router: softmax, top-2, renormalised), so each token runs 2 x 64 = 128 FFN units in both: equal
 active parameters (the MoE adds a 64 x 8 router per layer and holds 4x the FFN parameters in
-total). The router's load-balancing loss is in the objective (TrainConfig.router_aux_coef 0.01).
-Same optimiser for both (AdamW 2e-3, warmup, cosine, clip 1.0, batches of 16 x 64), identical
-data order per seed, seeds 0, 1, 2.
+total). Same optimiser for both (AdamW 2e-3, warmup, cosine, clip 1.0, batches of 16 x 64),
+identical data order per seed, seeds 0, 1, 2.
 
-Measured: validation loss (mean ± std over seeds), ms per update (the jitted step, compile apart;
-MoE with moe.impl='dense', every expert on every token, the fast choice on a CPU; the grouped
-ragged_dot implementation is timed on a few extra updates), and the router's expert load over
-training: the share of the top-2 picks each expert receives on fixed validation batches, per
-layer, at every evaluation (figure router_load.png).
+The MoE runs sweep the router's load-balancing loss coefficient (TrainConfig.router_aux_coef,
+--aux-coefs; z-loss --z-coef, default off), every seed at every coefficient. The router load is
+the share of the top-2 picks each expert receives on 2 fixed validation batches, per layer, at
+every evaluation. Balance criterion, fixed before the runs: at the final evaluation, in every layer
+and every seed, the busiest expert takes at most 1.5x its fair share (1/8) and the least-used at
+least 0.5x. The balancing coefficient is the smallest swept that meets it (none: the one whose
+busiest expert came closest); the headline compares dense with MoE at that coefficient and at 0.01,
+the first run's. Report and figures: exp_moe_report, which also summarises runs written to
+sub-folders of --out (results/moe/per_layer, results/moe/zloss) and rebuilds a folder from its JSON.
+
+Also measured: ms per update (the jitted step, compile apart; moe.impl='dense', every expert on
+every token, the fast choice on a CPU; the grouped ragged_dot implementation is timed on a few
+extra updates).
 
     .venv/bin/python -m scripts.experiments.exp_moe [--smoke] [--out DIR] [--seeds N] [--steps N]
+        [--aux-coefs 0.01,0.1,1] [--z-coef Z]
 """
 from __future__ import annotations
 
+import subprocess
 import time
 
 from scripts.experiments import expkit
@@ -26,6 +35,8 @@ from scripts.harness import step_times
 
 NAME = "moe"
 EXPERTS, TOP_K, DENSE_FF, EXPERT_FF = 8, 2, 128, 64
+AUX_COEFS = (0.01, 0.1, 1.0, 3.0, 10.0, 30.0, 100.0)  # the default sweep (chosen by a 1-seed scout: 10 nearly balances)
+BALANCE_MAX, BALANCE_MIN = 1.5, 0.5  # the criterion: busiest <= 1.5x fair share, least-used >= 0.5x
 
 
 def model_config(kind: str, vocab: int, seq_len: int, layers: int = 4, width: int = 64, impl: str = "dense"):
@@ -38,12 +49,13 @@ def model_config(kind: str, vocab: int, seq_len: int, layers: int = 4, width: in
     return cfg
 
 
-def train_config(steps: int, seed: int, eval_every: int):
+def train_config(steps: int, seed: int, eval_every: int, aux_coef: float = 0.01, z_coef: float = 0.0):
     from jaxgpt.config import TrainConfig
 
     return TrainConfig(steps=steps, batch_size=16, seq_len=64, lr=2e-3, warmup_steps=min(20, steps // 5),
                        min_lr_ratio=0.1, weight_decay=0.1, decay="linear", grad_clip=1.0, val_fraction=0.1,
-                       eval_every=eval_every, eval_batches=4, seed=seed, router_aux_coef=0.01)
+                       eval_every=eval_every, eval_batches=4, seed=seed, router_aux_coef=aux_coef,
+                       router_z_coef=z_coef)
 
 
 def active_params(config, params) -> dict:
@@ -104,135 +116,128 @@ def time_steps(config, tc, task, params, n: int) -> float:
     return step_times(step, state, batches, sync=jax.block_until_ready, overlap=True)[2][0] * 1e3
 
 
+def per_layer_router_losses(router_collection, n_experts: int):
+    """``jaxgpt.nn.moe.router_losses`` with the load-balancing loss per layer, averaged over layers
+    (Switch Transformer's form) instead of over all layers pooled (transformers' form, the
+    library's): pooled, 'layer 1 on experts 0-1, layer 2 on experts 2-3' scores as balanced. The
+    z-loss is the library's (pooled: a mean over rows either way). A stand-in for a library option,
+    for --aux-per-layer runs (which put it in place of jaxgpt.nn.moe.router_losses)."""
+    import jax.numpy as jnp
+
+    from jaxgpt.nn import moe
+
+    stats = moe._stats(router_collection)
+    if not stats:
+        zero = jnp.zeros((), jnp.float32)
+        return zero, zero
+    counts = jnp.concatenate([s["counts"].reshape(-1, n_experts) for s in stats])  # (L, E)
+    probs = jnp.concatenate([s["probs"].reshape(-1, n_experts) for s in stats])  # (L, E)
+    rows = jnp.concatenate([s["rows"].reshape(-1) for s in stats])[:, None]  # (L, 1)
+    aux = n_experts * jnp.mean(jnp.sum(counts / rows * probs / rows, -1))
+    return aux, sum(s["z"].sum() for s in stats) / rows.sum()
+
+
+def parse_coefs(text: str) -> list[float]:
+    """'0.01,0.1,1' -> [0.01, 0.1, 1.0]: distinct coefficients >= 0, in increasing order."""
+    try:
+        coefs = [float(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise SystemExit(f"--aux-coefs takes comma-separated numbers, got {text!r}") from None
+    if not coefs or min(coefs) < 0 or len(set(coefs)) != len(coefs):
+        raise SystemExit(f"--aux-coefs needs distinct coefficients >= 0, got {text!r}")
+    return sorted(coefs)
+
+
+def load_summary(runs: list[dict], limit: float, floor: float) -> dict:
+    """A coefficient's runs -> the final router load on the probe batches, as share x E (1 = fair
+    share): per seed the busiest expert in any layer and the least-used one, and whether every
+    seed and layer meets the balance criterion (busiest <= limit, least-used >= floor)."""
+    import numpy as np
+
+    final = np.asarray([r["load"][-1] for r in runs]) * EXPERTS  # (seeds, L, E) share x E
+    busiest, least = final.max((1, 2)), final.min((1, 2))
+    return {"busiest": expkit.stats(busiest), "least": expkit.stats(least),
+            "busiest_per_layer": final.max(-1).tolist(), "least_per_layer": final.min(-1).tolist(),
+            "balanced": bool(busiest.max() <= limit and least.min() >= floor)}
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def main():
-    started = time.perf_counter()
+    started, before = time.perf_counter(), uptime()
 
     def extra(p):
-        p.add_argument("--steps", type=int, default=400, help="updates per run (default 400)")
+        p.add_argument("--steps", type=int, default=300, help="updates per run (default 300)")
+        p.add_argument("--aux-coefs", default=",".join(map(str, AUX_COEFS)),
+                       help=f"load-balancing loss coefficients swept, comma-separated (default {AUX_COEFS})")
+        p.add_argument("--aux-per-layer", action="store_true",
+                       help="load-balancing loss per layer, averaged (per_layer_router_losses) instead of pooled")
+        p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient of every MoE run (default 0)")
         p.add_argument("--grouped-steps", type=int, default=20, help="updates timed with moe.impl='grouped' (0: skip)")
 
     args = expkit.parse(__doc__, NAME, extra=extra)
+    args.aux_coefs = parse_coefs(args.aux_coefs)
     if args.smoke:
         args.steps, args.seeds, args.grouped_steps = 6, 1, 2
     import jax
 
+    if args.aux_per_layer:  # loss_terms imports router_losses when it traces: this process's runs use ours
+        from jaxgpt.nn import moe
+
+        moe.router_losses = per_layer_router_losses
     from jaxgpt.train.step import init_state
     from jaxgpt.train.tasks import load_task
 
     path = expkit.shakespeare()
     eval_every = max(1, args.steps // 10)
     cache: dict = {}
-    runs: dict[str, list] = {"dense": [], "moe": []}
+    arms = ["dense"] + [("moe", c) for c in args.aux_coefs]
+    runs: dict = {arm: [] for arm in arms}
     sizes, grouped_ms = {}, None
     for seed in range(args.seeds):
-        for kind in runs:
-            tc = train_config(args.steps, seed, eval_every)
+        for arm in arms:
+            kind, coef = ("dense", None) if arm == "dense" else arm
+            tc = train_config(args.steps, seed, eval_every, aux_coef=coef or 0.0, z_coef=args.z_coef)
             task = load_task(model_config(kind, 65, tc.seq_len), tc, data=str(path))
             config = model_config(kind, task.tokenizer.vocab_size, tc.seq_len)
-            params0 = jax.device_get(init_state(config, tc).params)
+            params0 = jax.device_get(init_state(config, tc).params)  # per seed: every MoE arm starts from the same weights
             sizes[kind] = active_params(config, params0)
             probe = load_probe(config, task.eval_batches(tc)[:2]) if kind == "moe" else None
             r = train_run(config, tc, task, params0, cache, probe)
-            runs[kind].append({"seed": seed, "val_steps": r["val_steps"], "val_loss": r["val_loss"],
-                               "final_val": r["val_loss"][-1], "ms_per_step": r["ms_per_step"],
-                               "compile_s": r["compile_s"], "load": r["load"], "aux": r["aux"]})
-            print(f"{kind} seed {seed}: val {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.3f}, "
+            runs[arm].append({"seed": seed, "val_steps": r["val_steps"], "val_loss": r["val_loss"],
+                              "final_val": r["val_loss"][-1], "ms_per_step": r["ms_per_step"],
+                              "compile_s": r["compile_s"], "load": r["load"], "aux": r["aux"]})
+            label = kind if coef is None else f"moe aux {coef:g}"
+            busiest = f", busiest expert x{max(map(max, r['load'][-1])) * EXPERTS:.2f}" if r["load"] else ""
+            print(f"{label} seed {seed}: val {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.3f}{busiest}, "
                   f"{r['ms_per_step']:.1f} ms/step ({time.perf_counter() - started:.0f} s)", flush=True)
-            if kind == "moe" and seed == 0 and args.grouped_steps:
+            if kind == "moe" and seed == 0 and grouped_ms is None and args.grouped_steps:
                 grouped = model_config("moe", task.tokenizer.vocab_size, tc.seq_len, impl="grouped")
                 grouped_ms = time_steps(grouped, tc, task, params0, args.grouped_steps)
                 print(f"moe (grouped) seed 0: {grouped_ms:.1f} ms/step", flush=True)
-    results = {"config": {"steps": args.steps, "seeds": args.seeds, "layers": 4, "width": 64, "experts": EXPERTS,
+    sweep = {}
+    for arm in arms[1:]:
+        rs = runs[arm]
+        sweep[f"{arm[1]:g}"] = {"aux_coef": arm[1], "final_val": expkit.stats([r["final_val"] for r in rs]),
+                                "ms_per_step": expkit.stats([r["ms_per_step"] for r in rs]),
+                                **load_summary(rs, BALANCE_MAX, BALANCE_MIN), "runs": rs}
+    balancing = next((s["aux_coef"] for s in sweep.values() if s["balanced"]), None)
+    results = {"smoke": args.smoke, "config": {"steps": args.steps, "seeds": args.seeds, "layers": 4, "width": 64, "experts": EXPERTS,
                           "top_k": TOP_K, "dense_d_ff": DENSE_FF, "expert_d_ff": EXPERT_FF, "batch_size": 16,
-                          "seq_len": 64, "lr": 2e-3, "router_aux_coef": 0.01},
-               "params": sizes, "grouped_ms_per_step": grouped_ms, "models": {}}
-    for kind, rs in runs.items():
-        results["models"][kind] = {"final_val": expkit.stats([r["final_val"] for r in rs]),
-                                   "ms_per_step": expkit.stats([r["ms_per_step"] for r in rs]), "runs": rs}
-    figures(runs, args)
-    expkit.write_results(args.out, NAME, results, markdown(results, args), smoke=args.smoke, started=started)
+                          "seq_len": 64, "lr": 2e-3, "aux_coefs": args.aux_coefs, "router_z_coef": args.z_coef,
+                          "aux_per_layer": args.aux_per_layer},
+               "criterion": {"busiest_max": BALANCE_MAX, "least_min": BALANCE_MIN},
+               "balancing_coef": balancing, "params": sizes, "grouped_ms_per_step": grouped_ms,
+               "dense": {"final_val": expkit.stats([r["final_val"] for r in runs["dense"]]),
+                         "ms_per_step": expkit.stats([r["ms_per_step"] for r in runs["dense"]]), "runs": runs["dense"]},
+               "sweep": sweep, "uptime": {"before": before, "after": uptime()}}
+    from scripts.experiments import exp_moe_report as report
 
-
-def figures(runs, args):
-    import numpy as np
-
-    out = args.out
-    expkit.plot_runs({k: [(r["val_steps"], r["val_loss"]) for r in rs] for k, rs in runs.items()}, out / "val_loss.png",
-                     xlabel="update", ylabel="validation loss",
-                     title="char LM 4x64: dense vs MoE (8 experts, top-2) at equal active parameters (mean, min-max)")
-    moe = runs["moe"]
-    steps = moe[0]["val_steps"]
-    load = np.asarray([r["load"] for r in moe])  # (seeds, evals, L, E)
-    plt = expkit.plt()
-    layers = load.shape[2]
-    fig, axes = plt.subplots(1, layers + 1, figsize=(4 * (layers + 1), 3.6), sharey=False)
-    for layer in range(layers):
-        ax = axes[layer]
-        for e in range(load.shape[3]):
-            ax.plot(steps, load[0, :, layer, e], color=f"C{e}", label=f"expert {e}")
-        ax.axhline(1 / load.shape[3], color="k", ls="--", lw=0.8)
-        ax.set(title=f"layer {layer} (seed 0)", xlabel="update", ylabel="share of top-2 picks", ylim=(0, None))
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6, ncol=2)
-    ax = axes[-1]
-    imbalance = load.max(-1) * load.shape[3]  # (seeds, evals, L): busiest expert's share x E (1 = uniform)
-    for layer in range(layers):
-        m = imbalance[:, :, layer]
-        ax.plot(steps, m.mean(0), color=f"C{layer}", label=f"layer {layer}")
-        if len(m) > 1:
-            ax.fill_between(steps, m.min(0), m.max(0), color=f"C{layer}", alpha=0.2)
-    ax.axhline(1, color="k", ls="--", lw=0.8)
-    ax.set(title=f"busiest expert's share x E ({len(moe)} seeds)", xlabel="update", ylabel="1 = uniform load")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "router_load.png", dpi=110)
-    plt.close(fig)
-
-
-def markdown(res, args) -> str:
-    import numpy as np
-
-    M, P = res["models"], res["params"]
-    load = expkit.timing_note(res.get("load"))
-    fv = {k: M[k]["final_val"] for k in M}
-    ms = {k: M[k]["ms_per_step"]["mean"] for k in M}
-    lines = ["# Mixture of Experts vs dense at equal active parameters (tinyshakespeare, characters)\n",
-             f"`python -m scripts.experiments.exp_moe{' --smoke' if args.smoke else ''}`: 4 layers x 64 wide, "
-             f"{res['config']['steps']} updates of 16 x 64 characters, {res['config']['seeds']} seeds. Dense FFN: SwiGLU "
-             f"{DENSE_FF}; MoE FFN: {EXPERTS} SwiGLU experts of {EXPERT_FF}, top-{TOP_K} (Mixtral router), "
-             f"load-balancing loss x 0.01. Parameters: dense {P['dense']['total']:,}; MoE {P['moe']['total']:,} in total, "
-             f"{P['moe']['active']:,} active per token. Validation loss on the held-out 10% (4 batches); mean ± "
-             f"sample std over seeds. Timings {load}.\n",
-             "![validation loss](val_loss.png)\n", "![router load](router_load.png)\n", "## Claimed vs measured\n"]
-    diff = fv["dense"]["mean"] - fv["moe"]["mean"]
-    noise = (fv["dense"]["std"] ** 2 + fv["moe"]["std"] ** 2) ** 0.5
-    measured = f"dense {expkit.pm(fv['dense'])}, MoE {expkit.pm(fv['moe'])}"
-    verdict = (f"holds (by {diff:.3f}, seed spread ±{noise:.3f})" if diff > noise else
-               f"does not hold (MoE worse by {-diff:.3f}, spread ±{noise:.3f})" if diff < -noise else
-               f"not measurable here: the difference {diff:+.3f} is within the seed spread ±{noise:.3f}")
-    rows = [["MoE reaches a lower validation loss than a dense model with the same active parameters at equal updates",
-             measured, verdict]]
-    rows.append(["MoE costs about the same time per update (equal active parameters)",
-                 f"dense {ms['dense']:.1f} ms, MoE {ms['moe']:.1f} ms (dense all-experts einsum, x{ms['moe'] / ms['dense']:.2f})"
-                 + (f"; grouped ragged_dot {res['grouped_ms_per_step']:.1f} ms" if res.get("grouped_ms_per_step") else ""),
-                 "does not hold on this CPU (every expert runs on every token in the dense implementation; ragged_dot "
-                 "lowers to a masked dense product here)" if ms["moe"] > 1.2 * ms["dense"] else "holds"])
-    final = np.asarray([r["load"][-1] for r in M["moe"]["runs"]])  # (seeds, L, E)
-    worst = float(final.max() * final.shape[-1])
-    rows.append(["the load-balancing loss keeps every expert in use (no collapse onto a few experts)",
-                 f"final busiest expert's share x E: max {worst:.2f} over seeds and layers (1 = uniform, {EXPERTS // TOP_K}"
-                 f" = all picks on {TOP_K} experts); least-used expert's share min {float(final.min()):.3f}",
-                 "holds" if worst < 2.0 and float(final.min()) > 0.02 else f"does not hold (max {worst:.2f})"])
-    lines.append(expkit.table(["claim", "measured", "verdict"], rows))
-    res["claim_rows"] = [{"source": "issue 21", "claim": c, "measured": m, "verdict": v} for c, m, v in rows]
-    lines.append("\n## Final validation loss and cost\n")
-    lines.append(expkit.table(["model", "final validation loss", "per seed", "ms/update", "compile s (seed 0)"],
-                              [[k, expkit.pm(M[k]["final_val"]), " ".join(f"{r['final_val']:.3f}" for r in M[k]["runs"]),
-                                expkit.pm(M[k]["ms_per_step"], 1), f"{M[k]['runs'][0]['compile_s']:.1f}"] for k in M]))
-    lines.append("\nThe same seed gives both models the same batches. The router load is the share of the top-2 "
-                 "picks each expert receives on 2 fixed validation batches, at every evaluation.\n")
-    return "\n".join(lines) + "\n"
+    report.figures(results, args.out)
+    expkit.write_results(args.out, NAME, results, report.markdown(results, report.variants(args.out)), smoke=args.smoke,
+                         started=started)
 
 
 if __name__ == "__main__":
