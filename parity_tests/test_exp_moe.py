@@ -1,6 +1,6 @@
-"""The MoE experiment (scripts/experiments/exp_moe.py): its balance criterion and per-layer
-load-balancing stand-in against hand-computed values (fast), and a --smoke run of a 2-coefficient
-sweep in a subprocess that writes its results JSON, README, claims and figures (smoke tier)."""
+"""The MoE experiment (scripts/experiments/exp_moe.py): its balance criterion against hand-computed
+values and its --aux-per-layer option (fast), and a --smoke run of a 2-coefficient sweep with the
+per-layer loss in a subprocess that writes its results JSON, README, claims and figures (smoke tier)."""
 from __future__ import annotations
 
 import json
@@ -17,33 +17,11 @@ from scripts.experiments import exp_moe
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _collection(counts, probs, rows):
-    """A scanned model's 'router' collection: one stats leaf with a leading layer axis."""
-    import jax.numpy as jnp
-
-    counts, probs = jnp.asarray(counts, jnp.float32), jnp.asarray(probs, jnp.float32)
-    stats = {"counts": counts, "probs": probs, "z": jnp.arange(len(counts), dtype=jnp.float32) + 1,
-             "rows": jnp.full(len(counts), rows, jnp.float32)}
-    return {"layers": {"mlp": {"stats": (stats,)}}}
-
-
-def test_per_layer_aux_sees_what_pooling_hides(monkeypatch):
-    """2 layers, 4 experts, top-2, one row each: layer 0 routes to experts 0-1, layer 1 to 2-3
-    (probability 0.5 each). Pooled over layers (the library, as transformers) every expert gets
-    a quarter: E * sum f P = 4 * 4 * (1/2 * 1/4) = 2, the loss's minimum k. Per layer: 4 * (1 * 0.5 * 2)
-    = 4 in each layer, its maximum for top-2 of 4 (hand-computed, exact in float32)."""
-    from jaxgpt.nn.moe import router_losses
-
-    coll = _collection([[1, 1, 0, 0], [0, 0, 1, 1]], [[0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5]], rows=1)
-    assert float(router_losses(coll, 4)[0]) == 2.0
-    assert float(exp_moe.per_layer_router_losses(coll, 4)[0]) == 4.0
-    assert float(exp_moe.per_layer_router_losses(coll, 4)[1]) == float(router_losses(coll, 4)[1]) == 1.5  # z: (1+2)/2
-    from jaxgpt.nn import moe
-
-    monkeypatch.setattr(moe, "router_losses", exp_moe.per_layer_router_losses)  # as exp_moe --aux-per-layer does
-    assert float(moe.router_losses(coll, 4)[0]) == 4.0
-    balanced = _collection([[1, 1, 1, 1]] * 2, [[0.5] * 4] * 2, rows=2)  # 2 rows: each expert picked once per layer
-    assert float(exp_moe.per_layer_router_losses(balanced, 4)[0]) == 2.0
+def test_aux_per_layer_sets_the_library_scope():
+    """--aux-per-layer trains with moe.aux_loss_scope='layer' (the hand-made case of pooled vs per layer
+    is test_moe.py's); the default run keeps transformers' pooled loss."""
+    assert exp_moe.model_config("moe", 65, 64, aux_scope="layer").moe.aux_loss_scope == "layer"
+    assert exp_moe.model_config("moe", 65, 64).moe.aux_loss_scope == "pooled"
 
 
 def test_balance_criterion():
@@ -71,10 +49,11 @@ def test_parse_coefs():
 def test_exp_moe_smoke(tmp_path):
     require_shared(SHARED / "data" / "tinyshakespeare.txt", "Tiny Shakespeare")
     subprocess.run([sys.executable, "-m", "scripts.experiments.exp_moe", "--smoke", "--aux-coefs", "0.01,1",
-                    "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=600)
+                    "--aux-per-layer", "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=600)
     data = json.loads((tmp_path / "moe.json").read_text())
     assert data["smoke"] is True and data["experiment"] == "moe"
     assert data["config"]["aux_coefs"] == [0.01, 1.0] and set(data["sweep"]) == {"0.01", "1"}
+    assert data["config"]["aux_per_layer"] is True
     assert data["params"]["moe"]["active"] - data["params"]["dense"]["active"] == 4 * 64 * 8  # the routers only
     for key, arm in data["sweep"].items():
         assert arm["aux_coef"] == float(key) and len(arm["runs"]) == 1
@@ -88,5 +67,6 @@ def test_exp_moe_smoke(tmp_path):
     assert sources.count("issue 39") == 2 and 2 <= sources.count("issue 21") <= 3  # loss row(s) + timing row
     readme = (tmp_path / "README.md").read_text()
     assert "--aux-coefs 0.01,1" in readme and "| 0.01 |" in readme and "| 1 |" in readme
+    assert "--aux-per-layer" in readme and "aux_loss_scope='layer'" in readme
     for png in ("router_load.png", "router_load_layers.png", "val_loss.png"):
         assert (tmp_path / png).stat().st_size

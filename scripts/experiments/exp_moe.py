@@ -39,13 +39,15 @@ AUX_COEFS = (0.01, 0.1, 1.0, 3.0, 10.0, 30.0, 100.0)  # the default sweep (chose
 BALANCE_MAX, BALANCE_MIN = 1.5, 0.5  # the criterion: busiest <= 1.5x fair share, least-used >= 0.5x
 
 
-def model_config(kind: str, vocab: int, seq_len: int, layers: int = 4, width: int = 64, impl: str = "dense"):
+def model_config(kind: str, vocab: int, seq_len: int, layers: int = 4, width: int = 64, impl: str = "dense",
+                 aux_scope: str = "pooled"):
     from jaxgpt.config import ModelConfig, MoEConfig
 
     cfg = ModelConfig(vocab_size=vocab, d_model=width, n_layer=layers, n_head=4, d_ff=DENSE_FF, max_len=seq_len,
                       pos="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", scan_unroll=layers)
     if kind == "moe":
-        cfg = cfg.replace(moe=MoEConfig(n_experts=EXPERTS, top_k=TOP_K, d_ff=EXPERT_FF, impl=impl))
+        cfg = cfg.replace(moe=MoEConfig(n_experts=EXPERTS, top_k=TOP_K, d_ff=EXPERT_FF, impl=impl,
+                                        aux_loss_scope=aux_scope))
     return cfg
 
 
@@ -116,27 +118,6 @@ def time_steps(config, tc, task, params, n: int) -> float:
     return step_times(step, state, batches, sync=jax.block_until_ready, overlap=True)[2][0] * 1e3
 
 
-def per_layer_router_losses(router_collection, n_experts: int):
-    """``jaxgpt.nn.moe.router_losses`` with the load-balancing loss per layer, averaged over layers
-    (Switch Transformer's form) instead of over all layers pooled (transformers' form, the
-    library's): pooled, 'layer 1 on experts 0-1, layer 2 on experts 2-3' scores as balanced. The
-    z-loss is the library's (pooled: a mean over rows either way). A stand-in for a library option,
-    for --aux-per-layer runs (which put it in place of jaxgpt.nn.moe.router_losses)."""
-    import jax.numpy as jnp
-
-    from jaxgpt.nn import moe
-
-    stats = moe._stats(router_collection)
-    if not stats:
-        zero = jnp.zeros((), jnp.float32)
-        return zero, zero
-    counts = jnp.concatenate([s["counts"].reshape(-1, n_experts) for s in stats])  # (L, E)
-    probs = jnp.concatenate([s["probs"].reshape(-1, n_experts) for s in stats])  # (L, E)
-    rows = jnp.concatenate([s["rows"].reshape(-1) for s in stats])[:, None]  # (L, 1)
-    aux = n_experts * jnp.mean(jnp.sum(counts / rows * probs / rows, -1))
-    return aux, sum(s["z"].sum() for s in stats) / rows.sum()
-
-
 def parse_coefs(text: str) -> list[float]:
     """'0.01,0.1,1' -> [0.01, 0.1, 1.0]: distinct coefficients >= 0, in increasing order."""
     try:
@@ -173,7 +154,7 @@ def main():
         p.add_argument("--aux-coefs", default=",".join(map(str, AUX_COEFS)),
                        help=f"load-balancing loss coefficients swept, comma-separated (default {AUX_COEFS})")
         p.add_argument("--aux-per-layer", action="store_true",
-                       help="load-balancing loss per layer, averaged (per_layer_router_losses) instead of pooled")
+                       help="load-balancing loss per layer, averaged (moe.aux_loss_scope='layer') instead of pooled")
         p.add_argument("--z-coef", type=float, default=0.0, help="router z-loss coefficient of every MoE run (default 0)")
         p.add_argument("--grouped-steps", type=int, default=20, help="updates timed with moe.impl='grouped' (0: skip)")
 
@@ -183,10 +164,7 @@ def main():
         args.steps, args.seeds, args.grouped_steps = 6, 1, 2
     import jax
 
-    if args.aux_per_layer:  # loss_terms imports router_losses when it traces: this process's runs use ours
-        from jaxgpt.nn import moe
-
-        moe.router_losses = per_layer_router_losses
+    scope = "layer" if args.aux_per_layer else "pooled"
     from jaxgpt.train.step import init_state
     from jaxgpt.train.tasks import load_task
 
@@ -201,7 +179,7 @@ def main():
             kind, coef = ("dense", None) if arm == "dense" else arm
             tc = train_config(args.steps, seed, eval_every, aux_coef=coef or 0.0, z_coef=args.z_coef)
             task = load_task(model_config(kind, 65, tc.seq_len), tc, data=str(path))
-            config = model_config(kind, task.tokenizer.vocab_size, tc.seq_len)
+            config = model_config(kind, task.tokenizer.vocab_size, tc.seq_len, aux_scope=scope)
             params0 = jax.device_get(init_state(config, tc).params)  # per seed: every MoE arm starts from the same weights
             sizes[kind] = active_params(config, params0)
             probe = load_probe(config, task.eval_batches(tc)[:2]) if kind == "moe" else None
@@ -214,7 +192,7 @@ def main():
             print(f"{label} seed {seed}: val {r['val_loss'][0]:.3f} -> {r['val_loss'][-1]:.3f}{busiest}, "
                   f"{r['ms_per_step']:.1f} ms/step ({time.perf_counter() - started:.0f} s)", flush=True)
             if kind == "moe" and seed == 0 and grouped_ms is None and args.grouped_steps:
-                grouped = model_config("moe", task.tokenizer.vocab_size, tc.seq_len, impl="grouped")
+                grouped = model_config("moe", task.tokenizer.vocab_size, tc.seq_len, impl="grouped", aux_scope=scope)
                 grouped_ms = time_steps(grouped, tc, task, params0, args.grouped_steps)
                 print(f"moe (grouped) seed 0: {grouped_ms:.1f} ms/step", flush=True)
     sweep = {}

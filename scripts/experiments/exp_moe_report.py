@@ -109,8 +109,7 @@ def command(res: dict) -> str:
 
 def loss_name(C: dict) -> str:
     """The router losses of a run's config, in words."""
-    return (("per-layer load-balancing loss (the script's stand-in)" if C.get("aux_per_layer") else
-             "load-balancing loss") + (f" with z-loss x {C['router_z_coef']:g}" if C["router_z_coef"] else ""))
+    return (("per-layer load-balancing loss" if C.get("aux_per_layer") else "load-balancing loss") + (f" with z-loss x {C['router_z_coef']:g}" if C["router_z_coef"] else ""))
 
 
 def load_rows(res: dict) -> list[tuple]:
@@ -147,9 +146,9 @@ def markdown(res: dict, variants: list | None = None) -> str:
              f"{C['steps']} updates of 16 x 64 characters, {C['seeds']} seeds. Dense FFN: SwiGLU {C['dense_d_ff']}; "
              f"MoE FFN: {C['experts']} SwiGLU experts of {C['expert_d_ff']}, top-{C['top_k']} (Mixtral router), "
              f"load-balancing loss coefficient swept over {', '.join(f'{c:g}' for c in C['aux_coefs'])}, "
-             + ("the loss taken per layer and averaged (`--aux-per-layer`: the script's per_layer_router_losses "
-                "stands in for the library's)" if C.get("aux_per_layer") else
-                "the loss over all layers pooled (the library's router_losses, as transformers')")
+             + ("the loss taken per layer and averaged (`--aux-per-layer`: `moe.aux_loss_scope='layer'`)"
+                if C.get("aux_per_layer") else
+                "the loss over all layers pooled (`moe.aux_loss_scope='pooled'`, the default, as transformers')")
              + f"; router z-loss x {C['router_z_coef']:g}. Parameters: dense {P['dense']['total']:,}; MoE "
              f"{P['moe']['total']:,} in total, {P['moe']['active']:,} active per token. Validation loss on the "
              f"held-out 10% (4 batches); mean ± sample std over seeds. Timings {expkit.timing_note(res.get('load'))}"
