@@ -30,15 +30,16 @@ available = native.kernels("causal_attention.cc", {FWD: "JaxgptCausalAttentionFw
                            "attention_impl='auto' runs the XLA kernels")
 
 
-def _fwd_call(q, k, v, seg, scale):
+# static: (scale, segments). segments False: seg is ignored (all zeros) and the kernel's compare compiled out
+def _fwd_call(q, k, v, seg, static):
     b, t, h, _ = q.shape
     call = jax.ffi.ffi_call(FWD, (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)))
-    return call(q, k, v, seg, scale=np.float32(scale))
+    return call(q, k, v, seg, scale=np.float32(static[0]), segments=static[1])
 
 
-def _bwd_call(q, k, v, seg, out, lse, dout, scale):
+def _bwd_call(q, k, v, seg, out, lse, dout, static):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return jax.ffi.ffi_call(BWD, shapes)(q, k, v, seg, out, lse, dout, scale=np.float32(scale))
+    return jax.ffi.ffi_call(BWD, shapes)(q, k, v, seg, out, lse, dout, scale=np.float32(static[0]), segments=static[1])
 
 
 def _batch_axis(arg_shapes):
@@ -48,16 +49,16 @@ def _batch_axis(arg_shapes):
 
 
 def _per_batch_shard(fn, rule: str, n_out: int):
-    """``fn(*arrays, scale)`` as a custom_partitioning op that runs on each device's batch rows:
+    """``fn(*arrays, static)`` as a custom_partitioning op that runs on each device's batch rows:
     every operand and result split along dim 0 as q is, the other dims replicated."""
     op = custom_partitioning(fn, static_argnums=(fn.__code__.co_argcount - 1,))
 
-    def infer(scale, mesh, arg_shapes, result_shape):
+    def infer(static, mesh, arg_shapes, result_shape):
         return (NamedSharding(mesh, P(_batch_axis(arg_shapes))),) * n_out
 
-    def partition(scale, mesh, arg_shapes, result_shape):
+    def partition(static, mesh, arg_shapes, result_shape):
         sh = NamedSharding(mesh, P(_batch_axis(arg_shapes)))
-        return mesh, lambda *xs: fn(*xs, scale), (sh,) * n_out, (sh,) * len(arg_shapes)
+        return mesh, lambda *xs: fn(*xs, static), (sh,) * n_out, (sh,) * len(arg_shapes)
 
     op.def_partition(infer_sharding_from_operands=infer, partition=partition, sharding_rule=rule)
     return op
@@ -69,17 +70,17 @@ _bwd = _per_batch_shard(_bwd_call, "b t h d, b s k d, b s k e, b t, b t h e, b h
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, seg, scale):
-    return _fwd(q, k, v, seg, scale)[0]
+def _attention(q, k, v, seg, static):
+    return _fwd(q, k, v, seg, static)[0]
 
 
-def _attention_fwd(q, k, v, seg, scale):
-    out, lse = _fwd(q, k, v, seg, scale)
+def _attention_fwd(q, k, v, seg, static):
+    out, lse = _fwd(q, k, v, seg, static)
     return out, (q, k, v, seg, out, lse)
 
 
-def _attention_bwd(scale, res, dout):
-    return (*_bwd(*res, dout, scale), None)  # segment ids: integers, no gradient
+def _attention_bwd(static, res, dout):
+    return (*_bwd(*res, dout, static), None)  # segment ids: integers, no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -92,7 +93,7 @@ def causal_attention(q, k, v, *, scale: float | None = None, segment_ids=None):
     if not available():
         raise RuntimeError("the CPU causal-attention kernel is unavailable here (see the warning above)")
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return _attention(q, k, v, seg, float(q.shape[-1] ** -0.5 if scale is None else scale))
+    return _attention(q, k, v, seg, (float(q.shape[-1] ** -0.5 if scale is None else scale), segment_ids is not None))
 
 
 __all__ = ["available", "causal_attention"]

@@ -162,10 +162,13 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-// Lanes j, j + 1, ... that row i attends to: at or below the diagonal and in row i's segment.
-// seg: the batch row's ids, padded to a multiple of kLanes.
+// Lanes j, j + 1, ... that row i attends to: at or below the diagonal and (kSeg) in row i's
+// segment. seg: the batch row's ids, padded to a multiple of kLanes. Without segments the compare
+// is compiled out: it made a T 64 train step's attention (fwd + bwd) 1.04 -> 1.4 ms on AVX-512.
+template <bool kSeg>
 inline VI Visible(const int32_t* seg, int64_t j, int64_t i) {
-  return Below(j, i + 1) & (LoadI(seg + j) == seg[i]);
+  if constexpr (kSeg) return Below(j, i + 1) & (LoadI(seg + j) == seg[i]);
+  return Below(j, i + 1);
 }
 
 // Bring a batch row's segment ids into a buffer padded to ld (whole-vector loads stay inside it).
@@ -176,18 +179,19 @@ void CopySegments(const int32_t* from, int64_t T, std::vector<int32_t>& to) {
 
 // Causal softmax of row i (stride-padded, scaled in place into probabilities, zero past i and
 // outside its segment); returns the row's logsumexp.
+template <bool kSeg>
 float SoftmaxRow(float* s, int64_t i, float scale, const int32_t* seg) {
   const int64_t n = i + 1;
   V mx = Splat(-INFINITY);
   for (int64_t j = 0; j < n; j += kLanes) {
     const V x = Load(s + j) * scale;
     Store(s + j, x);
-    mx = Visible(seg, j, i) ? (x > mx ? x : mx) : mx;
+    mx = Visible<kSeg>(seg, j, i) ? (x > mx ? x : mx) : mx;
   }
   const float m = Max(mx);
   V sm = {};
   for (int64_t j = 0; j < n; j += kLanes) {
-    const V e = Visible(seg, j, i) ? ExpNeg(Load(s + j) - m) : Splat(0.0f);
+    const V e = Visible<kSeg>(seg, j, i) ? ExpNeg(Load(s + j) - m) : Splat(0.0f);
     Store(s + j, e);
     sm += e;
   }
@@ -203,9 +207,19 @@ ffi::Error CheckSegments(const ffi::Buffer<ffi::S32>& seg, const Shape& s) {
   return ffi::Error::Success();
 }
 
+// Row i of the backward: p = exp(s * scale - lse) where visible, ds = p (dp - dl) scale, in place.
+template <bool kSeg>
+void BackwardRow(float* pi, float* dpi, int64_t i, float scale, float lse, float dl, const int32_t* seg) {
+  for (int64_t j = 0; j <= i; j += kLanes) {
+    const V pj = Visible<kSeg>(seg, j, i) ? ExpNeg(Load(pi + j) * scale - lse) : Splat(0.0f);
+    Store(pi + j, pj);
+    Store(dpi + j, pj * (Load(dpi + j) - dl) * scale);  // ds
+  }
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::ResultBuffer<ffi::F32> out,
-                       ffi::ResultBuffer<ffi::F32> lse, float scale) {
+                       ffi::ResultBuffer<ffi::F32> lse, float scale, bool segments) {
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
   if (auto e = CheckSegments(seg, s); e.failure()) return e;
@@ -219,13 +233,15 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     std::vector<int32_t> sg(ld);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = it / H, h = it % H, hk = h / G;
-      CopySegments(sp + b * T, T, sg);
+      if (segments) CopySegments(sp + b * T, T, sg);
       const float* qh = qp + (b * T * H + h) * D;
       const float* kh = kp + (b * T * K + hk) * D;
       const float* vh = vp + (b * T * K + hk) * D;
       PackT(kh, K * D, kt.data(), ld, T, D);
       Scores(qh, H * D, kt.data(), ld, sc.data(), T, D);
-      for (int64_t i = 0; i < T; ++i) lp[it * T + i] = SoftmaxRow(sc.data() + i * ld, i, scale, sg.data());
+      for (int64_t i = 0; i < T; ++i)
+        lp[it * T + i] = segments ? SoftmaxRow<true>(sc.data() + i * ld, i, scale, sg.data())
+                                  : SoftmaxRow<false>(sc.data() + i * ld, i, scale, sg.data());
       MixD<false>(sc.data(), ld, vh, K * D, op + (b * T * H + h) * D, H * D, T, D, false);
     }
   });
@@ -235,7 +251,8 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> out,
                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
-                        ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale) {
+                        ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
+                        bool segments) {
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
   if (auto e = CheckSegments(seg, s); e.failure()) return e;
@@ -251,7 +268,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     std::vector<int32_t> sg(ld);
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t b = it / K, hk = it % K;
-      CopySegments(sp + b * T, T, sg);
+      if (segments) CopySegments(sp + b * T, T, sg);
       const float* kh = kp + (b * T * K + hk) * D;
       const float* vh = vp + (b * T * K + hk) * D;
       float* dkh = dkp + (b * T * K + hk) * D;
@@ -270,11 +287,10 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
           for (int64_t d = 0; d < D; ++d) dl += oi[d] * gi[d];
           float* pi = p.data() + i * ld;
           float* dpi = dp.data() + i * ld;
-          for (int64_t j = 0; j <= i; j += kLanes) {
-            const V pj = Visible(sg.data(), j, i) ? ExpNeg(Load(pi + j) * scale - l[i]) : Splat(0.0f);
-            Store(pi + j, pj);
-            Store(dpi + j, pj * (Load(dpi + j) - dl) * scale);  // ds
-          }
+          if (segments)
+            BackwardRow<true>(pi, dpi, i, scale, l[i], dl, sg.data());
+          else
+            BackwardRow<false>(pi, dpi, i, scale, l[i], dl, sg.data());
         }
         MixD<false>(dp.data(), ld, kh, K * D, dqp + rq, H * D, T, D, false);  // dq = ds k
         MixD<true>(p.data(), ld, gp + rq, H * D, dvh, K * D, T, D, g > 0);   // dv = p^T dout
@@ -296,7 +312,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionFwd, ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // segment ids (B, T)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, T, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (B, H, T)
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("segments"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBwd, BackwardImpl,
                               ffi::Ffi::Bind()
@@ -311,4 +328,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBwd, BackwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dq
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dv
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("segments"));
