@@ -31,7 +31,11 @@ using namespace jaxgpt_simd;  // NOLINT: V, Load, Store, ExpNeg, ParallelParts (
 constexpr int64_t kRows = 4;    // rows of a value-mixing tile: 4 x D / 16 accumulators
 constexpr int64_t kSRows = 8;   // rows of a score tile: 8 x 2 accumulators (T 256: 40 -> 30 us a head)
 
-const VI kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+const VI kIota = [] {
+  VI v;
+  for (int l = 0; l < kLanes; ++l) v[l] = l;
+  return v;
+}();
 
 // lanes j, j + 1, ... below n
 inline VI Below(int64_t j, int64_t n) { return (static_cast<int32_t>(j) + kIota) < static_cast<int32_t>(n); }
@@ -122,10 +126,10 @@ template <bool kT>
 void MixD(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t D,
           bool accumulate) {
   switch (D) {
-    case 16: return Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    case 32: return Mix<2, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    case 64: return Mix<4, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    case 128: return Mix<8, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 16: return Mix<16 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 32: return Mix<32 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 64: return Mix<64 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 128: return Mix<128 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
     default: return Mix<0, kT>(p, ld, x, sx, out, so, T, D, accumulate);
   }
 }

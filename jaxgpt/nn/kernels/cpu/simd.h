@@ -18,7 +18,14 @@ namespace jaxgpt_simd {
 
 namespace ffi = xla::ffi;
 
-constexpr int64_t kLanes = 16;  // floats in one vector (one AVX-512 / two AVX2 registers)
+// Floats in one vector: one register. 16 with AVX-512; 8 elsewhere (AVX2, NEON pairs, the portable
+// build): GCC lowers a vector wider than the target's registers through the stack (every scalar
+// broadcast stored and reloaded), which made the AVX2 build of the attention kernel 16x slower.
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 
 // Explicit vectors: GCC vectorised neither the attention softmax's exp loop nor its backward's, and
 // its auto-vectorised dot loops reloaded their accumulators on every multiply-add. Loads and stores
@@ -51,8 +58,12 @@ inline float Sum(V v) {
 inline float TreeSum(V v) {
   typedef float V8 __attribute__((vector_size(32)));
   typedef float V4 __attribute__((vector_size(16)));
+#ifdef __AVX512F__
   const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const V8 a = v;
+#endif
   const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
