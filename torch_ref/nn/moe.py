@@ -95,6 +95,8 @@ def router_losses(model: nn.Module, scope: str = "pooled"):
     z = sum(s["z"] for s in stats) / rows
     if scope == "layer":
         return e * torch.stack([torch.sum(s["counts"] * s["probs"]) / s["rows"] ** 2 for s in stats]).mean(), z
+    if scope != "pooled":
+        raise ValueError(f"aux_loss_scope={scope!r} is not 'pooled' or 'layer'")
     counts, probs = sum(s["counts"] for s in stats), sum(s["probs"] for s in stats)
     return e * torch.sum(counts / rows * probs / rows), z
 

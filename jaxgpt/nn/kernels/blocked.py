@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgpt.nn import precision
-from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask, keys_before
+from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask, keys_before, segment_mask
 
 class _Static(NamedTuple):
     causal: bool
@@ -33,7 +33,7 @@ def _block_scores(cfg: _Static, qi, kj, i, j, mask, q_offset, seg=None):
     if seg is not None:  # (B, 1, 1, bq, bk): this block pair's part of the segment mask, never the whole
         qs = lax.dynamic_slice_in_dim(seg[0], i * cfg.bq, cfg.bq, 1)
         ks = lax.dynamic_slice_in_dim(seg[1], j * cfg.bk, cfg.bk, 1)
-        allowed = (qs[:, :, None] == ks[:, None, :])[:, None, None]
+        allowed = segment_mask(qs, ks)[:, :, None]
     if mask is not None:
         mb = mask if mask.shape[3] == 1 else lax.dynamic_slice_in_dim(mask, i * cfg.bq, cfg.bq, 3)
         allowed = both(allowed, mb if mb.shape[4] == 1 else lax.dynamic_slice_in_dim(mb, j * cfg.bk, cfg.bk, 4))
