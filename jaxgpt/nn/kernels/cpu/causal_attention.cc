@@ -28,8 +28,18 @@ namespace {
 
 using namespace jaxgpt_simd;  // NOLINT: V, Load, Store, ExpNeg, ParallelParts (simd.h)
 
-constexpr int64_t kRows = 4;    // rows of a value-mixing tile: 4 x D / 16 accumulators
-constexpr int64_t kSRows = 8;   // rows of a score tile: 8 x 2 accumulators (T 256: 40 -> 30 us a head)
+// Register tiles, from the target's vector registers (simd.h's kVRegs), so that accumulators and
+// operands stay in registers on every ISA; the AVX-512 tiles are the ones measured there.
+// A score tile: kSRows x 2 accumulators + 2 key vectors + a broadcast query element (AVX-512: 8 rows,
+// T 256: 40 -> 30 us a head; AVX2: 6).
+constexpr int64_t kSRows = std::min<int64_t>(8, (kVRegs - 3) / 2);
+// A value-mixing tile: MixRows<NC>() output rows x NC vectors of columns + NC value vectors + a weight
+// (AVX-512: 4 x 4 at D 64, as tuned there; AVX2: 6 x 2).
+constexpr int kMixCols = kVRegs >= 32 ? 4 : 2;
+template <int NC>
+constexpr int64_t MixRows() {
+  return std::min<int64_t>(kVRegs >= 32 ? 4 : 8, (kVRegs - 1 - NC) / NC);
+}
 
 const VI kIota = [] {
   VI v;
@@ -45,8 +55,8 @@ inline VI Below(int64_t j, int64_t n) { return (static_cast<int32_t>(j) + kIota)
 inline int64_t Padded(int64_t T) { return (T + kLanes - 1) / kLanes * kLanes; }
 
 // s[i * ld + j] = a_i . bt[:, j] for the tiles that hold a j <= i. a: rows of D with stride sa;
-// bt: (D, ld) packed. A tile is kSRows x 2 vectors (16 independent accumulators keep two FMA units
-// of latency 4 busy), or x 1 vector for the last 16 columns a row tile needs.
+// bt: (D, ld) packed. A tile is kSRows x 2 vectors (12-16 independent accumulators keep two FMA units
+// of latency 4 busy), or x 1 vector for the last kLanes columns a row tile needs.
 void Scores(const float* a, int64_t sa, const float* bt, int64_t ld, float* s, int64_t T, int64_t D) {
   for (int64_t i0 = 0; i0 < T; i0 += kSRows) {
     const int64_t rows = std::min(kSRows, T - i0);
@@ -82,42 +92,44 @@ void Scores(const float* a, int64_t sa, const float* bt, int64_t ld, float* s, i
 // out_o (+)= sum_s w(o, s) x_s over the causal pairs, x: rows of D with stride sx, out: rows of D with
 // stride so. kT false: w = p[o * ld + s] for s <= o (out = p x: the output, dq). kT true: w = p[s * ld + o]
 // for s >= o (out = p^T x: dv, dk), read from p as it lies, so no T x T transpose is made.
-// NV = D / kLanes vectors per row (a template, so the accumulators stay in registers); 0: any D.
-template <int NV, bool kT>
-void Mix(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t Drt,
+// NC > 0: D is a multiple of NC vectors, done NC at a time (a template, so the accumulators stay in
+// registers); a short last row tile weighs its missing rows 0. NC = 0: any D, one row at a time.
+template <int NC, bool kT>
+void Mix(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t D,
          bool accumulate) {
-  const int64_t D = NV > 0 ? NV * kLanes : Drt;
   auto weight = [&](int64_t o, int64_t s) { return kT ? p[s * ld + o] : p[o * ld + s]; };
-  for (int64_t o0 = 0; o0 < T; o0 += kRows) {
-    const int64_t rows = std::min(kRows, T - o0);
-    if (NV > 0 && rows == kRows) {
-      V acc[kRows][NV > 0 ? NV : 1] = {};
-      for (int64_t s = kT ? o0 : 0; s < (kT ? T : o0 + kRows); ++s) {
-        const float* xs = x + s * sx;
-        V xv[NV > 0 ? NV : 1];
-        for (int c = 0; c < NV; ++c) xv[c] = Load(xs + c * kLanes);
-        for (int64_t r = 0; r < kRows; ++r) {
-          const float w = (kT ? o0 + r <= s : s <= o0 + r) ? weight(o0 + r, s) : 0.0f;
-          for (int c = 0; c < NV; ++c) acc[r][c] += w * xv[c];
+  if constexpr (NC > 0) {
+    constexpr int64_t R = MixRows<NC>();
+    for (int64_t o0 = 0; o0 < T; o0 += R) {
+      const int64_t rows = std::min(R, T - o0);
+      for (int64_t c0 = 0; c0 < D; c0 += NC * kLanes) {
+        V acc[R][NC] = {};
+        for (int64_t s = kT ? o0 : 0; s < (kT ? T : o0 + rows); ++s) {
+          const float* xs = x + s * sx + c0;
+          V xv[NC];
+          for (int c = 0; c < NC; ++c) xv[c] = Load(xs + c * kLanes);
+          for (int64_t r = 0; r < R; ++r) {
+            const float w = r < rows && (kT ? o0 + r <= s : s <= o0 + r) ? weight(o0 + r, s) : 0.0f;
+            for (int c = 0; c < NC; ++c) acc[r][c] += w * xv[c];
+          }
         }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int c = 0; c < NC; ++c) {
+            float* o = out + (o0 + r) * so + c0 + c * kLanes;
+            Store(o, accumulate ? Load(o) + acc[r][c] : acc[r][c]);
+          }
       }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int c = 0; c < NV; ++c) {
-          float* o = out + (o0 + r) * so + c * kLanes;
-          Store(o, accumulate ? Load(o) + acc[r][c] : acc[r][c]);
-        }
-      continue;
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = o0 + r;
-      float* o = out + i * so;
-      if (!accumulate)
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int64_t s = kT ? i : 0; s < (kT ? T : i + 1); ++s) {
-        const float w = weight(i, s);
-        const float* xs = x + s * sx;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * xs[d];
-      }
+    return;
+  }
+  for (int64_t i = 0; i < T; ++i) {
+    float* o = out + i * so;
+    if (!accumulate)
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int64_t s = kT ? i : 0; s < (kT ? T : i + 1); ++s) {
+      const float w = weight(i, s);
+      const float* xs = x + s * sx;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * xs[d];
     }
   }
 }
@@ -125,12 +137,15 @@ void Mix(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int
 template <bool kT>
 void MixD(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t D,
           bool accumulate) {
-  switch (D) {
-    case 16: return Mix<16 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    case 32: return Mix<32 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    case 64: return Mix<64 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    case 128: return Mix<128 / kLanes, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    default: return Mix<0, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+  if (D % kLanes) return Mix<0, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+  switch (std::min<int64_t>(kMixCols, D / kLanes)) {  // column vectors a tile takes: the most that divide D
+    case 1: return Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    case 2: return D % (2 * kLanes) ? Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate)
+                                    : Mix<2, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+    default:
+      if (D % (4 * kLanes) == 0) return Mix<4, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+      if (D % (2 * kLanes) == 0) return Mix<2, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+      return Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate);
   }
 }
 

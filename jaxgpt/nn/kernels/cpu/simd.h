@@ -27,6 +27,17 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kLanes = 8;
 #endif
 
+// Vector registers the target has, counted in V-sized vectors: they bound a kernel's register tile
+// (accumulators + operands), past which GCC spills accumulators to the stack. AVX-512: 32 zmm; AVX2:
+// 16 ymm; NEON: 32 q registers, two to a V; the x86 baseline (SSE2): 16 xmm, two to a V.
+#if defined(__AVX512F__)
+constexpr int kVRegs = 32;
+#elif defined(__AVX__) || defined(__aarch64__)
+constexpr int kVRegs = 16;
+#else
+constexpr int kVRegs = 8;
+#endif
+
 // Explicit vectors: GCC vectorised neither the attention softmax's exp loop nor its backward's, and
 // its auto-vectorised dot loops reloaded their accumulators on every multiply-add. Loads and stores
 // go through a may_alias, 4-byte-aligned vector type: the memcpy idiom made GCC bounce every loaded
