@@ -89,8 +89,10 @@ class SpecPolicy:
         self._tested = self._tested * ALPHA_KEEP + accepted + rejections
 
     def estimates(self) -> dict:
-        """alpha, expected tokens a round, and per bucket: the two times and the decision (for /metrics)."""
-        buckets = sorted({b for _, b in self._times})
+        """alpha, expected tokens a round, and per bucket: the two times and the decision (for /metrics,
+        on another thread than the engine's: list() copies the keys in one step, before a new bucket
+        could change the dict's size mid-iteration)."""
+        buckets = sorted({b for _, b in list(self._times)})
         return dict(alpha=self.alpha, expected_tokens=self.expected_tokens(),
                     buckets={b: dict(t_spec=self.time(True, b), t_plain=self.time(False, b), wins=self.wins(b))
                              for b in buckets})
