@@ -227,10 +227,13 @@ class Engine(Scheduler):
     def _run(self, kind: str, rows):
         self.stats["calls"] += 1
         shape = self._shape(kind, len(rows), max(n for _, n in rows), max(self._pages_for(r.computed + n) for r, n in rows))
-        warm = shape in self.shapes  # a first call's time is its compilation's
+        # the auto rule's samples; a first call's time is its compilation's
+        timed = self.spec_policy is not None and kind != "prefill" and shape in self.shapes
+        if timed:  # the draft's queued prefill chunk or catch-up is neither mode's cost: a catch-up before every
+            jax.block_until_ready(self.draft["pools"])  # re-explored round would keep speculation off (a wait, no copy)
         t0 = time.perf_counter()
         out = self._call(*shape, rows)  # returns host arrays: the time includes the device's work
-        if warm and kind != "prefill" and self.spec_policy is not None:
+        if timed:
             self.spec_policy.record_time(kind == "spec", self.spec_bucket(len(rows)), time.perf_counter() - t0)
         return out
 
