@@ -21,7 +21,8 @@ tested proposals) stands in before any. t_spec and t_plain are medians of a buck
 A bucket missing a time takes the mode it lacks (speculation first), and every ``EXPLORE_EVERY``-th
 step of a bucket takes the losing mode once, so a change of acceptance or load can flip the rule
 back. Pure Python and deterministic given the timings the engine feeds it (``Engine._run`` times
-its speculative and plain decode calls, host sync included; calls that compiled are left out).
+its speculative and plain decode calls, host sync included, after waiting for the draft's queued
+work; calls that compiled are left out).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def main(argv=None):
                     help="the target's learning rate (the draft's is 3e-3): at 3e-3 a 4x512 target stalls near "
                          "loss 2.5, above its 1x64 draft, and its greedy text is easy to predict (acceptance 0.92-0.96)")
     ap.add_argument("--in-flight", default="8,1", help="engine arms: requests in flight together, comma-separated "
-                                                       "(1 = one at a time); 1,2,4,8 finds Engine.spec_max_batch")
+                                                       "(1 = one at a time); 1,2,4,8 finds the crossover batch size")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline (speculative_generate) arms")
     ap.add_argument("--spec-max-batch", default="8", help="the draft engine arms' rules, comma-separated: an int "
                                                          "(speculate while at most that many requests run; 8 = "
