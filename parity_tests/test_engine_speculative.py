@@ -4,8 +4,9 @@ Greedy: token-identical to transformers' ``generate`` on each request alone (the
 test did not compute), with two drafts: one that always agrees (the target itself: every
 round emits k + 1 tokens) and one that agrees often (the target with perturbed weights: accepted
 prefixes of every length, rejections); under ragged arrivals, chunked prefill and forced
-preemption; and with speculation switched off above ``spec_max_batch`` running requests and
-back on below it. A draft of another shape than the target's runs in the sampling test and in
+preemption; with speculation switched off above ``spec_max_batch`` running requests and
+back on below it; and with the auto rule (``spec_max_batch='auto'``, the default) flipping it
+by a scripted cost model. A draft of another shape than the target's runs in the sampling test and in
 test_serve.py's ``--draft`` test. Sampling: the engine's second and
 third tokens are distributed as the target's own (temperature 0.8, top-k 4 of a 5-token
 vocabulary), the reference computed here from the target's logits in NumPy, within 4.5
@@ -23,6 +24,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.inference import speculative
 from jaxgpt.inference.engine import Engine
 from jaxgpt.inference.sampling import SamplingParams
+from jaxgpt.inference.spec_policy import SpecPolicy
 from jaxgpt.models import init_params
 from test_engine import _run_staggered, llama, references  # noqa: F401  (module fixtures, HF references)
 
@@ -56,6 +58,10 @@ def test_greedy_with_a_draft_identical_to_hf(llama, references, draft):  # noqa:
     rate = s["spec_accepted"] / s["spec_proposed"]
     assert {"itself": rate == 1.0, "perturbed": 0.2 < rate < 1.0}[draft], rate
     assert s["preemptions"] > 0
+    # the default auto rule was fed this machine's call times (some bucket holds both) and the acceptance
+    est = eng.spec_policy.estimates()
+    assert any(e["wins"] is not None for e in est["buckets"].values()), est
+    assert {"itself": est["alpha"] > 0.9, "perturbed": 0.2 < est["alpha"] < 1.0}[draft], est
 
 
 @pytest.mark.parametrize("limit", [2])  # 1 too would double the time for the same paths
@@ -85,6 +91,47 @@ def test_speculation_turns_off_above_spec_max_batch_and_back_on(llama, reference
     s = eng.stats
     assert s["spec_catch_up_tokens"] > 0  # requests came back to speculation after plain steps
     assert s["spec_accepted"] == s["spec_proposed"], (s["spec_accepted"], s["spec_proposed"])
+
+
+class ScriptedCosts(SpecPolicy):
+    """The auto rule with the test's cost model in place of the machine's clock: a plain step costs
+    1, a round 1 at one row (it wins) and 100 at more (it loses). Re-explores every 4th step of a
+    bucket, so the rule flips back and forth within the test. Logs each step's (bucket, decision)."""
+
+    def __init__(self, k):
+        super().__init__(k, explore_every=4)
+        self.log = []
+
+    def record_time(self, speculative, bucket, seconds):
+        super().record_time(speculative, bucket, 100.0 if speculative and bucket > 1 else 1.0)
+
+    def speculates(self, bucket):
+        self.log.append((bucket, super().speculates(bucket)))
+        return self.log[-1][1]
+
+
+def test_auto_rule_flips_speculation_and_keeps_greedy_tokens(llama, references):  # noqa: F811 - a pytest fixture argument named as the imported fixture
+    """spec_max_batch='auto' (the default): the engine feeds the policy its call times and each
+    round's acceptance and asks it each step. With the scripted costs speculation is off at 2-4
+    decoding rows (but for explorations) and on at one, and the draft is caught up at each switch
+    back: the target as its own draft keeps every proposal accepted, tokens stay transformers'."""
+    _, config, params = llama
+    prompts, news, hf, _ = references
+    eng = Engine(config, params, page_size=8, draft=(config, params), num_speculative_tokens=K, **CHUNKED)
+    assert eng.spec_max_batch == "auto" and isinstance(eng.spec_policy, SpecPolicy)
+    eng.spec_policy = pol = ScriptedCosts(K)
+    assert _run_staggered(eng, prompts, news) == hf
+    assert eng.allocator.free == eng.allocator.total and not eng._draft_at
+    s = eng.stats
+    assert s["spec_accepted"] == s["spec_proposed"] > 0, (s["spec_accepted"], s["spec_proposed"])
+    assert s["spec_catch_up_tokens"] > 0
+    on_small = [on for b, on in pol.log if b == 1]
+    on_large = [on for b, on in pol.log if b > 1]
+    assert any(on_small) and not all(on_large) and any(on_large)  # both modes, explorations above one row
+    assert sum(on_large) < len(on_large) / 2 and sum(on_small) > len(on_small) / 2
+    assert s["spec_off_steps"] == sum(not on for _, on in pol.log)  # the engine did as the rule said
+    assert 0 < s["spec_rounds"] <= sum(on for _, on in pol.log)
+    assert pol.alpha > 0.9 and pol.wins(1) and pol.wins(2) is False
 
 
 @pytest.mark.slow  # ~14 s: make test-slow (make test keeps the fast tier under 10 min)
@@ -152,8 +199,9 @@ def test_draft_errors_name_the_value(llama):  # noqa: F811 - a pytest fixture ar
     short = dataclasses.replace(config, max_len=32)
     with pytest.raises(ValueError, match=r"draft's context \(32\) is shorter than the target's max_model_len \(64\)"):
         Engine(config, params, draft=(short, params))
-    with pytest.raises(ValueError, match="spec_max_batch must be >= 1, got 0"):
-        Engine(config, params, draft=(config, params), spec_max_batch=0)
+    for bad in (0, "always", 2.0, True):
+        with pytest.raises(ValueError, match=f"spec_max_batch must be 'auto' or an int >= 1, got {bad!r}"):
+            Engine(config, params, draft=(config, params), spec_max_batch=bad)
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
         Engine(config, params, draft=(config, params), num_speculative_tokens=0)
     with pytest.raises(ValueError, match="takes num_speculative_tokens \\+ 1 = 9 tokens of max_tokens_per_step=8"):

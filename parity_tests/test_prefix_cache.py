@@ -233,8 +233,10 @@ def test_a_page_the_draft_fell_behind_on_is_not_cached():
 
     config = ModelConfig(vocab_size=32, d_model=16, n_layer=1, n_head=2, max_len=66, pos="rope")
     params = init_params(config, jax.random.PRNGKey(0))
+    # spec_max_batch=2, the fixed rule: every step speculates (the default auto rule would also take
+    # plain steps to measure them, and the draft would fall behind elsewhere too)
     eng = Engine(config, params, max_seqs=2, page_size=PAGE, max_tokens_per_step=16, draft=(config, params),
-                 num_speculative_tokens=3)
+                 num_speculative_tokens=3, spec_max_batch=2)
     prompt = list(range(1, 31)) + list(range(1, 14))
     out = _finish(eng, [prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     assert len(prompt) + len(out) == 66 and eng.stats["spec_accepted"] == eng.stats["spec_proposed"] == 15

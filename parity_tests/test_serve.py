@@ -163,11 +163,21 @@ def test_serve_with_a_draft_is_identical_to_hf_and_reports_acceptance(model_dir,
         m = _metrics(url)
         assert engine.draft is not None and engine.stats["spec_proposed"] > 0
         # the rate /metrics reports is the engine's; how many rounds ran (and so whether one was rejected)
-        # depends on how the 12 streams overlapped (speculation is off above spec_max_batch): once all
-        # were accepted (CI, 2026-11-27). Rejections are test_engine_speculative.py's.
+        # depends on how the 12 streams overlapped and on the auto rule's measurements (speculation is off
+        # where it measured a loss): once all were accepted (CI, 2026-11-27). Rejections are
+        # test_engine_speculative.py's.
         stats = engine.stats
         assert m["jaxgpt_spec_acceptance_rate"] == pytest.approx(stats["spec_accepted"] / stats["spec_proposed"])
         assert 0 < m["jaxgpt_spec_acceptance_rate"] <= 1
+        assert m["jaxgpt_spec_rounds_total"] == stats["spec_rounds"] > 0
+        assert m["jaxgpt_spec_off_steps_total"] == stats["spec_off_steps"]
+        est = engine.spec_policy.estimates()  # the default auto rule's state, one labelled sample a rows bucket
+        assert m["jaxgpt_spec_alpha"] == pytest.approx(est["alpha"]) and 0 < est["alpha"] <= 1
+        assert est["buckets"], est  # call times were measured
+        for b, e in est["buckets"].items():
+            for name, key in (("jaxgpt_spec_round_seconds", "t_spec"), ("jaxgpt_decode_step_seconds", "t_plain")):
+                assert m.get(f'{name}{{rows="{b}"}}') == (None if e[key] is None else pytest.approx(e[key]))
+            assert m.get(f'jaxgpt_spec_on{{rows="{b}"}}') == (None if e["wins"] is None else int(e["wins"]))
         assert m["jaxgpt_kv_pages_free"] == m["jaxgpt_kv_pages_total"]
     finally:
         server.should_exit = True

@@ -1,6 +1,7 @@
 """``jaxgpt serve MODEL``: an OpenAI-compatible server (docs/serving.md)."""
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -21,6 +22,19 @@ def chat_template_of(model: str) -> str | None:
         t = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
         return t if isinstance(t, str) else None
     return None
+
+
+def spec_max_batch(text: str):
+    """--spec-max-batch: 'auto' or an int >= 1 (argparse prints the error's message)."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1 (requests running), got {text!r}")
+    return n
 
 
 def build_engine(args):
@@ -123,8 +137,9 @@ def add_parser(sub) -> None:
                    help="do not reuse the KV pages of prompt prefixes other requests computed (docs/serving.md)")
     s.add_argument("--draft", help="draft model for speculative decoding (same vocabulary)")
     s.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed a round")
-    s.add_argument("--spec-max-batch", type=int,
-                   help="speculate while at most this many requests run (default: Engine's SPEC_MAX_BATCH, 4)")
+    s.add_argument("--spec-max-batch", type=spec_max_batch, metavar="auto|N",
+                   help="auto (the default): speculate where the measured acceptance and call times say a round "
+                        "pays at the batch's size; N: speculate while at most N requests run")
     s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' under /v1 (default: $JAXGPT_API_KEY)")
     s.add_argument("--request-timeout", type=float, help="seconds a request may run (504, or a stream's last "

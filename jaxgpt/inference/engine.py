@@ -18,6 +18,9 @@ proposes k tokens a row, the target scores them, and each row emits its accepted
 token. The draft keeps its own pools under the same page ids, filled by the same prefill chunks;
 a rejected tail needs no rewind, since ``computed`` moves past the accepted tokens only and later
 writes overwrite the rest.
+With ``spec_max_batch='auto'`` (the default) each step speculates where the measured acceptance
+and call times say a round yields more tokens a second than plain steps at that batch size
+(``spec_policy.SpecPolicy``); an int speculates while at most that many requests run.
 
 Shapes come from power-of-two buckets (rows, tokens per row, pages per row; a prefill call at
 most ``max(max_tokens_per_step, 64)`` padded token slots), so the programs form a fixed set
@@ -44,9 +47,10 @@ from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 
-# Speculate while at most this many requests run. bench_speculative (docs/serving.md, 2-core CPU): with
-# the default k = 4, 1.34x at one request, 0.71x at 8 in flight; linearly interpolated, even near 5.
-SPEC_MAX_BATCH = 4
+# 'auto': speculate where measured acceptance and call times say it pays (spec_policy.py). The crossover
+# batch size moves with the acceptance rate (docs/serving.md: a pair agreeing 30% of the time loses at 8
+# in flight on a 2-core CPU, one agreeing 97% wins 1.97x there), so no fixed int is right for every pair.
+SPEC_MAX_BATCH = "auto"
 
 
 @partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
@@ -72,8 +76,9 @@ class Engine(Scheduler):
     ``max_len`` (the default); it sets the pages a sequence may hold.
     ``kv_dtype``: 'auto' (the compute dtype), 'float32', 'bfloat16', 'int8'.
     ``draft``: (config, params) of a smaller model with the same vocabulary, for speculative
-    decoding with ``num_speculative_tokens`` proposals a round, while at most ``spec_max_batch``
-    requests are running (above it speculation loses; plain decode steps until the batch shrinks).
+    decoding with ``num_speculative_tokens`` proposals a round. ``spec_max_batch``: 'auto' decides
+    each step from measured acceptance and call times (``self.spec_policy``, spec_policy.py); an
+    int speculates while at most that many requests are running. Otherwise rows take plain decode steps.
     ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the CPU kernel
     (kernels/paged_ffi.py, float32 pages), 'gather' pure JAX, 'auto' the first where it can run.
     ``enable_prefix_caching``: full KV pages of shared prefixes are reused (prefix_cache.py).
@@ -82,7 +87,7 @@ class Engine(Scheduler):
     def __init__(self, config, params, *, max_seqs: int = 32, page_size: int = 16, num_pages: int | None = None,
                  max_tokens_per_step: int = 512, kv_dtype: str = "auto", paged_kernel: str = "auto", eos_ids=(),
                  decode=None, draft=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
-                 spec_max_batch: int = SPEC_MAX_BATCH, enable_prefix_caching: bool = True):
+                 spec_max_batch: int | str = SPEC_MAX_BATCH, enable_prefix_caching: bool = True):
         if config.residual != "standard":
             raise ValueError(f"the engine needs a KV cache; residual={config.residual!r} models have none")
         for name, val in (("max_seqs", max_seqs), ("page_size", page_size), ("max_tokens_per_step",
@@ -102,8 +107,8 @@ class Engine(Scheduler):
         if num_pages - 1 < pages_per_seq:
             raise ValueError(f"num_pages={num_pages} cannot hold one full context ({max_model_len} tokens = "
                              f"{pages_per_seq} pages of {page_size}, plus the scratch page)")
-        if spec_max_batch < 1:
-            raise ValueError(f"spec_max_batch must be >= 1, got {spec_max_batch}")
+        if not (spec_max_batch == "auto" or type(spec_max_batch) is int and spec_max_batch >= 1):  # not a bool
+            raise ValueError(f"spec_max_batch must be 'auto' or an int >= 1, got {spec_max_batch!r}")
         # token_vocab: a padded table's extra rows are no tokens
         super().__init__(vocab=self.config.token_vocab, max_model_len=max_model_len, max_seqs=max_seqs,
                          page_size=page_size, num_pages=num_pages, budget=max_tokens_per_step,
@@ -136,7 +141,7 @@ class Engine(Scheduler):
                              f"max_tokens_per_step={self.budget}; raise it or lower num_speculative_tokens")
         config, params = unstack_layers(config, params)
         pools = init_pools(config, num_pages, self.page_size, kv_dtype)
-        self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0)
+        self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0, spec_rounds=0, spec_off_steps=0)
         return dict(config=config, params=jax.device_put(params), pools=pools,
                     kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
 
@@ -221,8 +226,16 @@ class Engine(Scheduler):
 
     def _run(self, kind: str, rows):
         self.stats["calls"] += 1
-        return self._call(*self._shape(kind, len(rows), max(n for _, n in rows),
-                                       max(self._pages_for(r.computed + n) for r, n in rows)), rows)
+        shape = self._shape(kind, len(rows), max(n for _, n in rows), max(self._pages_for(r.computed + n) for r, n in rows))
+        # the auto rule's samples; a first call's time is its compilation's
+        timed = self.spec_policy is not None and kind != "prefill" and shape in self.shapes
+        if timed:  # the draft's queued prefill chunk or catch-up is neither mode's cost: a catch-up before every
+            jax.block_until_ready(self.draft["pools"])  # re-explored round would keep speculation off (a wait, no copy)
+        t0 = time.perf_counter()
+        out = self._call(*shape, rows)  # returns host arrays: the time includes the device's work
+        if timed:
+            self.spec_policy.record_time(kind == "spec", self.spec_bucket(len(rows)), time.perf_counter() - t0)
+        return out
 
     def step(self) -> list[RequestOutput]:
         """One scheduling round; returns what each request produced in it (streaming)."""
@@ -245,8 +258,8 @@ class Engine(Scheduler):
         return outs
 
     def _catch_up(self, reqs) -> None:
-        """Feed the draft the tokens it missed while its requests took plain decode steps (the batch
-        was above spec_max_batch), so its pages hold every computed token again: draft-only prefill
+        """Feed the draft the tokens it missed while its requests took plain decode steps (speculation
+        was off for their batch), so its pages hold every computed token again: draft-only prefill
         calls of the prefill shapes (the draft's half of them is compiled by ``precompile``)."""
         while reqs:
             rows = []
@@ -269,8 +282,12 @@ class Engine(Scheduler):
     def _accept(self, rows, n, emitted, logp) -> list[RequestOutput]:
         """Each row's accepted drafts and next token, one output per token, up to its finish."""
         outs = []
+        m_rows = [int(m) for m in n[:len(rows)]]
+        self.stats["spec_rounds"] += 1
+        if self.spec_policy is not None:  # a row that accepted m < k proposals stopped at a rejection
+            self.spec_policy.record_round(sum(m_rows), sum(m < self.k for m in m_rows))
         for i, (req, _) in enumerate(rows):
-            m = int(n[i])
+            m = m_rows[i]
             self.stats["spec_proposed"] += self.k
             self.stats["spec_accepted"] += m
             req.computed += m + 1  # the pending token and the m accepted drafts are in both models' pages

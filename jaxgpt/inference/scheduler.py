@@ -3,7 +3,8 @@ pages (allocation, prefix caching, preemption) and each step's plan of rows with
 
 Admission takes waiting requests while pages and ``max_seqs`` allow, first handing each the cached
 full pages of its prefix (prefix_cache.py). ``_schedule`` gives every decoding request one token of
-the ``max_tokens_per_step`` budget (k + 1 when it speculates) and the rest to prefill chunks, the
+the ``max_tokens_per_step`` budget (k + 1 when it speculates: below ``spec_max_batch`` running requests,
+or where ``spec_policy.SpecPolicy``'s measurements say it pays) and the rest to prefill chunks, the
 chunk length chosen by ``paged_cache.plan_prefill`` to waste few padded slots. When pages run out,
 the latest admitted request is preempted: its pages are freed (and stay cached) and it is
 recomputed from its prompt and outputs later. ``Engine`` (engine.py) runs the rows it plans.
@@ -17,19 +18,21 @@ from collections import deque
 import numpy as np
 
 from jaxgpt.inference import prefix_cache, speculative
-from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_ROWS, PageAllocator, next_pow2, plan_prefill
+from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_ROWS, PageAllocator, bucket, next_pow2, plan_prefill
 from jaxgpt.inference.requests import Request
 from jaxgpt.inference.sampling import SamplingParams
+from jaxgpt.inference.spec_policy import SpecPolicy
 
 
 class Scheduler:
     """Requests and pages for an engine of ``max_seqs`` rows, ``num_pages`` pages of ``page_size``
     tokens and ``budget`` tokens a step; token ids in [0, ``vocab``), sequences of at most
     ``max_model_len`` tokens. ``k``: speculative proposals a round (None: no draft model), taken
-    while at most ``spec_max_batch`` requests run."""
+    while at most ``spec_max_batch`` requests run, or with 'auto' where ``spec_policy`` (a
+    ``SpecPolicy``) decides from measured acceptance and call times."""
 
     def __init__(self, *, vocab: int, max_model_len: int, max_seqs: int, page_size: int, num_pages: int, budget: int,
-                 prefix_caching: bool, k: int | None, spec_max_batch: int):
+                 prefix_caching: bool, k: int | None, spec_max_batch: int | str):
         self.vocab, self.max_model_len, self.max_seqs, self.page_size, self.budget = (vocab, max_model_len, max_seqs,
                                                                                        page_size, budget)
         self.max_pages_per_seq = -(-max_model_len // page_size)
@@ -40,6 +43,7 @@ class Scheduler:
         self.allocator = (prefix_cache.PrefixCachingAllocator(num_pages, page_size) if prefix_caching
                           else PageAllocator(num_pages))
         self.k, self.spec_max_batch = k, spec_max_batch
+        self.spec_policy = SpecPolicy(k) if k is not None and spec_max_batch == "auto" else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -100,7 +104,7 @@ class Scheduler:
 
     def _cache(self, req: Request) -> None:
         # with a draft, only pages whose draft keys/values were written too: a request that took plain decode
-        # steps (the batch was above spec_max_batch) has draft pages up to _draft_at until it catches up
+        # steps (speculation was off for its batch) has draft pages up to _draft_at until it catches up
         if self.prefix_caching:
             upto = self._draft_at.get(req.id, req.computed) if self.k is not None else req.computed
             prefix_cache.cache_full_pages(self.allocator, req, upto)
@@ -143,9 +147,20 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
 
-    def _speculates(self, req: Request) -> bool:
-        return (self.k is not None and len(self.running) <= self.spec_max_batch and speculative.supports(req.params)
+    def _can_speculate(self, req: Request) -> bool:
+        return (self.k is not None and speculative.supports(req.params)
                 and req.computed + self.k + 1 <= self.max_model_len)  # a round writes computed .. computed + k
+
+    def spec_bucket(self, n_rows: int) -> int:
+        """The batch size bucket the auto rule keys its measurements by: the speculative call's row bucket."""
+        return bucket(n_rows, 1, self._rows_hi)
+
+    def _spec_on(self, n_rows: int) -> bool:
+        """Whether this step's n_rows decoding rows that can speculate do: the fixed rule counts every
+        running request; the auto rule asks the policy about the rows' bucket (once a step)."""
+        if self.spec_policy is None:
+            return len(self.running) <= self.spec_max_batch
+        return self.spec_policy.speculates(self.spec_bucket(n_rows))
 
     def _schedule(self):
         """-> (speculative rows, decode rows, prefill rows) of (req, n_tokens); pages allocated for them."""
@@ -153,8 +168,13 @@ class Scheduler:
         spec, decode, prefill = [], [], []
         # decoding rows first (a token or a round each keeps every stream moving), then prefill chunks, oldest first
         ready = sorted(self.running, key=lambda r: r.arrival)
-        for req in [r for r in ready if len(r.tokens) - r.computed == 1]:
-            n = self.k + 1 if self._speculates(req) else 1
+        decoding = [r for r in ready if len(r.tokens) - r.computed == 1]
+        can = {id(r) for r in decoding if self._can_speculate(r)}
+        on = bool(can) and self._spec_on(len(can))
+        if can and not on:
+            self.stats["spec_off_steps"] += 1
+        for req in decoding:
+            n = self.k + 1 if on and id(req) in can else 1
             if budget < n:
                 break
             if self._take(req, n):

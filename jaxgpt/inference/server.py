@@ -234,13 +234,31 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
         ]
         if "spec_proposed" in s:
             rate = s["spec_accepted"] / max(1, s["spec_proposed"])
-            lines.append(("jaxgpt_spec_acceptance_rate", "gauge", "accepted / proposed draft tokens", rate))
+            lines += [("jaxgpt_spec_acceptance_rate", "gauge", "accepted / proposed draft tokens", rate),
+                      ("jaxgpt_spec_rounds_total", "counter", "steps that ran a speculative round", s["spec_rounds"]),
+                      ("jaxgpt_spec_off_steps_total", "counter", "steps whose decoding rows could speculate but "
+                       "took plain decode steps (the batch's rule said it loses)", s["spec_off_steps"])]
+        if engine.spec_policy is not None:  # spec_max_batch='auto': what its rule measured and decided
+            est = engine.spec_policy.estimates()
+            per = est["buckets"].items()
+            lines += [("jaxgpt_spec_alpha", "gauge", "per-token acceptance estimate of the auto rule", est["alpha"]),
+                      ("jaxgpt_spec_expected_tokens", "gauge", "tokens a row emits per round at that alpha",
+                       est["expected_tokens"])]
+            for name, key, help_ in (("jaxgpt_spec_round_seconds", "t_spec", "median seconds of a speculative call"),
+                                     ("jaxgpt_decode_step_seconds", "t_plain", "median seconds of a plain decode call")):
+                lines.append((name, "gauge", help_ + " by rows bucket", {f'rows="{b}"': e[key] for b, e in per
+                                                                         if e[key] is not None}))
+            lines.append(("jaxgpt_spec_on", "gauge", "1 where the auto rule's estimates say speculation wins, by rows "
+                          "bucket (it still explores the losing mode now and then)",
+                          {f'rows="{b}"': int(e["wins"]) for b, e in per if e["wins"] is not None}))
         if "prefix_queries" in s:
             lines += [("jaxgpt_prefix_cache_hit_rate", "gauge", "prompt tokens found in the prefix cache / looked up",
                        s["prefix_hits"] / max(1, s["prefix_queries"])),
                       ("jaxgpt_prefix_cache_hits_total", "counter", "prompt tokens found in the prefix cache",
                        s["prefix_hits"])]
-        text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in lines)
+        text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n" + ("".join(f"{n}{{{lab}}} {x}\n" for lab, x in v.items())
+                                                               if isinstance(v, dict) else f"{n} {v}\n")
+                       for n, t, h, v in lines)  # a dict: one sample a label set
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def _body(request: Request) -> dict:

@@ -2,13 +2,18 @@
 
     .venv/bin/python -m scripts.benchmarks.bench_speculative          # -> results/engine/speculative.{json,md}
     .venv/bin/python -m scripts.benchmarks.bench_speculative --steps 20 --tokens 16 --ks 2 --target 2x64 --rounds 1
+    .venv/bin/python -m scripts.benchmarks.bench_speculative --in-flight 1,2,4,8 --ks 4 --no-offline \
+        --spec-max-batch 8,auto          # always-on against the auto rule (and the target alone)
 
 Both models are briefly trained on Tiny Shakespeare (scripts/experiments/int8_kv.py's
 ``train_char_model``; random models would agree on ~1/vocab of the tokens), then 8 held-out
 prompts of 32 characters are continued greedily by ``--tokens`` tokens, in two settings:
 
 - the engine (``Engine``, what ``jaxgpt serve`` runs), with the 8 requests in flight together and
-  with one request at a time: the target alone against ``Engine(draft=...)`` with k proposals;
+  with one request at a time: the target alone against ``Engine(draft=...)`` with k proposals, an
+  arm for each ``--spec-max-batch`` rule (8: speculate at every batch size measured here; auto: the
+  engine's measured rule, spec_policy.py, which also reports the share of decode steps it
+  speculated);
 - offline, one request at a time: ``generate()`` against ``speculative_generate`` (host-driven rounds).
 
 Reported: output tokens/s (every program compiled before timing: ``Engine.precompile()``, or an
@@ -24,6 +29,7 @@ import time
 
 import numpy as np
 
+from jaxgpt.cli.serve import spec_max_batch
 from scripts.experiments.int8_kv import train_char_model
 from scripts.harness import RESULTS, LoadSampler, timing_note, write_result
 
@@ -39,10 +45,17 @@ def main(argv=None):
                     help="the target's learning rate (the draft's is 3e-3): at 3e-3 a 4x512 target stalls near "
                          "loss 2.5, above its 1x64 draft, and its greedy text is easy to predict (acceptance 0.92-0.96)")
     ap.add_argument("--in-flight", default="8,1", help="engine arms: requests in flight together, comma-separated "
-                                                       "(1 = one at a time); 1,2,4,8 finds Engine.spec_max_batch")
+                                                       "(1 = one at a time); 1,2,4,8 finds the crossover batch size")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline (speculative_generate) arms")
+    ap.add_argument("--spec-max-batch", default="8", help="the draft engine arms' rules, comma-separated: an int "
+                                                         "(speculate while at most that many requests run; 8 = "
+                                                         "always here) or auto (the measured rule)")
     ap.add_argument("--out", default=str(RESULTS / "engine" / "speculative.json"))
     a = ap.parse_args(argv)
+    try:
+        rules = [spec_max_batch(r) for r in a.spec_max_batch.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--spec-max-batch: {e}")
 
     from jaxgpt.config import ModelConfig
     from jaxgpt.inference.engine import Engine
@@ -63,22 +76,28 @@ def main(argv=None):
     ks = [int(k) for k in a.ks.split(",")]
     greedy = SamplingParams(max_tokens=a.tokens, ignore_eos=True)
 
-    def engine(k):
-        # spec_max_batch=8: speculate at every batch size measured here (the engine's default turns it off above 4)
-        eng = Engine(target_cfg, tp, max_seqs=8, page_size=16, max_tokens_per_step=64, spec_max_batch=8,
+    def engine(k, rule):
+        # rule 8: speculate at every batch size measured here; 'auto': the engine's measured rule decides
+        eng = Engine(target_cfg, tp, max_seqs=8, page_size=16, max_tokens_per_step=64, spec_max_batch=rule,
                      draft=None if k == 0 else (draft_cfg, dp), num_speculative_tokens=max(k, 1))
         eng.precompile()
         return eng
 
-    engines = {k: engine(k) for k in [0] + ks}
+    # an auto engine keeps its measurements across rounds (a server's would): its warm-up run is the first
+    engines = {(0, 8): engine(0, 8)} | {(k, r): engine(k, r) for k in ks for r in rules}
+    on_share = {}  # (k, rule, in flight) -> the share of decode steps that speculated, in the timed runs
 
-    def run_engine(k, together):
-        eng = engines[k]
+    def run_engine(k, rule, together):
+        eng = engines[k, rule]
         before = dict(eng.stats)
         out = [o for i in range(0, len(prompts), together) for o in eng.generate(prompts[i:i + together], greedy)]
-        acc = (eng.stats["spec_accepted"] - before["spec_accepted"], eng.stats["spec_proposed"] - before["spec_proposed"]) \
-            if k else None
-        return out, acc
+        if not k:
+            return out, None
+        d = {key: eng.stats[key] - before[key] for key in ("spec_accepted", "spec_proposed", "spec_rounds",
+                                                           "spec_off_steps")}
+        on_share.setdefault((k, rule, together), []).append(d["spec_rounds"] / max(1, d["spec_rounds"]
+                                                                                      + d["spec_off_steps"]))
+        return out, (d["spec_accepted"], d["spec_proposed"])
 
     def run_offline(k):
         if k == 0:
@@ -89,34 +108,40 @@ def main(argv=None):
         return out, (stats["accepted"], stats["proposed"])
 
     flights = [int(n) for n in a.in_flight.split(",")]
-    arms = [(f"engine, {n} in flight" if n > 1 else "engine, one at a time", k, lambda k=k, n=n: run_engine(k, n))
-            for n in flights for k in [0] + ks]
+    # (setting, k, rule, in flight, run)
+    arms = [(f"engine, {n} in flight" if n > 1 else "engine, one at a time", k, rule, n,
+             lambda k=k, n=n, rule=rule: run_engine(k, rule, n))
+            for n in flights for k, rule in [(0, 8)] + [(k, r) for k in ks for r in rules]]
     if not a.no_offline:
-        arms += [("offline, one at a time", k, lambda k=k: run_offline(k)) for k in [0] + ks]
-    for _, _, fn in arms:  # compile (offline arms) and warm
+        arms += [("offline, one at a time", k, None, None, lambda k=k: run_offline(k)) for k in [0] + ks]
+    for *_, fn in arms:  # compile (offline arms) and warm
         fn()
+    on_share.clear()
     times: dict[int, list[float]] = {i: [] for i in range(len(arms))}
     outs, accs = {}, {}
     for _ in range(a.rounds):
-        for i, (_, _, fn) in enumerate(arms):
+        for i, (*_, fn) in enumerate(arms):
             t0 = time.perf_counter()
             outs[i], accs[i] = fn()
             times[i].append(time.perf_counter() - t0)
     ref = outs[0]
     rows = []
-    for i, (setting, k, _) in enumerate(arms):
-        base = next(j for j, (s, kk, _) in enumerate(arms) if s == setting and kk == 0)
+    for i, (setting, k, rule, n, _) in enumerate(arms):
+        base = next(j for j, (s, kk, *_) in enumerate(arms) if s == setting and kk == 0)
         wall = statistics.median(times[i])
-        rows.append(dict(setting=setting, k=k, tok_per_s=len(prompts) * a.tokens / wall,
-                         speedup=statistics.median(times[base]) / wall,
+        share = on_share.get((k, rule, n))
+        rows.append(dict(setting=setting, k=k, rule=rule if k else None,
+                         tok_per_s=len(prompts) * a.tokens / wall, speedup=statistics.median(times[base]) / wall,
                          acceptance=None if accs[i] is None else accs[i][0] / accs[i][1],
+                         spec_share=None if share is None else statistics.median(share),
                          identical=f"{sum(o == r for o, r in zip(outs[i], ref))}/{len(ref)}"))
-    lines = ["| setting | draft k | output tokens/s | speed-up | acceptance rate | greedy tokens = target alone |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| setting | draft k | spec_max_batch | output tokens/s | speed-up | acceptance rate | "
+             "decode steps speculated | greedy tokens = target alone |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        lines.append(f"| {r['setting']} | {r['k'] or 'none (target alone)'} | {r['tok_per_s']:.0f} | "
-                     f"{r['speedup']:.2f}x | {acc} | {r['identical']} |")
+        share = "-" if r["spec_share"] is None else f"{r['spec_share']:.0%}"
+        lines.append(f"| {r['setting']} | {r['k'] or 'none (target alone)'} | {r['rule'] or '-'} | "
+                     f"{r['tok_per_s']:.0f} | {r['speedup']:.2f}x | {acc} | {share} | {r['identical']} |")
     note = (f"Target {a.target} (train loss {tloss:.2f}, lr {a.target_lr:g}), draft 1x64 (train loss {dloss:.2f}), "
             f"{a.steps} AdamW steps each (batch 8 x 128 tokens); 8 prompts x {a.tokens} greedy tokens; medians of {a.rounds} alternating rounds; "
             f"{timing_note(load.record())}.")
