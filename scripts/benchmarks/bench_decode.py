@@ -3,6 +3,7 @@
     .venv/bin/python -m scripts.benchmarks.bench_decode            # full table -> results/engine/decode.{json,md}
     .venv/bin/python -m scripts.benchmarks.bench_decode --quick    # CI smoke: tiny shapes, one repeat, < 60 s
     .venv/bin/python -m scripts.benchmarks.bench_decode --slots    # decode-step ms/token vs cache slots only
+    .venv/bin/python -m scripts.benchmarks.bench_decode --isa avx2 # every worker capped at AVX2 (harness.isa_env)
 
 Model: a GPT-2-style GPT2LMHeadModel (6 layers, 384 wide, 6 heads, context 1024, vocab 65 like
 the shakespeare-char preset) with random weights, built from transformers.GPT2Config and saved
@@ -33,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.harness import RESULTS, median_of, report, spawn, timed as _timed
+from scripts.harness import ISAS, RESULTS, isa_env, median_of, report, spawn, timed as _timed
 
 FRAMEWORKS = ("jax-cached", "jax-uncached", "torch-cached", "torch-uncached", "hf-default", "hf-static")
 BUCKET = 64
@@ -263,7 +264,10 @@ def main() -> None:
     ap.add_argument("--cases", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--slot-sizes", default="256,1024,4096")
+    ap.add_argument("--isa", choices=ISAS, default="native", help="cap torch, XLA and jaxgpt's kernels at this "
+                    "instruction set in every worker (scripts/harness.py::isa_env)")
     args = ap.parse_args()
+    os.environ.update(isa_env(args.isa))  # the workers inherit it
     if args.worker == "slots":
         print("RESULT " + json.dumps(slots_worker([int(s) for s in args.slot_sizes.split(",")], 32, 65)))
         return
@@ -277,6 +281,7 @@ def main() -> None:
         dims, batches, news, args.repeats, args.prompt_len = {"vocab": 65, "d": 64, "layers": 2, "heads": 2, "ctx": 128}, [2], [32], 1, 8
         if args.frameworks == ",".join(FRAMEWORKS):
             args.frameworks = "jax-cached,jax-uncached,torch-cached,hf-default"
+    load_before = os.popen("uptime").read().strip()
     slots = [] if args.quick and not args.slots else run_worker(["--worker", "slots", "--slot-sizes", args.slot_sizes])
     rows = []
     if not args.slots:
@@ -303,6 +308,7 @@ def main() -> None:
                                  "compile_s": res[0].get("compile_s"), "speedup_of_jax_cached": (sec / ref_s) if ref_s else float("nan"),
                                  "tokens_match": match, "repeats": len(res)})
     table = markdown(rows, slots)
+    load_after = os.popen("uptime").read().strip()
     print(table)
     out = Path(args.out)
     if args.quick or args.slots:  # keep the full table's files
@@ -310,8 +316,10 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(["python -m scripts.benchmarks.bench_decode", *sys.argv[1:]]), "dims": dims,
                                    "prompt_len": args.prompt_len, "rows": rows, "slots": slots, "cpu_count": os.cpu_count(),
+                                   "isa": args.isa, "uptime_before": load_before, "uptime_after": load_after,
                                    "note": "machine shared with other jobs unless stated; medians of repeats"}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".md").write_text(table + f"\n\nInstruction sets: {args.isa}. uptime before: `{load_before}`; "
+                                      f"after: `{load_after}`.\n")
     bad = [r for r in rows if r["tokens_match"] is False]
     if bad:
         print(f"WARNING: greedy tokens differ from jax cached for {[(r['framework'], r['batch'], r['new']) for r in bad]}",

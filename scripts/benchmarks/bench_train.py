@@ -64,6 +64,11 @@ JAX_SETTINGS = {
     "jaxgpt-remat-dp2": {"config": {"remat": "full"}, "host_devices": 2},
     "jaxgpt-jaxattn": {"config": {"attention_impl": "jax"}},
     "jaxgpt-jaxattn-unrolled-dp2": {"config": {"attention_impl": "jax", "scan_layers": False}, "host_devices": 2},
+    # the other side of each 'auto' rule the default follows on a CPU (docs/performance.md, "On other CPUs"):
+    # XLA's ops instead of the C++ kernels, one device instead of one per core, a scan of one layer a step
+    "jaxgpt-xla-ops": {"config": {"attention_impl": "xla", "norm_impl": "xla", "act_impl": "xla"}},
+    "jaxgpt-1dev": {"host_devices": 1},
+    "jaxgpt-scan1": {"config": {"scan_unroll": 1}},
 }
 RUNNERS = ("torch-eager", "torch-compile", "nanogpt-eager") + tuple(JAX_SETTINGS)
 QUICK_RUNNERS = ("torch-eager", "jaxgpt-default", "jaxgpt-unrolled-dp2")
