@@ -26,25 +26,24 @@ using namespace jaxgpt_simd;
 namespace {
 
 // Columns [lo, hi) of y: every row of w streamed once over that column block, 4 rows at a time.
+// The 4 x values are splatted once per (row block, m): read inside the column loop, they were
+// reloaded and broadcast after every store to y (x and y may alias, as far as the compiler knows),
+// which made the AVX2 build, at 8 floats a vector, 1.4x slower than the AVX-512 one.
 void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t lo, int64_t hi) {
   for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + lo, 0, (hi - lo) * sizeof(float));
   int64_t i = 0;
   for (; i + 4 <= K; i += 4) {
     const float *w0 = w + i * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
-    int64_t c = lo;
-    for (; c + kLanes <= hi; c += kLanes) {
-      const V a = Load(w0 + c), b = Load(w1 + c), d = Load(w2 + c), e = Load(w3 + c);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * K + i;
-        float* ym = y + m * N + c;
-        Store(ym, Load(ym) + (a * xm[0] + b * xm[1] + d * xm[2] + e * xm[3]));
-      }
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K + i;
+      const float s0 = xm[0], s1 = xm[1], s2 = xm[2], s3 = xm[3];
+      const V x0 = Splat(s0), x1 = Splat(s1), x2 = Splat(s2), x3 = Splat(s3);
+      float* ym = y + m * N;
+      int64_t c = lo;
+      for (; c + kLanes <= hi; c += kLanes)
+        Store(ym + c, Load(ym + c) + (Load(w0 + c) * x0 + Load(w1 + c) * x1 + Load(w2 + c) * x2 + Load(w3 + c) * x3));
+      for (; c < hi; ++c) ym[c] += w0[c] * s0 + w1[c] * s1 + w2[c] * s2 + w3[c] * s3;
     }
-    for (; c < hi; ++c)
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xm = x + m * K + i;
-        y[m * N + c] += w0[c] * xm[0] + w1[c] * xm[1] + w2[c] * xm[2] + w3[c] * xm[3];
-      }
   }
   for (; i < K; ++i)
     for (int64_t m = 0; m < M; ++m)

@@ -21,11 +21,17 @@ using namespace jaxgpt_simd;
 
 namespace {
 
+// Two accumulators: one chain of D / kLanes dependent multiply-adds a key was the loop's latency
+// (8 at D 64 with AVX2's 8 lanes, twice AVX-512's).
 inline float Dot(const float* a, const float* b, int64_t n) {
-  V acc = Splat(0.0f);
+  V acc = Splat(0.0f), acc2 = Splat(0.0f);
   int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc += Load(a + i) * Load(b + i);
+    acc2 += Load(a + i + kLanes) * Load(b + i + kLanes);
+  }
   for (; i + kLanes <= n; i += kLanes) acc += Load(a + i) * Load(b + i);
-  float s = TreeSum(acc);
+  float s = TreeSum(acc + acc2);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }

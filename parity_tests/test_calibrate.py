@@ -1,0 +1,98 @@
+"""Per-machine kernel choices (jaxgpt/nn/kernels/calibrate.py): measured once, stored on disk by
+machine, instruction sets and versions, read back later; off, they leave every kernel on. And the
+matvec kernel's rule (matvec_ffi.wins) following the stored answer into generate()'s program."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.inference.generate import generate
+from jaxgpt.nn.kernels import calibrate, matvec_ffi, native
+
+SOURCE = (native.CPU / "matvec.cc",)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXGPT_CACHE", str(tmp_path))
+    monkeypatch.setenv(calibrate.ENV, "auto")
+    matvec_ffi.wins.cache_clear()
+    yield tmp_path
+    matvec_ffi.wins.cache_clear()
+
+
+def counted(wins: bool):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return dict(wins=wins, kernel_s=1.0, xla_s=2.0)
+    return measure, calls
+
+
+def test_measured_once_then_read_back(cache):
+    measure, calls = counted(False)
+    assert calibrate.decide("rule", SOURCE, measure) is False
+    assert calibrate.decide("rule", SOURCE, measure) is False
+    assert len(calls) == 1, "the second call must read the stored answer"
+    stored = json.loads(calibrate.path().read_text())
+    (k, v), = stored.items()
+    assert k == calibrate.key("rule", SOURCE) and v == dict(wins=False, kernel_s=1.0, xla_s=2.0)
+    assert calibrate.cpu_model() in k and " ".join(native.isa_flags()) in k
+
+
+def test_each_rule_and_instruction_set_has_its_own_answer(cache, monkeypatch):
+    first, _ = counted(True)
+    calibrate.decide("rule", SOURCE, first)
+    other, calls = counted(False)
+    assert calibrate.decide("another", SOURCE, other) is False and len(calls) == 1
+    monkeypatch.setenv(native.ISA_ENV, "portable")
+    assert calibrate.decide("rule", SOURCE, other) is False and len(calls) == 2, "another ISA measures again"
+    monkeypatch.setenv(native.ISA_ENV, "native")
+    assert calibrate.decide("rule", SOURCE, other) is True, "the native answer is kept"
+    assert len(json.loads(calibrate.path().read_text())) == 3
+
+
+def test_off_runs_the_kernel_without_measuring_and_redo_measures_again(cache, monkeypatch):
+    measure, calls = counted(False)
+    monkeypatch.setenv(calibrate.ENV, "off")
+    assert calibrate.decide("rule", SOURCE, measure) is True and not calls
+    monkeypatch.setenv(calibrate.ENV, "redo")
+    calibrate.decide("rule", SOURCE, measure)
+    calibrate.decide("rule", SOURCE, measure)
+    assert len(calls) == 2
+    monkeypatch.setenv(calibrate.ENV, "sometimes")
+    with pytest.raises(ValueError, match="JAXGPT_CALIBRATION='sometimes' is not one of"):
+        calibrate.decide("rule", SOURCE, measure)
+
+
+@pytest.mark.parametrize("kernel_wins", [True, False])
+def test_generate_follows_the_stored_matvec_answer(cache, monkeypatch, kernel_wins):
+    if not matvec_ffi.available():
+        pytest.skip("no C++ compiler: the kernel cannot be built")
+    measure, calls = counted(kernel_wins)
+    monkeypatch.setattr(matvec_ffi, "_measure", measure)
+    rows = []
+    real = matvec_ffi.matvec
+    monkeypatch.setattr(matvec_ffi, "matvec", lambda x, w: rows.append(x.shape[0]) or real(x, w))
+    cfg = ModelConfig(vocab_size=31 + kernel_wins, d_model=32, n_layer=1, n_head=2, max_len=16, scan_layers=False)
+    params = jax.tree.map(lambda a: jnp.asarray(np.random.default_rng(0).standard_normal(a.shape), a.dtype) * 0.1,
+                          jax.eval_shape(lambda: __import__("jaxgpt").build(cfg).init(
+                              jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    generate(cfg, params, np.zeros((1, 4), np.int32), 3)
+    assert len(calls) == 1
+    assert bool(rows) == kernel_wins
+
+
+def test_the_matvec_measurement_times_both_paths(cache):
+    """The real measurement (about half a second): both figures, and the rule's margin applied."""
+    if not matvec_ffi.available():
+        pytest.skip("no C++ compiler: the kernel cannot be built")
+    r = matvec_ffi._measure()
+    assert r["kernel_s"] > 0 and r["xla_s"] > 0
+    assert r["wins"] == (r["kernel_s"] < matvec_ffi.MARGIN * r["xla_s"])
