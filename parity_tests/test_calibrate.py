@@ -89,6 +89,19 @@ def test_generate_follows_the_stored_matvec_answer(cache, monkeypatch, kernel_wi
     assert bool(rows) == kernel_wins
 
 
+def test_a_rule_asked_while_tracing_measures_outside_the_trace(cache):
+    """generate() asks the matvec rule while tracing its program; the measurement must still run (in
+    the caller's thread JAX would stage its calls into the traced program and time nothing)."""
+    seen = []
+
+    def measure():
+        seen.append(isinstance(jnp.ones(2) + 1, jax.core.Tracer))
+        return dict(wins=True)
+
+    jax.jit(lambda x: x + calibrate.decide("traced", SOURCE, measure))(jnp.zeros(2))
+    assert seen == [False]
+
+
 def test_the_matvec_measurement_times_both_paths(cache):
     """The real measurement (about half a second): both figures, and the rule's margin applied."""
     if not matvec_ffi.available():

@@ -14,6 +14,7 @@ again.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -74,7 +75,10 @@ def decide(name: str, sources: tuple[Path, ...], measure: Callable[[], dict]) ->
     table = _read()
     if mode() == "auto" and k in table:
         return bool(table[k]["wins"])
-    result = dict(measure())
+    # in a thread of its own: a rule is asked while a program is traced, and under a trace JAX would
+    # stage the measurement's calls into that program instead of running them (trace state is per thread)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result = dict(pool.submit(measure).result())
     table = {**_read(), k: result}  # re-read: another process may have stored its own rule meanwhile
     path().parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path().parent, delete=False, suffix=".tmp") as f:

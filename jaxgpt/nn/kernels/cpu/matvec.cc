@@ -50,6 +50,15 @@ void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int
       for (int64_t c = lo; c < hi; ++c) y[m * N + c] += w[i * N + c] * x[m * K + i];
 }
 
+// A spin-wait's pause: x86's pause, ARM's yield (the kernels build on both: simd.h's portable vectors).
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 // One helper thread, spinning for kSpin after each job and then sleeping until the next.
 class Helper {
  public:
@@ -70,7 +79,7 @@ class Helper {
   }
 
   void Wait() {
-    while (finished_.load(std::memory_order_acquire) != posted_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
+    while (finished_.load(std::memory_order_acquire) != posted_.load(std::memory_order_relaxed)) CpuRelax();
     held_.store(false);
   }
 
@@ -85,7 +94,7 @@ class Helper {
           cv_.wait(lock, [&] { return posted_.load() != seen; });
           asleep_ = false;
         }
-        __builtin_ia32_pause();
+        CpuRelax();
       }
       seen = posted_.load();
       job_();
