@@ -20,6 +20,7 @@ from jaxgpt.convert import (from_hf, load_safetensors, params_to_state_dict, sav
                             to_hf)
 from jaxgpt.inference.generate import generate
 from jaxgpt.models import abstract_params, init_cache, stacked_paths
+from jaxgpt.nn.kernels import norm_ffi
 from torch_ref import build as tbuild
 
 TINY = dict(vocab_size=48, d_model=32, n_head=4, n_layer=3, max_len=32)
@@ -74,6 +75,8 @@ def test_each_setting_matches_torch_ref_and_the_default_layout(name):
     """Parity: logits and next-token cross-entropy gradients vs torch_ref (which ignores the knobs), 1e-5.
     Self-consistency: the same weights give the same logits and gradients as the default layout, to 1e-6
     of their scale (XLA fuses a scanned body and separate layers differently; logits reach ~5)."""
+    if name in KERNEL_SETTINGS and not norm_ffi.available():
+        pytest.skip("no C++ compiler, or JAXGPT_KERNELS=off: the norm kernel cannot run")
     cfg = BASE.replace(**SETTINGS[name])
     p = relayout(_base_params(), BASE, cfg)
     t = load_into(tbuild(cfg), p, stacked_paths(cfg))  # torch_ref accepts the config as it is
@@ -189,14 +192,18 @@ def test_unroll_and_scan_layers_change_the_lowered_loop():
     tok = _tokens(BASE, 1, 8)
     p0 = _base_params()
     loops = {}
+    kernels = norm_ffi.available()
     for name, kw in {"default": {}, **SETTINGS}.items():
+        if name in KERNEL_SETTINGS and not kernels:
+            continue  # norm_impl='ffi' is refused where the kernel cannot run
         cfg = BASE.replace(**kw)
         text = jax.jit(lambda p, t, cfg=cfg: build(cfg).apply({"params": p}, t)).lower(relayout(p0, BASE, cfg),
                                                                                       tok).as_text()
         loops[name] = text.count("stablehlo.while")
     auto = 0 if jax.default_backend() in ("cpu", "gpu") else 1  # scan_unroll='auto': fully unrolled on the CPU and GPU
-    assert loops == {"default": auto, "rolled": 1, "unrolled": 0, "unroll-2": 1, "no-scan": 0, "remat-full": 1,
-                     "remat-dots": 1, "no-scan-remat": 0, "norm-ffi": auto}  # 'auto' with remat: rolled, which keeps its saving
+    want = {"default": auto, "rolled": 1, "unrolled": 0, "unroll-2": 1, "no-scan": 0, "remat-full": 1,
+            "remat-dots": 1, "no-scan-remat": 0, "norm-ffi": auto}  # 'auto' with remat: rolled, which keeps its saving
+    assert loops == {k: v for k, v in want.items() if k in loops} and len(loops) >= len(want) - (not kernels)
 
 
 def test_init_params_are_the_unrolled_modules_init():
