@@ -37,8 +37,8 @@ available = native.kernels("matvec.cc", {TARGET: "JaxgptMatvec"}, "decode steps 
 CALIBRATION_SHAPES = ((384, 1536), (1536, 384)) * 12
 # The kernel runs where it takes at most 90% of XLA's time: its helper thread spins between calls, a
 # cost the chain does not see (in the serving engine it took half a core from the host thread). On the
-# 2-core AMD EPYC it measured 0.96x XLA's time natively and 1.37x with AVX2 there, and in 1,008-token
-# decoding it lost to XLA's dot on both (2.7-2.9 against 2.2-2.4 ms a token).
+# 2-core AMD EPYC it measured 0.96x and 1.74x XLA's time natively and 1.37x with AVX2 there, and in
+# 504-token decoding it lost to XLA's dot on both (2.7-2.9 against 2.2-2.4 ms a token).
 MARGIN = 0.9
 
 
