@@ -12,6 +12,7 @@ import pytest
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.inference.generate import generate
+from jaxgpt.models import abstract_params
 from jaxgpt.nn.kernels import calibrate, matvec_ffi, native
 
 SOURCE = (native.CPU / "matvec.cc",)
@@ -83,8 +84,7 @@ def test_generate_follows_the_stored_matvec_answer(cache, monkeypatch, kernel_wi
     monkeypatch.setattr(matvec_ffi, "matvec", lambda x, w: rows.append(x.shape[0]) or real(x, w))
     cfg = ModelConfig(vocab_size=31 + kernel_wins, d_model=32, n_layer=1, n_head=2, max_len=16, scan_layers=False)
     params = jax.tree.map(lambda a: jnp.asarray(np.random.default_rng(0).standard_normal(a.shape), a.dtype) * 0.1,
-                          jax.eval_shape(lambda: __import__("jaxgpt").build(cfg).init(
-                              jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+                          abstract_params(cfg))
     generate(cfg, params, np.zeros((1, 4), np.int32), 3)
     assert len(calls) == 1
     assert bool(rows) == kernel_wins

@@ -69,11 +69,12 @@ def decide(name: str, sources: tuple[Path, ...], measure: Callable[[], dict]) ->
     calibration is off; else the stored answer for this machine, or ``measure()``'s, stored. ``measure``
     returns {'wins': bool, ...figures}; the figures are kept beside the answer for a person to read.
     ``sources``: the kernel's source and the rule's module: a change to either measures again."""
-    if mode() == "off":
+    m = mode()
+    if m == "off":
         return True
     k = key(name, sources)
     table = _read()
-    if mode() == "auto" and k in table:
+    if m == "auto" and k in table:
         return bool(table[k]["wins"])
     # in a thread of its own: a rule is asked while a program is traced, and under a trace JAX would
     # stage the measurement's calls into that program instead of running them (trace state is per thread)

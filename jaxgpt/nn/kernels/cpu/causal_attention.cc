@@ -137,16 +137,11 @@ void Mix(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int
 template <bool kT>
 void MixD(const float* p, int64_t ld, const float* x, int64_t sx, float* out, int64_t so, int64_t T, int64_t D,
           bool accumulate) {
+  // a tile takes the most column vectors (up to kMixCols) that divide D
   if (D % kLanes) return Mix<0, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-  switch (std::min<int64_t>(kMixCols, D / kLanes)) {  // column vectors a tile takes: the most that divide D
-    case 1: return Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    case 2: return D % (2 * kLanes) ? Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate)
-                                    : Mix<2, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-    default:
-      if (D % (4 * kLanes) == 0) return Mix<4, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-      if (D % (2 * kLanes) == 0) return Mix<2, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-      return Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate);
-  }
+  if (kMixCols >= 4 && D % (4 * kLanes) == 0) return Mix<4, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+  if (kMixCols >= 2 && D % (2 * kLanes) == 0) return Mix<2, kT>(p, ld, x, sx, out, so, T, D, accumulate);
+  return Mix<1, kT>(p, ld, x, sx, out, so, T, D, accumulate);
 }
 
 // bt (D, ld) = rows of a (T rows of D, stride sa), transposed; columns past T zero
