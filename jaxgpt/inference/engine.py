@@ -38,10 +38,11 @@ import numpy as np
 
 from jaxgpt.inference import speculative
 from jaxgpt.inference.detokenize import Detokenizer
+from jaxgpt.inference.packed_head import pack_head, resolve_head_kernel
 from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_PAGES, MIN_ROWS, batch_arrays, bucket, init_pools
 from jaxgpt.inference.paged_model import paged_apply
 from jaxgpt.inference.requests import Request, RequestOutput
-from jaxgpt.inference.sampling import SamplingParams, argmax, batch_settings, sample_requests
+from jaxgpt.inference.sampling import SamplingParams, batch_settings, sample_requests
 from jaxgpt.inference.scheduler import Scheduler
 from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
@@ -54,17 +55,18 @@ SPEC_MAX_BATCH = "auto"
 
 
 @partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
-def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, *, config, kernel="gather"):
+def paged_forward(params, pools, tokens, q_pos, slots, page_table, last, head=None, *, config, kernel="gather"):
     """One engine call: tokens (B, T) at positions q_pos (-1 = padding) -> (pools, greedy next
-    tokens (B,), last-token logits (B, V)). The pools are donated: updated in place.
+    tokens (B,), last-token logits (B, V)). The pools are donated: updated in place. ``head``: the
+    packed vocabulary projection (packed_head.py) or None (the model's own).
 
     Sampling is a second program (``sampling.sample``), run only when a row samples, wants
     logprobs or has a bias or penalties: its sort doubled the compile time of every (B, T, P)
     shape, and it depends on B alone.
     """
-    logits, pools = paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel, logits_at=last)
-    logits = logits[:, 0]  # (B, V)
-    return pools, argmax(logits), logits
+    logits, pools, top = paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel, logits_at=last,
+                                     head=head)
+    return pools, top[:, 0], logits[:, 0]  # (B,), (B, V)
 
 
 class Engine(Scheduler):
@@ -82,12 +84,16 @@ class Engine(Scheduler):
     ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the CPU kernel
     (kernels/paged_ffi.py, float32 pages), 'gather' pure JAX, 'auto' the first where it can run.
     ``enable_prefix_caching``: full KV pages of shared prefixes are reused (prefix_cache.py).
+    ``head_kernel``: how the vocabulary projection runs (packed_head.HEAD_KERNELS): 'panel' the CPU
+    kernel over a packed copy of the head's weight (which then replaces the lm_head in the engine's
+    params), 'xla' the model's own, 'auto' the kernel where it can run and measured faster here.
     """
 
     def __init__(self, config, params, *, max_seqs: int = 32, page_size: int = 16, num_pages: int | None = None,
                  max_tokens_per_step: int = 512, kv_dtype: str = "auto", paged_kernel: str = "auto", eos_ids=(),
                  decode=None, draft=None, num_speculative_tokens: int = 4, max_model_len: int | None = None,
-                 spec_max_batch: int | str = SPEC_MAX_BATCH, enable_prefix_caching: bool = True):
+                 spec_max_batch: int | str = SPEC_MAX_BATCH, enable_prefix_caching: bool = True,
+                 head_kernel: str = "auto"):
         if config.residual != "standard":
             raise ValueError(f"the engine needs a KV cache; residual={config.residual!r} models have none")
         for name, val in (("max_seqs", max_seqs), ("page_size", page_size), ("max_tokens_per_step",
@@ -95,8 +101,8 @@ class Engine(Scheduler):
             if val < 1:
                 raise ValueError(f"{name} must be >= 1, got {val}")
         self.config, params = unstack_layers(config, params)
-        # on the device once: host (NumPy) params would be copied into every step's call
-        self.params = jax.device_put(params)
+        self._head_choice, self.head_kernel = head_kernel, resolve_head_kernel(head_kernel, self.config)
+        self.params, self.head = self._device_params(self.config, params, self.head_kernel)
         max_model_len = config.max_len if max_model_len is None else max_model_len
         if not 2 <= max_model_len <= config.max_len:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {config.max_len}]: the model's "
@@ -142,8 +148,20 @@ class Engine(Scheduler):
         config, params = unstack_layers(config, params)
         pools = init_pools(config, num_pages, self.page_size, kv_dtype)
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0, spec_rounds=0, spec_off_steps=0)
-        return dict(config=config, params=jax.device_put(params), pools=pools,
+        params, head = self._device_params(config, params, resolve_head_kernel(self._head_choice, config))
+        return dict(config=config, params=params, head=head, pools=pools,
                     kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
+
+    @staticmethod
+    def _device_params(config, params, head_kernel: str):
+        """(params, packed head or None) on the device once: host (NumPy) params would be copied into
+        every step's call. A packed head replaces an untied lm_head (the same memory as before)."""
+        if head_kernel != "panel":
+            return jax.device_put(params), None
+        head = jax.device_put(pack_head(config, params))
+        if not config.tie_embeddings:
+            params = {k: v for k, v in params.items() if k != "lm_head"}
+        return jax.device_put(params), head
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (a client went away): its pages are freed at once."""
@@ -200,11 +218,12 @@ class Engine(Scheduler):
             return self._spec_call(b, p, rows)
         arrays = batch_arrays([(r.tokens[r.computed:r.computed + n], r.computed, r.pages) for r, n in rows],
                               self.page_size, b, t, p)
-        self.pools, tok, logits = paged_forward(self.params, self.pools, *arrays, config=self.config,
+        self.pools, tok, logits = paged_forward(self.params, self.pools, *arrays, self.head, config=self.config,
                                                 kernel=self.paged_kernel)
         if kind == "prefill" and self.draft is not None:  # the draft's pages follow the same chunks
             d = self.draft
-            d["pools"] = paged_forward(d["params"], d["pools"], *arrays, config=d["config"], kernel=d["kernel"])[0]
+            d["pools"] = paged_forward(d["params"], d["pools"], *arrays, d["head"], config=d["config"],
+                                       kernel=d["kernel"])[0]
         if all(r.params.temperature == 0 and not r.params.logprobs and not r.adjust for r, _ in rows):
             return np.asarray(tok), np.zeros(b, np.float32), [[] for _ in rows]  # the forward's argmax will do
         return self._sample(logits, rows, b)
@@ -219,8 +238,8 @@ class Engine(Scheduler):
             table[i, :len(r.pages)] = r.pages[:p]
         d = self.draft
         self.pools, d["pools"], n, emitted, logp = speculative.speculate(
-            self.params, self.pools, d["params"], d["pools"], last, pos, table, *self._sampling(rows, b),
-            config=self.config, draft_config=d["config"], k=self.k, kernel=self.paged_kernel,
+            self.params, self.pools, d["params"], d["pools"], last, pos, table, *self._sampling(rows, b), self.head,
+            d["head"], config=self.config, draft_config=d["config"], k=self.k, kernel=self.paged_kernel,
             draft_kernel=d["kernel"])
         return np.asarray(n), np.asarray(emitted), np.asarray(logp)
 
@@ -270,7 +289,8 @@ class Engine(Scheduler):
                                      max(self._pages_for(at + n) for _, at, n in rows))
             arrays = batch_arrays([(r.tokens[at:at + n], at, r.pages) for r, at, n in rows], self.page_size, b, t, p)
             d = self.draft
-            d["pools"] = paged_forward(d["params"], d["pools"], *arrays, config=d["config"], kernel=d["kernel"])[0]
+            d["pools"] = paged_forward(d["params"], d["pools"], *arrays, d["head"], config=d["config"],
+                                       kernel=d["kernel"])[0]
             self.stats["calls"] += 1
             self.stats["spec_catch_up_tokens"] += sum(n for *_, n in rows)
             for req, at, n in rows:

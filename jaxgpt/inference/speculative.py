@@ -122,10 +122,10 @@ def _row_probs(logits, temperature, top_k, top_p):
     return jnp.where((temperature > 0)[:, None], probs, onehot)
 
 
-def _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel):
+def _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel, head=None):
     """paged_apply with the write slots derived on the device from the positions and page table."""
     slots = write_slots(page_table, q_pos, pools[0][0].shape[2])
-    return paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel)
+    return paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel, head=head)
 
 
 def _keys(seeds, counters, salt: int):
@@ -134,7 +134,8 @@ def _keys(seeds, counters, salt: int):
     return jax.vmap(lambda key: jax.random.fold_in(key, salt))(row_keys(seeds, counters))
 
 
-def propose(params, pools, last, pos, page_table, temperature, top_k, top_p, seeds, counters, *, config, k, kernel):
+def propose(params, pools, last, pos, page_table, temperature, top_k, top_p, seeds, counters, head=None, *, config, k,
+            kernel):
     """The draft's k proposals for every row, one decode step each: ``last`` (B,) pending tokens
     at positions ``pos`` (B,) (-1: padding row) -> (pools, draft (B, k), q (B, k, V) the
     distributions they were drawn from; zeros when no row samples, since greedy rows need none).
@@ -145,7 +146,7 @@ def propose(params, pools, last, pos, page_table, temperature, top_k, top_p, see
     tok, toks, qs = last, [], []
     for i in range(k + 1):
         p = jnp.where(pos >= 0, pos + i, -1)[:, None]  # (B, 1)
-        logits, pools = _paged_apply(config, params, pools, tok[:, None], p, page_table, kernel)
+        logits, pools, top = _paged_apply(config, params, pools, tok[:, None], p, page_table, kernel, head)
         if i == k:
             break
         logits = logits[:, 0]  # (B, V)
@@ -157,14 +158,14 @@ def propose(params, pools, last, pos, page_table, temperature, top_k, top_p, see
 
         # the sort and draws only when a row samples: a greedy batch skips them (vocabulary-sized work)
         q, drawn = jax.lax.cond(sampled, draw, lambda: (jnp.zeros_like(logits), jnp.zeros(last.shape, jnp.int32)))  # noqa: B023 - called in this iteration
-        tok = jnp.where(temperature > 0, drawn, argmax(logits))
+        tok = jnp.where(temperature > 0, drawn, top[:, 0])
         toks.append(tok)
         qs.append(q)
     return pools, jnp.stack(toks, 1), jnp.stack(qs, 1)
 
 
-def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, top_p, seeds, counters, *, config,
-           kernel):
+def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, top_p, seeds, counters, head=None, *,
+           config, kernel):
     """The target scores [last, draft] (B, k+1) in one call and each row takes the rule ->
     (pools, n accepted (B,), emitted (B, k+1): draft[:n], then the next token at column n,
     their log-probabilities under the target (B, k+1)). Greedy rows take the target's argmax
@@ -172,7 +173,7 @@ def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, t
     b, k = draft.shape
     q_pos = jnp.where(pos[:, None] >= 0, pos[:, None] + jnp.arange(k + 1)[None], -1)  # (B, k+1)
     tokens = jnp.concatenate([last[:, None], draft], axis=1)
-    logits, pools = _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel)  # (B, k+1, V)
+    logits, pools, top = _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel, head)  # (B, k+1, V)
     v = logits.shape[-1]
 
     def rule():
@@ -182,7 +183,6 @@ def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, t
 
     zeros = jnp.zeros((b,), jnp.int32)
     n, nxt = jax.lax.cond(jnp.any(temperature > 0), rule, lambda: (zeros, zeros))
-    top = argmax(logits)  # (B, k+1)
     gn = jnp.argmin(jnp.concatenate([draft == top[:, :k], jnp.zeros((b, 1), bool)], axis=1), axis=1)
     greedy = temperature == 0
     n = jnp.where(greedy, gn, n).astype(jnp.int32)
@@ -195,13 +195,14 @@ def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, t
 
 @partial(jax.jit, static_argnames=("config", "draft_config", "k", "kernel", "draft_kernel"), donate_argnums=(1, 3))
 def speculate(params, pools, draft_params, draft_pools, last, pos, page_table, temperature, top_k, top_p, seeds,
-              counters, *, config, draft_config, k, kernel="gather", draft_kernel="gather"):
+              counters, head=None, draft_head=None, *, config, draft_config, k, kernel="gather", draft_kernel="gather"):
     """One speculative round for a batch, in one program (the engine's): the draft proposes k
     tokens a row (``propose``), the target verifies them (``verify``). Both pools are donated.
+    ``head``, ``draft_head``: packed vocabulary projections (packed_head.py) or None.
     -> (pools, draft_pools, n accepted (B,), emitted (B, k+1), log-probabilities (B, k+1))."""
     settings = (temperature, top_k, top_p, seeds, counters)
-    draft_pools, draft, q = propose(draft_params, draft_pools, last, pos, page_table, *settings, config=draft_config,
-                                    k=k, kernel=draft_kernel)
-    pools, n, emitted, logp = verify(params, pools, last, pos, page_table, draft, q, *settings, config=config,
+    draft_pools, draft, q = propose(draft_params, draft_pools, last, pos, page_table, *settings, draft_head,
+                                    config=draft_config, k=k, kernel=draft_kernel)
+    pools, n, emitted, logp = verify(params, pools, last, pos, page_table, draft, q, *settings, head, config=config,
                                      kernel=kernel)
     return pools, draft_pools, n, emitted, logp

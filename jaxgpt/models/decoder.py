@@ -92,7 +92,7 @@ class DecoderLM(nn.Module):
     @module_scope
     def __call__(self, tokens, *, positions=None, cache: KVCache | None = None, mask=None,
                  return_weights: bool = False, return_depth_weights: bool = False, deterministic: bool = True,
-                 logits_at=None, segment_ids=None):
+                 logits_at=None, segment_ids=None, hidden: bool = False):
         """tokens: (B, T) int ids. positions: (T,) or (B, T) (default: cache index + arange(T)).
         cache: from ``init_cache``; the call writes this chunk's keys/values and returns it.
         mask: optional (B, 1, 1, S) key mask (True = attend), e.g. left padding of prompts.
@@ -102,6 +102,8 @@ class DecoderLM(nn.Module):
 
         logits_at: optional (B,) positions: logits only there, (B, 1, vocab) (the vocabulary projection
         of the other positions is skipped).
+        hidden: the hidden states after the final norm, (B, T, d_model), in the logits' place: for a
+        caller that projects them itself (the serving engine's packed head, inference/packed_head.py).
         Returns logits (B, T, vocab), or a DecoderOutput when a cache is passed or
         ``return_weights`` (per-layer attention weights) or ``return_depth_weights`` (AttnRes
         models: the depth-attention weights, ``DecoderOutput.depth_weights``) is set.
@@ -142,6 +144,9 @@ class DecoderLM(nn.Module):
             x = x[jnp.arange(x.shape[0]), logits_at][:, None]  # (B, 1, d)
         if cfg.final_norm:
             x = norm_from_config(cfg, "norm")(x)
+        if hidden:
+            return x if cache is None and not return_weights and not return_depth_weights else DecoderOutput(
+                x, cache, weights, depth)
         # Logits are float32 whatever the compute dtype: the matmul reads compute-dtype inputs but
         # accumulates and returns float32 (bfloat16 logits would carry ~3 significant digits into the loss).
         if cfg.tie_embeddings:
