@@ -142,3 +142,20 @@ def test_the_measurement_times_both_paths(tmp_path, monkeypatch):
     rows = panel_ffi.CALIBRATION_ROWS
     assert all(r[f"kernel_s_rows{m}"] > 0 and r[f"xla_s_rows{m}"] > 0 for m in rows)
     assert r["wins"] == all(r[f"kernel_s_rows{m}"] < panel_ffi.MARGIN * r[f"xla_s_rows{m}"] for m in rows)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=True), dict(lm_head_bias=True),
+                                dict(vocab_size=128, valid_vocab=100)], ids=["untied", "tied", "bias", "padded"])
+def test_hidden_states_projected_by_the_packed_head_are_the_models_logits(kw):
+    """``DecoderLM(hidden=True)`` + ``packed_head.project`` against the model's own head, on every position
+    of a batch (1e-5: another summation order over d)."""
+    from jaxgpt.models.decoder import DecoderLM
+
+    cfg, params = _model(**kw)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.token_vocab, (3, 9)))
+    logits = DecoderLM(cfg).apply({"params": params}, tokens)
+    h = DecoderLM(cfg).apply({"params": params}, tokens, hidden=True)
+    assert h.shape == (3, 9, cfg.d_model)
+    got, top = packed_head.project(cfg, packed_head.pack_head(cfg, params), h)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(logits), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(top), np.asarray(argmax(got)))

@@ -4,6 +4,8 @@
     .venv/bin/python -m scripts.benchmarks.bench_speculative --steps 20 --tokens 16 --ks 2 --target 2x64 --rounds 1
     .venv/bin/python -m scripts.benchmarks.bench_speculative --in-flight 1,2,4,8 --ks 4 --no-offline \
         --spec-max-batch 8,auto          # always-on against the auto rule (and the target alone)
+    .venv/bin/python -m scripts.benchmarks.bench_speculative --in-flight 1,2,4,8 --ks 6 --no-offline \
+        --spec-max-batch 8,auto --draft-steps 10   # a weak draft: speculation loses at a large batch
 
 Both models are briefly trained on Tiny Shakespeare (scripts/experiments/int8_kv.py's
 ``train_char_model``; random models would agree on ~1/vocab of the tokens), then 8 held-out
@@ -37,6 +39,8 @@ from scripts.harness import RESULTS, LoadSampler, timing_note, write_result
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--draft-steps", type=int, help="the draft's training steps (default --steps): fewer give a pair "
+                                                    "that agrees less, where speculation loses at a large batch")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ks", default="2,4,6", help="proposals a round, comma-separated")
     ap.add_argument("--target", default="4x512", help="target layers x width (the draft is 1x64)")
@@ -71,7 +75,8 @@ def main(argv=None):
     draft_cfg = ModelConfig(vocab_size=65, d_model=64, n_layer=1, n_head=2, max_len=128, pos="rope",
                             scan_layers=False)
     tp, tloss, val = train_char_model(target_cfg, a.steps, batch=8, lr=a.target_lr)
-    dp, dloss, _ = train_char_model(draft_cfg, a.steps, seed=1, batch=8)
+    draft_steps = a.steps if a.draft_steps is None else a.draft_steps
+    dp, dloss, _ = train_char_model(draft_cfg, draft_steps, seed=1, batch=8)
     prompts = [val[i * 131:i * 131 + 32].tolist() for i in range(8)]
     ks = [int(k) for k in a.ks.split(",")]
     greedy = SamplingParams(max_tokens=a.tokens, ignore_eos=True)
@@ -143,7 +148,7 @@ def main(argv=None):
         lines.append(f"| {r['setting']} | {r['k'] or 'none (target alone)'} | {r['rule'] or '-'} | "
                      f"{r['tok_per_s']:.0f} | {r['speedup']:.2f}x | {acc} | {share} | {r['identical']} |")
     note = (f"Target {a.target} (train loss {tloss:.2f}, lr {a.target_lr:g}), draft 1x64 (train loss {dloss:.2f}), "
-            f"{a.steps} AdamW steps each (batch 8 x 128 tokens); 8 prompts x {a.tokens} greedy tokens; medians of {a.rounds} alternating rounds; "
+            f"{a.steps} and {draft_steps} AdamW steps (batch 8 x 128 tokens); 8 prompts x {a.tokens} greedy tokens; medians of {a.rounds} alternating rounds; "
             f"{timing_note(load.record())}.")
     write_result(a.out, {"rows": rows, "note": note, "target": a.target}, "\n".join(lines) + f"\n\n{note}\n")
     return 0
