@@ -55,6 +55,8 @@ def test_argmax_ties_and_nans_pick_the_first_across_panels_and_threads():
     bias[[8100, 5000]] = np.nan
     assert np.asarray(panel_ffi.panel_matmul(x, panels, n, jnp.asarray(bias))[1]).tolist() == [5000] * 3
     assert np.asarray(panel_ffi.panel_matmul(x, panels, n)[1]).tolist() == [0] * 3, "all equal: column 0"
+    minus_inf = jnp.full((n,), -jnp.inf, jnp.float32)
+    assert np.asarray(panel_ffi.panel_matmul(x, panels, n, minus_inf)[1]).tolist() == [0] * 3, "all -inf: column 0"
 
 
 def test_bad_shapes_and_limits_are_refused():

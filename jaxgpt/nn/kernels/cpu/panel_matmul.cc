@@ -32,8 +32,9 @@ constexpr int64_t kPanel = 64;                 // columns a panel: 4 AVX-512 vec
 constexpr int64_t kPV = kPanel / kLanes;       // vectors a panel row
 // A register tile of kMR rows x kNV vectors: kMR * kNV accumulators + kNV panel vectors + a broadcast
 // fit the target's registers (simd.h kVRegs): 6 x 4 = 24 (+5) of 32 with AVX-512, 2 x 4 = 8 (+5) of 16
-// with AVX2 (4 x 2 read each panel row in four passes: 3.5 ms for a 4-row 256 x 32,000 head against 2.2),
-// 2 x 2 where a V takes two registers (SSE2).
+// with AVX2, 2 x 2 where a V takes two registers (SSE2). With AVX2, 4 x 2 tiles, which read each panel
+// row in four passes, took 3.5 ms for a 4-row 256 x 32,000 head, 2 x 4 ones 2.2-3.3 ms, about XLA's time
+// there (2.1-2.9 ms): the engine's calibration then keeps XLA's head (panel_ffi.wins).
 constexpr int kNV = kVRegs >= 16 ? 4 : 2;
 constexpr int kMR = kVRegs >= 32 ? 6 : 2;
 static_assert(kPV % kNV == 0, "a panel row is a whole number of tiles");
@@ -57,7 +58,7 @@ inline VI Iota() {
 // Folds the vector of logits at columns c .. c + kLanes into b.
 inline void Take(Best& b, V y, int64_t c) {
   const VI col = Iota() + int32_t(c);
-  const VI more = y > b.val;  // NaN compares false: never a maximum, found below
+  const VI more = (y > b.val) | (b.col < 0);  // a lane's first column always (all -inf: column 0); NaN below
   b.val = more ? y : b.val;
   b.col = more ? col : b.col;
   if (b.nan < 0) {
@@ -72,10 +73,10 @@ inline void Take(Best& b, V y, int64_t c) {
 
 // The argmax of the columns b has seen: the first NaN, else the smallest column holding the maximum.
 inline void Reduce(const Best& b, float* val, int64_t* col) {
-  float v = -INFINITY;
-  int64_t c = -1;
-  for (int64_t l = 0; l < kLanes; ++l)
-    if (b.col[l] >= 0 && (b.val[l] > v || (b.val[l] == v && b.col[l] < c))) v = b.val[l], c = b.col[l];
+  float v = b.val[0];
+  int64_t c = b.col[0];  // every lane has seen a column (Take keeps a lane's first)
+  for (int64_t l = 1; l < kLanes; ++l)
+    if (b.val[l] > v || (b.val[l] == v && b.col[l] < c)) v = b.val[l], c = b.col[l];
   *val = v, *col = b.nan >= 0 ? b.nan : c;
   if (b.nan >= 0) *val = NAN;
 }
