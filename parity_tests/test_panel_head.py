@@ -138,7 +138,7 @@ def test_auto_follows_the_stored_measurement(tmp_path, monkeypatch, kernel_wins)
         panel_ffi.wins.cache_clear()
 
 
-def test_the_measurement_times_both_paths(tmp_path, monkeypatch):
+def test_the_measurement_times_both_paths():
     """The real measurement (about a second): every figure, and the rule's margin applied."""
     r = panel_ffi._measure()
     rows = panel_ffi.CALIBRATION_ROWS

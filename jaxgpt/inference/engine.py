@@ -101,7 +101,7 @@ class Engine(Scheduler):
             if val < 1:
                 raise ValueError(f"{name} must be >= 1, got {val}")
         self.config, params = unstack_layers(config, params)
-        self._head_choice, self.head_kernel = head_kernel, resolve_head_kernel(head_kernel, self.config)
+        self.head_kernel = resolve_head_kernel(head_kernel, self.config)
         self.params, self.head = self._device_params(self.config, params, self.head_kernel)
         max_model_len = config.max_len if max_model_len is None else max_model_len
         if not 2 <= max_model_len <= config.max_len:
@@ -128,9 +128,10 @@ class Engine(Scheduler):
         self._detoks: dict[str, Detokenizer] = {}  # per request with stop strings
         self.shapes: set[tuple] = set()  # every (kind, B, T, P) shape run: the compilations
         self.draft = None if draft is None else self._init_draft(*draft, kv_dtype=kv_dtype, paged_kernel=paged_kernel,
+                                                                 head_kernel=head_kernel,
                                                                  num_pages=num_pages)
 
-    def _init_draft(self, config, params, *, kv_dtype, paged_kernel, num_pages):
+    def _init_draft(self, config, params, *, kv_dtype, paged_kernel, head_kernel, num_pages):
         if config.vocab_size != self.config.vocab_size:
             raise ValueError(f"the draft's vocabulary ({config.vocab_size}) differs from the target's "
                              f"({self.config.vocab_size}); speculative decoding needs the same one")
@@ -148,7 +149,7 @@ class Engine(Scheduler):
         config, params = unstack_layers(config, params)
         pools = init_pools(config, num_pages, self.page_size, kv_dtype)
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0, spec_rounds=0, spec_off_steps=0)
-        params, head = self._device_params(config, params, resolve_head_kernel(self._head_choice, config))
+        params, head = self._device_params(config, params, resolve_head_kernel(head_kernel, config))
         return dict(config=config, params=params, head=head, pools=pools,
                     kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
 

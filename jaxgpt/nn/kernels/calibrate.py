@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -88,4 +89,18 @@ def decide(name: str, sources: tuple[Path, ...], measure: Callable[[], dict]) ->
     return bool(result["wins"])
 
 
-__all__ = ["ENV", "cpu_model", "decide", "key", "mode", "path"]
+def best_seconds(fn, *args, calls: int = 1, repeats: int = 5) -> float:
+    """A rule's timing: seconds a call of ``fn(*args)`` (a jitted function), the best of ``repeats``
+    rounds of ``calls`` calls each, after one untimed call (its compilation)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return min(times)
+
+
+__all__ = ["ENV", "best_seconds", "cpu_model", "decide", "key", "mode", "path"]

@@ -14,7 +14,6 @@ the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.matvec_dot_general`
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 
 import jax
@@ -55,15 +54,7 @@ def _measure() -> dict:
                 x = jnp.tanh(_matvec(x, w) if use_kernel else x @ w)
             return x
 
-        jax.block_until_ready(chain(x, ws))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(10):
-                y = chain(x, ws)
-            jax.block_until_ready(y)
-            times.append((time.perf_counter() - t0) / 10)
-        return min(times)
+        return calibrate.best_seconds(chain, x, ws, calls=10)
 
     kernel, xla = best(True), best(False)
     return dict(wins=kernel < MARGIN * xla, kernel_s=kernel, xla_s=xla)

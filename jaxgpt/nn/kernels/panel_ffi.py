@@ -7,13 +7,12 @@ reads a row-major (d, V) weight slowly at those row counts: on the 2-core AMD EP
 2.6 ms for 4 rows (1.1 ms for 1) and 4.8 ms for 32. Packed, a register tile streams one contiguous
 panel: 1.3 and 3.9 ms (docs/serving.md). The argmax is taken as the logits leave the registers:
 after the kernel, XLA's reductions over a 32-row step's logits took 2.3 ms. Inference only (no
-gradient); float32; each output is summed over d in order, about 1e-6 from XLA's dot. Whether it runs is measured on each machine (``wins``,
-calibrate.py): the engine's head_kernel='auto'.
+gradient); float32; each output is summed over d in order, about 1e-6 from XLA's dot. Whether it
+runs is measured on each machine (``wins``, calibrate.py): the engine's head_kernel='auto'.
 """
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 
 import jax
@@ -75,16 +74,10 @@ def _measure() -> dict:
     for m in CALIBRATION_ROWS:
         x = jnp.asarray(rng.standard_normal((m, k), np.float32))
         # each a step's head: logits and their argmax
-        for name, f in (("kernel", jax.jit(lambda x, p: sum(panel_matmul(x + i, p, n)[1].sum() for i in range(4)))),
-                        ("xla", jax.jit(lambda x, w: sum(argmax((x + i) @ w).sum() for i in range(4))))):
-            arg = panels if name == "kernel" else w
-            jax.block_until_ready(f(x, arg))
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x, arg))
-                times.append(time.perf_counter() - t0)
-            out[f"{name}_s_rows{m}"] = min(times) / 4
+        kernel = jax.jit(lambda x, p: sum(panel_matmul(x + i, p, n)[1].sum() for i in range(4)))
+        xla = jax.jit(lambda x, w: sum(argmax((x + i) @ w).sum() for i in range(4)))
+        out[f"kernel_s_rows{m}"] = calibrate.best_seconds(kernel, x, panels) / 4
+        out[f"xla_s_rows{m}"] = calibrate.best_seconds(xla, x, w) / 4
     out["wins"] = all(out[f"kernel_s_rows{m}"] < MARGIN * out[f"xla_s_rows{m}"] for m in CALIBRATION_ROWS)
     return out
 
