@@ -3,6 +3,7 @@
     .venv/bin/python -m scripts.benchmarks.bench_serving            # all arms -> results/engine/serving.{json,md}
     .venv/bin/python -m scripts.benchmarks.bench_serving --quick    # smoke: 8 requests, a tiny model
     .venv/bin/python -m scripts.benchmarks.bench_serving --arms engine serve
+    .venv/bin/python -m scripts.benchmarks.bench_serving --arms hf-batch engine serve --isa avx2   # capped at AVX2
 
 Workload (issue 22): a random 4-layer, 256-wide LLaMA in HF format (vocab 32000, 4 heads, context
 256), saved locally; prompts of 8-96 tokens (uniform), output lengths from an exponential with
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.harness import RESULTS, LoadSampler, report, spawn, timing_note, write_result
+from scripts.harness import ISAS, RESULTS, LoadSampler, isa_env, report, spawn, timing_note, write_result
 
 ARMS = ("hf-one", "hf-batch", "engine", "serve", "serve-openai")
 
@@ -373,11 +374,14 @@ def main(argv=None):
                          "its median-throughput run (--quick: 1)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "engine" / "serving.json"))
+    ap.add_argument("--isa", choices=ISAS, default="native", help="cap torch, XLA and jaxgpt's kernels at this "
+                    "instruction set in every worker and server (scripts/harness.py::isa_env)")
     ap.add_argument("--worker", nargs=2, metavar=("ARM", "MODEL"))
     a = ap.parse_args(argv)
     n = 8 if a.quick and a.requests == 32 else a.requests
     if a.worker:
         return worker(a.worker[0], a.worker[1], n, a.quick)
+    os.environ.update(isa_env(a.isa))  # the workers and the server they start inherit it
     load = LoadSampler()
     load.start()
     uptime_before = os.popen("uptime").read().strip()
@@ -399,6 +403,7 @@ def main(argv=None):
             same, prefix = min(compare(x["tokens"], ref) for x in runs[r["arm"]] if "tokens" in x)
             r["identical"], r["prefix"] = f"{same}/{len(ref)}", f"{prefix}/{len(ref)}"
     note = (f"{n} requests; {1 if a.quick else a.rounds} round(s), arms alternating, each arm's median run; "
+            f"instruction sets: {a.isa}; "
             f"{timing_note(load.record())}. uptime before: `{uptime_before}`; after: "
             f"`{os.popen('uptime').read().strip()}`.")
     result = {"rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows], "load": load.record(),

@@ -32,9 +32,10 @@ constexpr int64_t kPanel = 64;                 // columns a panel: 4 AVX-512 vec
 constexpr int64_t kPV = kPanel / kLanes;       // vectors a panel row
 // A register tile of kMR rows x kNV vectors: kMR * kNV accumulators + kNV panel vectors + a broadcast
 // fit the target's registers (simd.h kVRegs): 6 x 4 = 24 (+5) of 32 with AVX-512, 2 x 4 = 8 (+5) of 16
-// with AVX2, 2 x 2 where a V takes two registers (SSE2). With AVX2, 4 x 2 tiles, which read each panel
-// row in four passes, took 3.5 ms for a 4-row 256 x 32,000 head, 2 x 4 ones 2.2-3.3 ms, about XLA's time
-// there (2.1-2.9 ms): the engine's calibration then keeps XLA's head (panel_ffi.wins).
+// with AVX2, 2 x 2 where a V takes two registers (SSE2). With AVX2 the 4-row 256 x 32,000 head's time
+// varied from process to process, 1.0-3.3 ms with 2 x 4 tiles (4 x 2 ones, reading each panel row in four
+// passes: 3.5 ms once) against XLA's 1.6-2.9 ms, while 32 rows won (4.4-7.1 against 7.7-10.5 ms): the
+// engine's calibration decides on each machine (panel_ffi.wins).
 constexpr int kNV = kVRegs >= 16 ? 4 : 2;
 constexpr int kMR = kVRegs >= 32 ? 6 : 2;
 static_assert(kPV % kNV == 0, "a panel row is a whole number of tiles");
