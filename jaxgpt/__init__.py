@@ -1,15 +1,15 @@
 """jaxgpt: functional Flax transformers with a mirrored PyTorch reference (torch_ref).
 
-Importing ``jaxgpt`` or ``jaxgpt.config`` loads no framework (torch_ref shares the configs);
-``build`` and the other entry points import JAX/Flax on first use.
+Importing ``jaxgpt`` or ``jaxgpt.config`` loads no framework (torch_ref shares the configs) and changes
+no environment variable; ``build`` and the other entry points import JAX/Flax on first use.
+``use_host_devices()``, called before JAX starts, splits a CPU into one device per core, as the
+``jaxgpt`` command and ``jaxgpt.train.fit`` do (jaxgpt.parallel.host_devices).
 """
-from jaxgpt.parallel.host_devices import default_host_devices
+from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset
+from jaxgpt.parallel.host_devices import use_host_devices
 
-default_host_devices()  # before JAX starts: one CPU device per core (jaxgpt.parallel.host_devices)
-
-from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset  # noqa: E402 - after the setup above, which must run first
-
-__all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "TrainConfig", "build", "get_preset"]
+__all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "TrainConfig", "build", "get_preset",
+           "use_host_devices"]
 __version__ = "0.1.0"
 
 

@@ -65,6 +65,10 @@ if (TEST_XLA_FLAGS and os.environ.get("JAXGPT_TEST_FUSION_EMITTERS") != "default
     TEST_XLA_FLAGS += f" {LEGACY_EMITTERS}"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once, if imported again as parity_tests.conftest
     os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+# One CPU device per core, as the jaxgpt command and fit give a user: the sharded and multi-device tests use them
+from jaxgpt import use_host_devices  # noqa: E402 - after the setup above, which must run first
+
+use_host_devices()
 
 import jax  # noqa: E402 - after the setup above, which must run first
 import jax.numpy as jnp  # noqa: E402 - after the setup above, which must run first
@@ -83,8 +87,6 @@ def xla_flags(*flags: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    # asked here, not at import: starting JAX's backend before jaxgpt is imported would keep
-    # jaxgpt.parallel.host_devices from making one CPU device per core
     if jax.default_backend() == "cpu":
         return
     skip = pytest.mark.skip(reason=f"{ACCELERATOR_SKIP} cpu_only: holds on the CPU backend only "

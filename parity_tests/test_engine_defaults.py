@@ -2,8 +2,10 @@
 the same numbers.
 
 - ``scan_unroll='auto'``: every layer in one scan iteration on the CPU and GPU, rolled elsewhere.
-- ``import jaxgpt`` asks XLA for one CPU device per core, up to ``host_devices.AUTO_MAX``, unless the user chose
-  (``JAXGPT_HOST_DEVICES``, ``XLA_FLAGS``); checked in fresh interpreters.
+- ``import jaxgpt`` (and ``jaxgpt.models``) changes no environment variable; ``jaxgpt.use_host_devices()``
+  (called by the ``jaxgpt`` command and ``fit``) asks XLA for one CPU device per core, up to
+  ``host_devices.AUTO_MAX``, unless the user chose (``JAXGPT_HOST_DEVICES``, ``XLA_FLAGS``); checked in fresh
+  interpreters.
 - ``TrainConfig.mesh='auto'``: the train step splits the batch over those devices. Self-consistency
   against the single-device step (mesh=None) at 1e-6; the step against torch_ref is test_train.py's.
   With replicated params and no dropout the gradient is ``parallel.data_parallel``'s shard_map, whose
@@ -42,20 +44,46 @@ def test_scan_unroll_auto_unrolls_on_cpu_and_gpu():
         CFG.replace(scan_unroll="fast")
 
 
-def _devices_in_fresh_interpreter(env: dict) -> int:
-    code = "import jaxgpt, jax; print(jax.device_count())"
+def _fresh_interpreter(code: str, env: dict) -> str:
     full = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", host_devices.ENV)} | env
-    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                          check=True).stdout.split()[-1]
 
 
-def test_import_asks_for_one_cpu_device_per_core():
+def _devices_in_fresh_interpreter(env: dict, setup: str = "jaxgpt.use_host_devices()") -> int:
+    return int(_fresh_interpreter(f"import jaxgpt, jax; {setup}; print(jax.device_count())", env))
+
+
+def test_use_host_devices_asks_for_one_cpu_device_per_core():
     cores = len(os.sched_getaffinity(0))
     assert _devices_in_fresh_interpreter({}) == min(cores, host_devices.AUTO_MAX)
     assert _devices_in_fresh_interpreter({host_devices.ENV: "1"}) == 1
     # the user's own flag wins, whatever JAXGPT_HOST_DEVICES says
     assert _devices_in_fresh_interpreter({"XLA_FLAGS": "--xla_force_host_platform_device_count=3",
                                           host_devices.ENV: "2"}) == 3
+    assert _devices_in_fresh_interpreter({}, setup="jaxgpt.use_host_devices(3)") == 3
+    # once JAX has started, 'auto' leaves it be, and an explicit count it cannot give is an error
+    assert _devices_in_fresh_interpreter({}, setup="jax.devices(); jaxgpt.use_host_devices()") == 1
+    with pytest.raises(subprocess.CalledProcessError, match="returned non-zero"):
+        _devices_in_fresh_interpreter({}, setup="jax.devices(); jaxgpt.use_host_devices(2)")
+
+
+def test_import_changes_no_environment_variable():
+    # jax sets two variables of its own on import, so the baseline is taken after importing it
+    code = ("import os, jax; before = dict(os.environ); import jaxgpt, jaxgpt.models, jaxgpt.train, "
+            "jaxgpt.inference.generate; print(dict(os.environ) == before and jax.device_count() == 1)")
+    assert _fresh_interpreter(code, {}) == "True"
+
+
+def test_fit_splits_the_cpu_before_jax_starts(tmp_path):
+    code = ("import jaxgpt, jax; from jaxgpt.train.loop import fit; "
+            "from jaxgpt.train.tasks import fit_config, load_task; from jaxgpt.config import TrainConfig, get_preset; "
+            "tc = TrainConfig(steps=1, batch_size=2, seq_len=8); "
+            "task = load_task(get_preset('seed-minigpt'), tc, corpus='seed-synthetic'); "
+            "cfg = fit_config(get_preset('seed-minigpt').replace(max_len=8, n_layer=1), task); "
+            "fit(cfg, tc, task, checkpoints=False, progress=False, log=lambda *a: None); print(jax.device_count())")
+    cores = len(os.sched_getaffinity(0))
+    assert int(_fresh_interpreter(code, {})) == min(cores, host_devices.AUTO_MAX)
 
 
 @pytest.mark.parametrize("bad", ["0", "two", "-1"])

@@ -2,6 +2,8 @@
 rng, the sampling filters (top-k, top-p, temperature) on their own and against torch_ref's, EOS
 handling, the crop-to-context fallback, one compilation per setting, and argument errors.
 (Greedy cached == uncached == torch_ref without EOS or cropping is in test_decoder.py.)"""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,7 +203,9 @@ def test_crop_fallback_past_max_len(params, tmodel):
     prompt = np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 10)).astype(np.int32)
     n = 40  # 10 + 40 > max_len=32: falls back to the uncached path, cropping to the last 32 tokens
     fit = CFG.max_len - 10  # 22 new tokens still fit the cache
-    greedy = _gen(params, prompt, n)
+    with pytest.warns(UserWarning, match="prompt length 10 \\+ max_new_tokens 40 exceeds max_len=32: decoding "
+                      "without the KV cache, each token seeing only the last 32 tokens"):
+        greedy = _gen(params, prompt, n)
     assert greedy.shape == (2, 10 + n)
     assert np.array_equal(greedy[:, :10], prompt)
     # Until the window fills nothing is cropped: the prefix is the cached generation of `fit` tokens.
@@ -210,6 +214,30 @@ def test_crop_fallback_past_max_len(params, tmodel):
     for use_cache in (True, False):
         t = tgenerate(tmodel, torch.from_numpy(prompt), n, use_cache=use_cache).numpy()
         assert np.array_equal(greedy, t), use_cache
+
+
+def test_generate_within_max_len_does_not_warn(params):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _gen(params, PROMPTS, CFG.max_len - PROMPTS.shape[1])
+
+
+def test_unseeded_sampling_draws_fresh_entropy(params):
+    # Without rng, two sampled calls differ (the server's rule for an unseeded request); 3 rows x 20 tokens at
+    # ~1.5 nats each would repeat with probability ~e^-90. Greedy decoding needs no key and repeats.
+    a, b = _gen(params, temperature=1.0), _gen(params, temperature=1.0)
+    assert not np.array_equal(a, b)
+    assert np.array_equal(_gen(params), _gen(params))
+    key = jax.random.PRNGKey(7)
+    assert np.array_equal(_gen(params, temperature=1.0, rng=key), _gen(params, temperature=1.0, rng=key))
+
+
+@pytest.mark.parametrize("form", [np.asarray, lambda x: x.tolist()], ids=["numpy", "list"])
+def test_apply_takes_numpy_arrays_and_lists(params, form):
+    model = build(CFG)
+    want = np.asarray(model.apply({"params": params}, jnp.asarray(PROMPTS)))
+    got = np.asarray(model.apply({"params": params}, form(PROMPTS)))
+    assert np.array_equal(got, want)
 
 
 # 5. One compilation per setting -----------------------------------------------------------------

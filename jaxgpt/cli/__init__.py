@@ -21,6 +21,7 @@ from jaxgpt.cli.sample import cmd_sample
 from jaxgpt.cli.serve import add_parser as add_serve_parser
 from jaxgpt.cli.train import cmd_train
 from jaxgpt.config import PRESETS
+from jaxgpt.parallel.host_devices import use_host_devices
 from jaxgpt.cli import compile_cache
 
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command in COMPILING:
+            use_host_devices()  # before JAX starts: one CPU device per core (jaxgpt.parallel.host_devices)
             compile_cache.enable()
         return args.fn(args)
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ against, and the fallback that crops to the context window when prompt + new tok
 """
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 
 from jaxgpt.core import validate
 from jaxgpt.config import ModelConfig, check_sampling
-from jaxgpt.inference.sampling import argmax, filter_logits
+from jaxgpt.inference.sampling import argmax, filter_logits, fresh_seed
 from jaxgpt.models.decoder import DecoderLM, init_cache, unstack_layers
 from jaxgpt.models.stack import check_tokens
 
@@ -103,15 +104,28 @@ def _generate_uncached(params, prompt, rng, *, config, max_new_tokens, temperatu
     return jnp.concatenate([prompt, tokens], axis=1)
 
 
+def _default_rng(rng, temperature: float):
+    """``rng``, or for sampling without one a key from fresh entropy (greedy decoding draws nothing)."""
+    if rng is not None:
+        return rng
+    return jax.random.PRNGKey(fresh_seed() if temperature > 0 else 0)
+
+
 def generate(config: ModelConfig, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, rng=None, eos_id: int | None = None,
              use_cache: bool = True):
     """Continue ``prompt`` (B, T0) int ids by ``max_new_tokens`` tokens -> (B, T0 + max_new_tokens).
 
     temperature 0 is greedy. With ``eos_id``, a row that emits it is filled with it afterwards.
-    The KV cache is used when the whole sequence fits in ``config.max_len``; otherwise decoding
-    falls back to the uncached path, which crops the context to the last ``max_len`` tokens.
-    The same ``rng`` gives the same tokens with and without the cache.
+    ``prompt``: a JAX or NumPy array, or nested lists of ints.
+
+    ``rng``: a PRNG key. Without one, sampling (temperature > 0) draws a fresh seed from the OS, as
+    the engine and ``jaxgpt serve`` do for an unseeded request, so two unseeded calls differ; pass
+    a key to repeat a sample. The same ``rng`` gives the same tokens with and without the cache.
+
+    The KV cache is used when the whole sequence fits in ``config.max_len``. Past it, decoding
+    falls back to the uncached path, which crops the context to the last ``max_len`` tokens, and
+    says so in a warning naming the lengths.
     """
     prompt = jnp.asarray(np.asarray(prompt), jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] == 0:
@@ -123,8 +137,12 @@ def generate(config: ModelConfig, params, prompt, max_new_tokens: int, *, temper
     check_tokens(prompt, config.token_vocab, config.max_len)  # a padded table's extra rows are no tokens
     if eos_id is not None and not 0 <= eos_id < config.token_vocab:
         raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {config.token_vocab})")
-    rng = jax.random.PRNGKey(0) if rng is None else rng
+    rng = _default_rng(rng, temperature)
     fits = prompt.shape[1] + max_new_tokens <= config.max_len
+    if not fits:
+        warnings.warn(f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} exceeds max_len="
+                      f"{config.max_len}: decoding without the KV cache, each token seeing only the last "
+                      f"{config.max_len} tokens", stacklevel=2)
     fn = _generate_cached if use_cache and fits else _generate_uncached
     return fn(params, prompt, rng, config=config, max_new_tokens=max_new_tokens, temperature=float(temperature),
               top_k=top_k, top_p=top_p, eos_id=eos_id)
@@ -156,7 +174,8 @@ def generate_seq2seq(config, params, src, src_mask, max_new_tokens: int, *, bos_
                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, rng=None):
     """Encoder-decoder decoding: encode ``src`` (B, S) once, then feed ``<bos>`` + the tokens so
     far to the decoder (one fixed (B, max_new_tokens + 1) window, no recompilation per token).
-    Returns the new tokens (B, max_new_tokens); rows that emit ``eos_id`` are filled with it."""
+    Returns the new tokens (B, max_new_tokens); rows that emit ``eos_id`` are filled with it.
+    Without ``rng``, sampling draws a fresh seed, as ``generate`` does."""
     src = jnp.asarray(np.asarray(src), jnp.int32)
     validate.check_padding_mask(np.asarray(src_mask), src.shape, where="src_mask")  # no float masks cast to bool
     src_mask = jnp.asarray(np.asarray(src_mask), bool)
@@ -167,6 +186,6 @@ def generate_seq2seq(config, params, src, src_mask, max_new_tokens: int, *, bos_
     for name, i in (("bos_id", bos_id), ("eos_id", eos_id)):  # fed to the jitted decoder, which would clamp
         if i is not None and not 0 <= i < config.decoder.vocab_size:
             raise ValueError(f"{name} {i} is outside the decoder vocabulary [0, {config.decoder.vocab_size})")
-    rng = jax.random.PRNGKey(0) if rng is None else rng
+    rng = _default_rng(rng, temperature)
     return _generate_seq2seq(params, src, src_mask, rng, config=config, max_new_tokens=max_new_tokens,
                              temperature=float(temperature), top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id)

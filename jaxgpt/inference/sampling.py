@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,6 +26,12 @@ from jaxgpt.config import check_sampling
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the one static top-k the sampling program compiles besides 0
 MAX_PENALTY, MAX_BIAS = 2.0, 100.0  # OpenAI's ranges: penalties in [-2, 2], a bias in [-100, 100]
+
+
+def fresh_seed() -> int:
+    """A new seed in [0, 2**32) from the OS's entropy: what an unseeded sampling call draws, in the
+    engine, the server and ``generate`` alike (OpenAI's behaviour: unseeded samples differ)."""
+    return secrets.randbits(32)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ recomputed from its prompt and outputs later. ``Engine`` (engine.py) runs the ro
 from __future__ import annotations
 
 import itertools
-import secrets
 from collections import deque
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 from jaxgpt.inference import prefix_cache, speculative
 from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_ROWS, PageAllocator, bucket, next_pow2, plan_prefill
 from jaxgpt.inference.requests import Request
-from jaxgpt.inference.sampling import SamplingParams
+from jaxgpt.inference.sampling import SamplingParams, fresh_seed
 from jaxgpt.inference.spec_policy import SpecPolicy
 
 
@@ -73,7 +72,7 @@ class Scheduler:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         # an unseeded request gets fresh entropy (OpenAI's behaviour), kept on the Request to rerun it
-        seed = secrets.randbits(32) if params.seed is None else params.seed
+        seed = fresh_seed() if params.seed is None else params.seed
         req = Request(rid, ids, params, next(self._arrival), seed=seed, adjust=dict(params.logit_bias))
         self.requests[rid] = req
         self.waiting.append(req)

@@ -54,6 +54,7 @@ class BertClassifier(nn.Module):
         ``return_weights``; the final hidden states (B, T, d) when ``return_hidden`` (see ``encode``).
         """
         cfg, enc = self.config, self.config.encoder
+        input_ids = jnp.asarray(input_ids)  # NumPy arrays and nested lists too
         check_tokens(input_ids, enc.vocab_size, enc.max_len)
         positions = jnp.arange(input_ids.shape[-1])  # (T,)
         dt = dict(dtype=enc.dtype, param_dtype=enc.param_dtype)  # precision policy: the encoder config's
@@ -64,6 +65,7 @@ class BertClassifier(nn.Module):
             if token_type_ids is None:
                 token_type_ids = jnp.zeros_like(input_ids)
             else:
+                token_type_ids = jnp.asarray(token_type_ids)
                 check_tokens(token_type_ids, cfg.type_vocab_size, enc.max_len)
             x = x + nn.Embed(cfg.type_vocab_size, enc.d_model, embedding_init=nn.initializers.normal(enc.init_std),
                              name="type_embed", **dt)(token_type_ids)

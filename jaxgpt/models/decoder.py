@@ -109,6 +109,7 @@ class DecoderLM(nn.Module):
         models: the depth-attention weights, ``DecoderOutput.depth_weights``) is set.
         """
         cfg = self.config
+        tokens = jnp.asarray(tokens)  # NumPy arrays and nested lists too
         first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
         offset = 0 if cache is None else first.index.reshape(-1)[0]
         check_tokens(tokens, cfg.token_vocab, cfg.max_len, 0 if cache is None else offset)

@@ -32,6 +32,7 @@ class Stack(nn.Module):
     def __call__(self, ids, memory=None, memory_mask=None, self_mask=None, *, deterministic=True):
         """ids: (B, T) int; memory: (B, S, d); masks: (B, 1, 1, S|T) bool. Returns (B, T, d)."""
         cfg = self.config
+        ids = jnp.asarray(ids)  # NumPy arrays and nested lists too
         check_tokens(ids, cfg.vocab_size, cfg.max_len)
         positions = jnp.arange(ids.shape[-1])  # (T,)
         tok_embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 import warnings
 
@@ -37,6 +36,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config.mesh import AXES, BATCH_AXES, batch_devices, mesh_devices, parse_mesh
+from jaxgpt.parallel.host_devices import use_host_devices
 
 BATCH = BATCH_AXES  # mesh axes the batch is split over: ('data', 'fsdp', 'expert')
 
@@ -107,24 +107,6 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
     except Exception:  # noqa: BLE001 - e.g. odd device counts; plain order is still correct
         grid = np.asarray(devices).reshape(shape)
     return Mesh(grid, AXES)
-
-
-def use_host_devices(n: int) -> None:
-    """Simulate ``n`` devices on the CPU (XLA_FLAGS --xla_force_host_platform_device_count) before
-    JAX starts its backend. Also a CPU speed lever: the batch split over 2 host devices uses both cores."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"host device count must be an int >= 1, got {n!r}")
-    from jax._src import xla_bridge  # the only way to ask "has a backend started?" without starting one
-
-    if xla_bridge.backends_are_initialized():
-        have = jax.device_count()
-        if have >= n:
-            return
-        raise ValueError(f"JAX has already started with {have} device(s), so {n} host devices cannot be added; "
-                         f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment, or call "
-                         "use_host_devices before anything runs a JAX computation")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 # -- parameters ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from jaxgpt.train.plan import Plan, make_plan, resolve_mesh
 from jaxgpt.train.step import TrainState, init_state, make_eval_step
 from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
+from jaxgpt.parallel.host_devices import use_host_devices
 
 
 PREFETCH_DEPTH = 2  # batches built ahead of the device (host memory: depth x one batch)
@@ -135,6 +136,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     holds); state = the final TrainState."""
     if out is None and checkpoints:
         raise ValueError("fit with checkpoints saves into a run directory: give out, or pass checkpoints=False")
+    use_host_devices()  # one CPU device per core when JAX has not started yet (jaxgpt.parallel.host_devices)
     out = None if out is None else Path(out)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

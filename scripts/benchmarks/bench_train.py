@@ -114,9 +114,8 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
     # a JAX_SETTINGS name, or a JSON {"config": {...}, "host_devices": n} (to try a setting by hand)
     chosen = json.loads(setting) if setting.startswith("{") else JAX_SETTINGS[setting]
     devices = chosen.get("host_devices")  # None: jaxgpt's default (TrainConfig.mesh='auto')
-    if devices is not None:
-        from jaxgpt.parallel.sharding import use_host_devices
-        use_host_devices(devices)  # before jax initialises its backend
+    from jaxgpt import use_host_devices
+    use_host_devices("auto" if devices is None else devices)  # before jax initialises its backend
     import jax
 
     from jaxgpt.models import count_params
