@@ -26,7 +26,7 @@ from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parents[1]
 # top-level directories whose paths, written in code in README/docs, must exist
-REPO_DIRS = ("jaxgpt", "torch_ref", "scripts", "parity_tests", "docs", "results", ".ci")
+REPO_DIRS = ("jaxgpt", "torch_ref", "scripts", "parity_tests", "docs", "results", "examples", ".ci")
 PACKAGES = ("jaxgpt", "torch_ref", "scripts")  # dotted names under these must resolve
 SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", ".pytest_cache", ".hypothesis", "build",
              "dist", "runs", "out"}

@@ -1,0 +1,71 @@
+"""The README is a newcomer's first page: short, free of dated project history, licensed, and every
+Python snippet in it runs as written (here, in a fresh interpreter in a temporary directory holding the
+``tiny-llama`` Hugging Face directory the snippets name). The examples/ scripts run in the e2e tier."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import require_module
+from hf_dirs import llama_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MAX_LINES = 220
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+# a commit hash: 7-40 hex characters with both a digit and a letter (so no plain word or number)
+HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+
+
+def python_blocks(text: str) -> list[str]:
+    return PYTHON_BLOCK.findall(text)
+
+
+def test_readme_is_short_and_tells_no_history():
+    text = README.read_text()
+    assert len(text.splitlines()) <= MAX_LINES
+    assert not DATE.findall(text), "dated narrative belongs in docs/history.md"
+    assert not HASH.findall(text), "commit hashes belong in docs/history.md"
+
+
+def test_license_file_matches_the_package_metadata():
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.startswith("MIT License")
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "MIT"
+
+
+def test_the_history_checks_catch_a_date_and_a_hash():
+    assert DATE.findall("green on 2026-11-27") and HASH.findall("a fresh clone of 2d4c490")
+    assert not HASH.findall("decade 1234567 facade")
+
+
+def test_readme_python_snippets_run(tmp_path):
+    require_module("transformers")
+    blocks = python_blocks(README.read_text())
+    assert len(blocks) >= 3, "the README shows inference, an own loop and an HF round trip"
+    llama_dir(tmp_path / "tiny-llama")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for i, block in enumerate(blocks):
+        run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, f"README python block {i} failed:\n{block}\n{run.stderr[-3000:]}"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script, args", [("own_loop.py", ["--steps", "120"])])
+def test_examples_run_and_their_losses_fall(script, args):
+    text = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+    from conftest import require_shared
+    require_shared(text, "Tiny Shakespeare")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--text", str(text), *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"train (\d+\.\d+)", run.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 1.0, run.stdout
