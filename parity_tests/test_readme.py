@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_module
+from conftest import require_module, require_shared
 from hf_dirs import llama_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,14 +58,29 @@ def test_readme_python_snippets_run(tmp_path):
         assert run.returncode == 0, f"README python block {i} failed:\n{block}\n{run.stderr[-3000:]}"
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("script, args", [("own_loop.py", ["--steps", "120"])])
-def test_examples_run_and_their_losses_fall(script, args):
-    text = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-    from conftest import require_shared
-    require_shared(text, "Tiny Shakespeare")
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--text", str(text), *args],
+def _run_example(script: str, *args: str) -> list[float]:
+    """Run examples/<script> on Tiny Shakespeare; the training losses it printed."""
+    text = require_shared(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt", "Tiny Shakespeare")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args, "--text", str(text)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    losses = [float(v) for v in re.findall(r"train (\d+\.\d+)", run.stdout)]
-    assert len(losses) >= 2 and losses[-1] < losses[0] - 1.0, run.stdout
+    return [float(v) for v in re.findall(r"train (\d+\.\d+)", run.stdout)]
+
+
+@pytest.mark.e2e
+def test_own_loop_example_learns():
+    losses = _run_example("own_loop.py", "--steps", "120")
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.e2e
+def test_hf_finetune_example_learns_and_exports_what_transformers_reads(tmp_path):
+    transformers = require_module("transformers")
+    src, out = llama_dir(tmp_path / "hf"), tmp_path / "ft"
+    losses = _run_example("hf_finetune.py", str(src), str(out), "--steps", "60")
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.5, losses
+    before, after = (transformers.AutoTokenizer.from_pretrained(d) for d in (src, out))
+    for text in ("the cat sat", "  two  spaces\tand\nlines", "caf\u00e9 \u732b", "<|endoftext|>the end"):
+        assert after(text).input_ids == before(text).input_ids, text
+    assert (after.bos_token_id, after.eos_token_id) == (before.bos_token_id, before.eos_token_id)
+    transformers.AutoModelForCausalLM.from_pretrained(out)
