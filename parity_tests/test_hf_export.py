@@ -20,6 +20,7 @@ from conftest import assert_close, require_module
 from hf_dirs import TEXT, bpe_tokenizer, llama_dir
 from jaxgpt import build
 from jaxgpt.cli import main
+from jaxgpt.convert import save_hf
 from jaxgpt.convert.files import load_weights, save_weights
 from jaxgpt.convert.hf_files import ExportWarning
 
@@ -117,6 +118,41 @@ def test_safetensors_and_torch_files_keep_the_hf_tokenizer(src, tmp_path):
     save_weights(tmp_path / "out", "hf", config, params, extras2)
     for name in TOKENIZER_FILES:
         assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def test_older_layouts_and_older_checkpoints(src, tmp_path):
+    """A template inside tokenizer_config.json, special_tokens_map.json and named templates come back
+    verbatim; a tokenizer dict saved before the files were carried still exports a loadable tokenizer
+    with its special ids (tokenizer_config.json written from its special tokens)."""
+    from transformers import AutoTokenizer
+
+    old = shutil.copytree(src, tmp_path / "old")
+    cfg = json.loads((old / "tokenizer_config.json").read_text())
+    (old / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    (old / "chat_template.jinja").unlink()
+    (old / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    config, params, extras = load_weights(old, "hf")
+    save_weights(tmp_path / "out", "hf", config, params, extras)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (old / name).read_bytes(), name
+    assert chat_ids(AutoTokenizer.from_pretrained(tmp_path / "out")) == chat_ids(AutoTokenizer.from_pretrained(src))
+    named = shutil.copytree(src, tmp_path / "named")  # transformers 5's named templates beside the default
+    (named / "additional_chat_templates").mkdir()
+    (named / "additional_chat_templates" / "tool.jinja").write_text("{{ messages[0]['content'] }}")
+    save_weights(tmp_path / "out2", "hf", *load_weights(named, "hf"))
+    name = "additional_chat_templates/tool.jinja"
+    assert (tmp_path / "out2" / name).read_bytes() == (named / name).read_bytes()
+
+    bare = {k: v for k, v in extras["tokenizer"].items() if k not in ("files", "config_ids")}
+    save_weights(tmp_path / "bare", "hf", config, params, {**extras, "tokenizer": bare})
+    ref, got = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(tmp_path / "bare")
+    assert [got(t).input_ids for t in TEXTS] == [ref(t).input_ids for t in TEXTS]
+    assert [got.bos_token_id, got.eos_token_id, got.pad_token_id] == [1, 2, 0]
+    generation = json.loads((tmp_path / "bare" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": [2, 4], "pad_token_id": 0}
+    save_hf(tmp_path / "tf", config, params, tokenizer=ref)  # a transformers tokenizer: save_pretrained + its ids
+    written = [json.loads((tmp_path / "tf" / name).read_text()) for name in ("config.json", "generation_config.json")]
+    assert [{k: d[k] for k in IDS} for d in written] == [dict(zip(IDS, (1, 2, 0)))] * 2
 
 
 def test_finetuned_run_exports_its_tokenizer(src, tmp_path, capsys):
