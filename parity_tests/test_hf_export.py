@@ -150,6 +150,8 @@ def test_older_layouts_and_older_checkpoints(src, tmp_path):
     assert [got.bos_token_id, got.eos_token_id, got.pad_token_id] == [1, 2, 0]
     generation = json.loads((tmp_path / "bare" / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": [2, 4], "pad_token_id": 0}
+    with pytest.raises(ValueError, match=r"tokenizer file name '../x.json' leaves the directory"):
+        save_hf(tmp_path / "evil", config, params, tokenizer={**bare, "files": {"../x.json": "{}"}})
     save_hf(tmp_path / "tf", config, params, tokenizer=ref)  # a transformers tokenizer: save_pretrained + its ids
     written = [json.loads((tmp_path / "tf" / name).read_text()) for name in ("config.json", "generation_config.json")]
     assert [{k: d[k] for k in IDS} for d in written] == [dict(zip(IDS, (1, 2, 0)))] * 2

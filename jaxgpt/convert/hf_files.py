@@ -67,6 +67,8 @@ def write_tokenizer(path: str | Path, tokenizer) -> dict[str, Any]:
     if gen and "generation_config.json" not in files:
         files["generation_config.json"] = _json_text(gen)
     for name, text in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # a crafted checkpoint must not write elsewhere
+            raise ValueError(f"tokenizer file name {name!r} leaves the directory {str(path)!r}")
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_text(text, encoding="utf-8")
     return ids
