@@ -186,7 +186,7 @@ def test_tokenizer_is_written(tmp_path):
     config, params = load_hf((hf.save_pretrained(tmp_path / "hf"), tmp_path / "hf")[1])
     save_hf(tmp_path / "ours", config, params, tokenizer=tok)
     assert Tokenizer.from_file(str(tmp_path / "ours" / "tokenizer.json")).encode("a b").ids == [1, 2]
-    with pytest.raises(ValueError, match="tokenizer must be a tokenizers.Tokenizer or have save_pretrained"):
+    with pytest.raises(ValueError, match="tokenizer must be a jaxgpt tokenizer .* or have save_pretrained"):
         save_hf(tmp_path / "bad", config, params, tokenizer={"a": 1})
 
 

@@ -27,7 +27,7 @@ def init_from(args, **flags):
     from jaxgpt.train.tasks import fit_config, load_task, with_epochs
 
     fmt = detect_format(args.init)
-    config, params, extras = load_hf_dir(args.init) if fmt == "hf" else load_weights(args.init, fmt)
+    config, params, extras = load_weights(args.init, fmt)
     config, tc = apply_sets(config, train_sets(args))
     tc = tc.replace(**flags)
     shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
@@ -90,16 +90,6 @@ def start_devices(args) -> None:
 
 
 
-def load_hf_dir(path: str) -> tuple[object, dict, dict]:
-    """(config, params, extras) of a Hugging Face model directory, its tokenizer.json included."""
-    from jaxgpt.convert.files import load_weights
-    from jaxgpt.data.hf_tokenizer import tokenizer_dict
-
-    config, params, extras = load_weights(path, "hf")
-    return config, params, {**extras, "tokenizer": extras.get("tokenizer") or tokenizer_dict(path),
-                            "source": f"hf:{path}"}
-
-
 def _is_hf_dir(path: str) -> bool:
     p = Path(path)
     return p.is_dir() and (p / "config.json").is_file() and not (p / "checkpoints").is_dir()
@@ -113,7 +103,9 @@ def load_for_inference(ckpt: str, step: int | None):
     if _is_hf_dir(ckpt):
         if step is not None:
             raise ValueError(f"--step {step}: {ckpt} is a Hugging Face directory, which holds one set of weights")
-        config, params, meta = load_hf_dir(ckpt)
+        from jaxgpt.convert.files import load_weights
+
+        config, params, meta = load_weights(ckpt, "hf")  # its tokenizer.json, special ids and chat template
     else:
         config, params, meta = Checkpoints(ckpt, create=False).restore_params(step)
     tok = tokenizer_from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -12,16 +11,12 @@ from pathlib import Path
 from jaxgpt.cli.common import load_for_inference
 
 
-def chat_template_of(model: str) -> str | None:
-    """An HF directory's chat template: chat_template.jinja, or tokenizer_config.json's 'chat_template'."""
-    d = Path(model)
-    if (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text(encoding="utf-8")
-    cfg = d / "tokenizer_config.json"
-    if cfg.is_file():
-        t = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
-        return t if isinstance(t, str) else None
-    return None
+def chat_template_of(model: str, tokenizer=None) -> str | None:
+    """The chat template served: the tokenizer's (an HF directory's, or the one a run fine-tuned from
+    one carries), else the directory's chat_template.jinja or tokenizer_config.json's 'chat_template'."""
+    from jaxgpt.data.hf_tokenizer import carried_files, chat_template_in
+
+    return getattr(tokenizer, "chat_template", None) or chat_template_in(carried_files(model))
 
 
 def spec_max_batch(text: str):
@@ -84,7 +79,7 @@ def cmd_serve(args) -> int:
         print(f"jaxgpt serve: compiling {len(engine.buckets())} engine shapes ...", file=sys.stderr, flush=True)
         engine.precompile()
         print(f"jaxgpt serve: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(args.model),
+    app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(args.model, tok),
                      max_waiting=args.max_waiting)
     install(app, api_key=args.api_key or os.environ.get("JAXGPT_API_KEY") or None,
             request_timeout=args.request_timeout, access_log=args.access_log)

@@ -84,8 +84,7 @@ def load_weights(path: str | Path, fmt: str | None = None) -> tuple[Any, dict, d
     if fmt == "hf":
         from jaxgpt.convert.hf import load_hf
 
-        config, params = load_hf(p)
-        return config, params, {"kind": default_kind(config)}
+        return load_hf(p, with_extras=True)
     if fmt in ("torch", "nanogpt"):
         import torch
 
@@ -108,7 +107,10 @@ def load_weights(path: str | Path, fmt: str | None = None) -> tuple[Any, dict, d
 
 def save_weights(path: str | Path, fmt: str, config, params, extras: Mapping[str, Any] | None = None) -> None:
     """Write (config, params) as ``fmt``: 'jaxgpt' (a checkpoint directory at step 0),
-    'safetensors', 'torch' (a torch_ref state dict + config) or 'hf' (``save_hf``: config.json + safetensors)."""
+    'safetensors', 'torch' (a torch_ref state dict + config) or 'hf' (``save_hf``: config.json + safetensors,
+    and the tokenizer's files). Every format keeps ``extras['tokenizer']`` whole (an HF tokenizer's chat
+    template, special ids and generation config included); where 'hf' cannot hold it, an ``ExportWarning``
+    says what the directory lacks."""
     extras = {k: v for k, v in (extras or {}).items() if v is not None}
     p = Path(path)
     if fmt == "jaxgpt":
@@ -137,7 +139,14 @@ def save_weights(path: str | Path, fmt: str, config, params, extras: Mapping[str
                     **{k: v for k, v in extras.items() if k in ("tokenizer", "kind")}}, p)
     elif fmt == "hf":
         from jaxgpt.convert.hf import save_hf
+        from jaxgpt.convert.hf_files import ExportWarning
 
-        save_hf(p, config, params)
+        if extras.get("tokenizer") is None:
+            import warnings
+
+            warnings.warn(f"no tokenizer came with these weights, so {p} gets no tokenizer files, special ids or "
+                          "generation_config.json: prompts there need token ids and HF generate stops only at "
+                          "max_new_tokens", ExportWarning, stacklevel=2)
+        save_hf(p, config, params, tokenizer=extras.get("tokenizer"))
     else:
         raise ValueError(f"cannot write format {fmt!r}; expected one of {FORMATS[:4]}")

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxgpt.config import BertConfig, ModelConfig
 from jaxgpt.convert import bert, gpt2, llama, mixtral, qwen2_moe
+from jaxgpt.convert.hf_files import write_tokenizer
 from jaxgpt.convert.rule import params_to_state_dict, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
 
@@ -87,8 +88,11 @@ def _shards(path: Path) -> list[Path]:
                      "(pytorch_model.bin checkpoints are not read: re-save them with safe_serialization)")
 
 
-def load_hf(path: str | Path, dtype=None) -> tuple[ModelConfig | BertConfig, dict]:
-    """(config, params) from a Hugging Face model directory, without torch or transformers.
+def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False):
+    """(config, params) from a Hugging Face model directory, without torch or transformers
+    (``with_extras``: + an extras dict, ``{'kind', 'tokenizer'}``, the tokenizer a jaxgpt checkpoint
+    keeps: tokenizer.json with the special ids, chat template, tokenizer_config.json and
+    generation_config.json (``HFTokenizer.to_dict()``), or None without a tokenizer.json).
 
     Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
     one tensor at a time through ``safetensors.safe_open(..., framework="np")``. Families:
@@ -117,7 +121,13 @@ def load_hf(path: str | Path, dtype=None) -> tuple[ModelConfig | BertConfig, dic
             for key in f.keys():
                 a = to_numpy(f.get_tensor(key))  # bf16/fp16 -> float32, exactly
                 tensors[key] = a if dt is None or not np.issubdtype(a.dtype, np.floating) else a.astype(dt)
-    return config, family.params_from_hf(config, tensors, arch, _template(config, dt))
+    params = family.params_from_hf(config, tensors, arch, _template(config, dt))
+    if not with_extras:
+        return config, params
+    from jaxgpt.convert.files import default_kind
+    from jaxgpt.data.hf_tokenizer import tokenizer_dict
+
+    return config, params, {"kind": default_kind(config), "tokenizer": tokenizer_dict(path)}
 
 
 def _family_of(config) -> Any:
@@ -184,7 +194,10 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
     with model.safetensors.index.json when the weights exceed ``max_shard_size`` (bytes, or '500MB').
     ``transformers.AutoModelForCausalLM`` / ``BertForSequenceClassification.from_pretrained(path)`` load it.
 
-    ``tokenizer``: a ``tokenizers.Tokenizer`` (written as tokenizer.json) or anything with
+    ``tokenizer`` (``hf_files.write_tokenizer``): a jaxgpt tokenizer or its ``to_dict()`` (an HF
+    directory's comes back as it was read: tokenizer.json, tokenizer_config.json, chat template,
+    generation_config.json, and its bos/eos/pad ids in config.json; a character tokenizer has no HF
+    class: an ExportWarning names it), a ``tokenizers.Tokenizer`` (tokenizer.json) or anything with
     ``save_pretrained(dir)`` (a transformers tokenizer). Configs HF cannot express exactly are refused.
     """
     from safetensors.numpy import save_file
@@ -193,6 +206,8 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
     d, sd = export_hf(config, params)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:  # the model's own pad row (config_to_hf's pad_token_id) wins over the tokenizer's
+        d.update({k: v for k, v in write_tokenizer(path, tokenizer).items() if d.get(k) is None})
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for key in sorted(sd):
@@ -213,14 +228,6 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
         index = {"metadata": {"total_size": sum(a.nbytes for a in sd.values())}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
-    if tokenizer is not None:
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(str(path))
-        elif type(tokenizer).__module__.startswith("tokenizers"):
-            tokenizer.save(str(path / "tokenizer.json"))
-        else:
-            raise ValueError(f"tokenizer must be a tokenizers.Tokenizer or have save_pretrained(dir), got "
-                             f"{type(tokenizer).__name__}")
 
 
 # Live transformers models ---------------------------------------------------------------------

@@ -7,6 +7,11 @@ post-processor, so a LLaMA tokenizer adds its BOS exactly as ``AutoTokenizer`` d
 ``encode(text, add_special_tokens=False)`` does not (a rendered chat template already holds them).
 The special tokens' strings (``special_tokens``: bos_token, eos_token, ...) come from
 ``tokenizer_config.json``, as transformers' ``special_tokens_map``, which chat templates read.
+
+``to_dict`` also carries, verbatim, the directory's other tokenizer-side files (``CARRIED``:
+tokenizer_config.json, special_tokens_map.json, the chat template, generation_config.json) and
+config.json's own special ids: the one record that checkpoints, weight files and fine-tuning runs
+keep, from which ``jaxgpt.convert.hf_files`` writes an HF directory back unchanged.
 """
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ import numpy as np
 
 _SPECIALS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# What transformers reads back besides tokenizer.json and config.json (chat templates: transformers 5
+# writes chat_template.jinja and named ones under additional_chat_templates/; older ones keep it in
+# tokenizer_config.json).
+CARRIED = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+           "generation_config.json", "additional_chat_templates/*.jinja")
 
 
 def _read_json(path: Path) -> dict:
@@ -41,6 +51,30 @@ def special_ids(directory: str | Path) -> dict[str, list[int]]:
             if value is not None:
                 out[key] = [int(v) for v in (value if isinstance(value, list) else [value])]
     return out
+
+
+def config_ids(directory: str | Path) -> dict[str, int | list[int]]:
+    """config.json's own bos/eos/pad ids, as written there (generation_config.json may differ)."""
+    cfg = _read_json(Path(directory) / "config.json")
+    return {k: cfg[k] for k in _SPECIALS if cfg.get(k) is not None}
+
+
+def carried_files(directory: str | Path) -> dict[str, str]:
+    """{path relative to ``directory``: text} of the ``CARRIED`` files it has."""
+    d = Path(directory)
+    return {p.relative_to(d).as_posix(): p.read_text(encoding="utf-8")
+            for pattern in CARRIED for p in sorted(d.glob(pattern)) if p.is_file()}
+
+
+def chat_template_in(files: dict[str, str]) -> str | None:
+    """The default chat template of carried files: chat_template.jinja, else tokenizer_config.json's."""
+    if "chat_template.jinja" in files:
+        return files["chat_template.jinja"]
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        t = json.loads(files[name]).get("chat_template") if name in files else None
+        if isinstance(t, str):
+            return t
+    return None
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -79,10 +113,16 @@ class HFTokenizer:
     kind = "hf"
 
     def __init__(self, tokenizer_json: str, *, vocab_size: int | None = None,
-                 specials: dict[str, list[int]] | None = None, tokens: dict[str, str] | None = None):
+                 specials: dict[str, list[int]] | None = None, tokens: dict[str, str] | None = None,
+                 files: dict[str, str] | None = None, config_ids: dict | None = None):
+        """``files``: the directory's ``CARRIED`` files (path -> text); ``config_ids``: config.json's
+        bos/eos/pad ids as written there (None: unknown, exports derive them from ``specials``)."""
         from tokenizers import Tokenizer  # optional dependency, needed for HF directories only
 
+        self._json = tokenizer_json  # kept verbatim: an export writes back the same file
         self._tok = Tokenizer.from_str(tokenizer_json)
+        self.files = dict(files or {})
+        self.config_ids = None if config_ids is None else dict(config_ids)
         own = self._tok.get_vocab_size(with_added_tokens=True)
         if vocab_size is not None and vocab_size < own:
             raise ValueError(f"tokenizer.json has {own} tokens but the model's vocab_size is {vocab_size}")
@@ -104,7 +144,7 @@ class HFTokenizer:
                                     "PreTrainedTokenizerFast(...).save_pretrained(dir)); pass token ids instead")
         vocab = _read_json(d / "config.json").get("vocab_size")
         return cls(path.read_text(encoding="utf-8"), vocab_size=vocab, specials=special_ids(d),
-                   tokens=special_tokens(d))
+                   tokens=special_tokens(d), files=carried_files(d), config_ids=config_ids(d))
 
     @property
     def vocab_size(self) -> int:
@@ -142,6 +182,10 @@ class HFTokenizer:
                 out[key] = self._tok.decode([i], skip_special_tokens=False)
         return {**out, **self._tokens}
 
+    @property
+    def chat_template(self) -> str | None:
+        return chat_template_in(self.files)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         """``text`` -> ids (T,) int32, with the tokenizer's special tokens (its post-processor)
         unless ``add_special_tokens=False``."""
@@ -171,15 +215,16 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "json": self._tok.to_str(), "vocab_size": self._vocab_size,
-                "specials": self.specials, "special_tokens": self._tokens}
+        return {"kind": self.kind, "json": self._json, "vocab_size": self._vocab_size,
+                "specials": self.specials, "special_tokens": self._tokens, "files": self.files,
+                "config_ids": self.config_ids}
 
     @classmethod
     def from_dict(cls, d: dict) -> HFTokenizer:
         if d.get("kind") != cls.kind:
             raise ValueError(f"expected a tokenizer dict of kind {cls.kind!r}, got {d.get('kind')!r}")
         return cls(d["json"], vocab_size=d.get("vocab_size"), specials=d.get("specials"),
-                   tokens=d.get("special_tokens"))
+                   tokens=d.get("special_tokens"), files=d.get("files"), config_ids=d.get("config_ids"))
 
 
 def tokenizer_dict(directory: str | Path) -> dict | None:
