@@ -54,8 +54,9 @@ def gpt2_dir(path: Path, *, n_layer: int = 2, tokenizer: bool = True) -> Path:
 
 
 def llama_dir(path: Path, *, n_layer: int = 2, pad_token_id: int | None = None, family: str = "llama",
-              tied: bool = False) -> Path:
-    """A LLaMA directory, or with ``family='qwen2'`` / 'mistral' that family's (the same layout)."""
+              tied: bool = False, tokenizer: bool = False) -> Path:
+    """A LLaMA directory, or with ``family='qwen2'`` / 'mistral' that family's (the same layout);
+    ``tokenizer``: with a BPE trained here (<pad> 0, <s> 1 = bos, </s> 2 = eos)."""
     import transformers
 
     names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[family]
@@ -66,6 +67,9 @@ def llama_dir(path: Path, *, n_layer: int = 2, pad_token_id: int | None = None, 
         tie_word_embeddings=tied)
     model = getattr(transformers, f"{names}ForCausalLM")(cfg)
     randomize_(model, seed=1).save_pretrained(path)
+    if tokenizer:
+        save_tokenizer(bpe_tokenizer(specials=("<pad>", "<s>", "</s>")), path, pad_token="<pad>", bos_token="<s>",
+                       eos_token="</s>")
     return path
 
 
