@@ -23,8 +23,12 @@ def decay_mask(params, leaves: tuple[str, ...] = ("kernel",)):
     """True on the parameters named ``leaves``: Dense kernels ('linear'), plus embedding tables
     ('matrices', nanoGPT's choice). Norms, biases and AttnRes queries are never decayed. Keyed on
     names, not rank: scanned norm scales are (L, d). The torch mirror selects nn.Linear (and
-    nn.Embedding) weights."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in leaves, params)
+    nn.Embedding) weights. ``params`` may also be an NNX State (``jaxgpt.nnx``, ``nnx.Optimizer``), whose
+    paths end in each Variable's ``.value``: the name is the last dict key."""
+    def name(path) -> str:
+        return next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: name(path) in leaves, params)
 
 
 DECAY_MASKS = {"linear": decay_mask, "matrices": lambda p: decay_mask(p, ("kernel", "embedding"))}
