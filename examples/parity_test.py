@@ -17,7 +17,7 @@ from jaxgpt.testing import Comparison, check_module, listening
 from torch_ref.nn.attention import Attention as TorchAttention
 from torch_ref.nn.block import Block as TorchBlock
 
-TOL = 1e-5  # float32, max abs; gradients per parameter / max(1, max |g|)
+TOL = 1e-5  # float32, max abs; gradients per parameter / max(1, max |g|). jit=True: compile once, not op by op
 rng = np.random.default_rng(0)
 x = rng.standard_normal((2, 7, 32)).astype(np.float32)  # (B, T, d_model)
 pad = np.ones((2, 1, 1, 7), bool)  # (B, 1, 1, T) key mask, True = attend
@@ -26,14 +26,14 @@ pad[1, ..., 5:] = False  # the second row is two tokens shorter
 
 def test_gqa_rope_attention():
     kw = dict(d_model=32, n_head=4, n_kv_head=2, rope=True)  # 4 query heads share 2 key/value heads
-    check_module("GQA + RoPE attention", Attention(**kw), TorchAttention(**kw), [x], tol=TOL,
+    check_module("GQA + RoPE attention", Attention(**kw), TorchAttention(**kw), [x], tol=TOL, jit=True,
                  jax_kwargs=dict(mask=pad, is_causal=True), select=lambda out: out[0],  # (y, cache, weights)
                  torch_kwargs=dict(mask=torch.from_numpy(pad), is_causal=True))
 
 
 def test_decoder_block():
     cfg = ModelConfig(d_model=32, n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu")
-    check_module("decoder block", Block(cfg), TorchBlock(cfg), [x], tol=TOL, select=lambda out: out[0],
+    check_module("decoder block", Block(cfg), TorchBlock(cfg), [x], tol=TOL, jit=True, select=lambda out: out[0],
                  jax_kwargs=dict(mask=pad), torch_kwargs=dict(mask=torch.from_numpy(pad)))
 
 
