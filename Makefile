@@ -30,7 +30,7 @@ SLOW_TIERS := slow or smoke or multiprocess or e2e or experiment
 # --capture=sys: native code's own stderr (an XLA or glibc message before an abort) reaches the log
 # instead of the dead worker's capture file.
 XDIST := -n $(TEST_WORKERS) --dist loadscope --max-worker-restart=0 --capture=sys
-# The tests with a float64 reference (parity_tests/conftest.py: check_module, assert_as_accurate_as_torch).
+# The tests with a float64 reference (jaxgpt.testing: check_module, assert_as_accurate_as_torch).
 MARGIN_TESTS := $(addprefix parity_tests/,test_norms.py test_mlp.py test_attention.py test_block.py \
 	test_decoder.py test_bert.py test_encdec.py test_attnres.py)
 MARGIN_SEEDS ?= 0
@@ -75,7 +75,7 @@ test-all: test test-slow test-experiments
 
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it after the fast tier
 lint: $(VENV)/.test
-	$(BIN)/ruff check jaxgpt torch_ref parity_tests scripts
+	$(BIN)/ruff check jaxgpt torch_ref parity_tests scripts examples
 
 test-gpu:
 	JAXGPT_EXPECT_BACKEND=gpu JAXGPT_TEST_XLA_OPT=default XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PYTHON) -m pytest \

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH_SIDE = ["torch_ref", "torch_ref.models", "torch_ref.nn.attnres", "torch_ref.convert", "torch_ref.train",
               "torch_ref.generate"]
 JAX_SIDE = ["jaxgpt", "jaxgpt.convert", "jaxgpt.train", "jaxgpt.inference.generate", "jaxgpt.cli", "jaxgpt.data.prepare",
-            "jaxgpt.train.token_task", "jaxgpt.train.tensorboard", "jaxgpt.nnx"]
+            "jaxgpt.train.token_task", "jaxgpt.train.tensorboard", "jaxgpt.nnx", "jaxgpt.testing"]
 
 
 def first_importers(modules: list[str], banned: set[str]) -> dict[str, list[str]]:
@@ -97,16 +97,6 @@ def test_missing_shared_skips_locally_and_fails_under_ci(ci, outcome, monkeypatc
     assert conftest.require_shared(tmp_path) == tmp_path  # present: returned, no skip
 
 
-@pytest.fixture
-def scratch_tables(monkeypatch):
-    """Empty error tables for probing the harness (the run's own tables stay untouched)."""
-    import conftest
-
-    monkeypatch.setattr(conftest, "WORST", {kind: conftest.defaultdict(float) for kind in conftest.KINDS})
-    monkeypatch.setattr(conftest, "TOLS", {kind: {} for kind in conftest.KINDS})
-    return conftest
-
-
 def test_error_tables_keep_self_consistency_apart(scratch_tables):
     """assert_close rows go to the parity table, assert_self_consistent rows to their own."""
     conftest = scratch_tables
@@ -150,13 +140,7 @@ def test_missing_test_dependency_skips_locally_and_fails_under_ci(ci, outcome, m
     assert info.type is outcome and "jaxgpt_no_such_package is not installed" in str(info.value)
 
 
-@pytest.fixture
-def scratch_margins(scratch_tables, monkeypatch):
-    monkeypatch.setattr(scratch_tables, "MARGINS", {})
-    return scratch_tables
-
-
-def test_float64_reference_is_float64_throughout(scratch_margins):
+def test_float64_reference_is_float64_throughout(scratch_tables):
     """float64_module + float64_torch: torch_ref's `.float()` upcasts do not round the reference to
     float32 (its LayerNorm computes in float64), the float32 module is untouched, `.float()` comes back."""
     import numpy as np
@@ -164,7 +148,7 @@ def test_float64_reference_is_float64_throughout(scratch_margins):
 
     from torch_ref.nn.norms import LayerNorm
 
-    conftest = scratch_margins
+    conftest = scratch_tables
     norm = LayerNorm(8)
     x = np.random.default_rng(0).standard_normal((3, 8)) * 1e3 + 1e4  # large mean: float32 stats lose digits
     norm64 = conftest.float64_module(norm)
@@ -180,12 +164,12 @@ def test_float64_reference_is_float64_throughout(scratch_margins):
             conftest.float64_module(norm)(torch.from_numpy(x.astype(np.float32)))
 
 
-def test_float64_rule_bounds_jaxgpt_by_k_times_torch(scratch_margins):
+def test_float64_rule_bounds_jaxgpt_by_k_times_torch(scratch_tables):
     """error(jaxgpt vs float64) <= max(TOL, K64 x error(torch vs float64)); the direct float32
     comparison only when asked; errors, ratio and margins recorded."""
     import numpy as np
 
-    conftest = scratch_margins
+    conftest = scratch_tables
     k, exact = conftest.K64, np.linspace(-1, 1, 5)
     torch32 = exact + 2e-5  # torch's own float32 error: 2e-5, so the bound is K64 x 2e-5
     ok = exact - 0.9 * k * 2e-5
@@ -205,10 +189,10 @@ def test_float64_rule_bounds_jaxgpt_by_k_times_torch(scratch_margins):
                - 2e-4 / 30) < 1e-9
 
 
-def test_tables_merge_across_xdist_workers(scratch_margins):
+def test_tables_merge_across_xdist_workers(scratch_tables):
     """A worker's tables (sent as JSON at the end of its session) fold into the controller's: worst errors,
     largest tolerances, worst margins."""
-    conftest = scratch_margins
+    conftest = scratch_tables
     conftest.assert_close([1.0], [1.0 + 1e-6], "probe a")
     conftest.assert_as_accurate_as_torch([1.0 + 1e-6], [1.0 + 2e-6], [1.0], "probe m")
     worker = json.loads(json.dumps(conftest._tables()))
