@@ -30,7 +30,8 @@ __all__ = ["cpu_kernel", "on_cpu", "require_cpu"]
 def on_cpu(kernel: Callable, portable: Callable, *args):
     """``kernel(*args)`` in a program lowered for the CPU, ``portable(*args)`` on every other
     platform (both traced here; the lowering keeps one)."""
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=portable)
+    # fresh closures: each call traced anew, as a direct call is (platform_dependent caches branches by function)
+    return jax.lax.platform_dependent(*args, cpu=lambda *a: kernel(*a), default=lambda *a: portable(*a))
 
 
 _require_cpu_p = Primitive("jaxgpt_require_cpu")
@@ -57,9 +58,11 @@ batching.primitive_batchers[_require_cpu_p] = lambda xs, dims, *, what: (_requir
 
 
 def require_cpu(*xs, what: str):
-    """xs unchanged, in a program that fails to lower, with a message naming ``what`` (the knob
-    the user set, e.g. "norm_impl='ffi'"), for any platform but the CPU. Emits nothing on the CPU."""
-    return tuple(_require_cpu_p.bind(*xs, what=what))
+    """xs (arrays, or pytrees of them) unchanged, in a program that fails to lower, with a message
+    naming ``what`` (the knob the user set, e.g. "norm_impl='ffi'"), for any platform but the CPU.
+    Emits nothing on the CPU."""
+    leaves, tree = jax.tree.flatten(xs)
+    return jax.tree.unflatten(tree, _require_cpu_p.bind(*leaves, what=what)) if leaves else xs
 
 
 def cpu_kernel(use: bool, forced: bool, kernel: Callable, portable: Callable, *args, what: str = ""):
