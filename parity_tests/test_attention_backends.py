@@ -271,7 +271,7 @@ def test_configured_kernel_runs_in_training_prefill_and_decode(impl, monkeypatch
     # A C++ kernel 'auto' picks is staged beside its portable path (kernels/policy.py: what a program
     # lowered for another platform runs), so both are traced; an explicit 'ffi' stages the kernel alone.
     ffi, cache = kernels.causal_ffi.available(), kernels.paged_ffi.available()
-    portable = lambda tq: {(kernels.auto_impl(tq, 12, 4), tq)}  # noqa: E731
+    portable = lambda tq: {(kernels.auto_impl(tq, 12, 4), tq)}
     want = (lambda tq: {("cache", tq)} | portable(tq) if cache else portable(tq)) if impl in ("auto", "ffi") \
         else (lambda tq: {(impl, tq)})
     x = jnp.asarray(np.random.default_rng(0).integers(0, 37, (2, 12)), jnp.int32)

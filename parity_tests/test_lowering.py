@@ -5,8 +5,9 @@ Kernel choices are made per lowering platform (jaxgpt/nn/kernels/policy.py): a C
 portable paths. Each program is traced once on abstract inputs (jax.ShapeDtypeStruct, eval_shape:
 nothing is allocated) and lowered three times; the test prints the custom calls each platform got.
 
-What this host cannot show: cuDNN attention. 'auto' picks cuDNN flash attention on a GPU host only
-(kernels.auto_impl); from a CPU host the CUDA program runs the portable 'blocked' kernel, which is
+What this host cannot show: cuDNN attention. JAX builds a cuDNN call only where cuDNN is installed
+("cuDNN is not detected" here), so 'auto' stages cuDNN for CUDA on a GPU host only (kernels.attend,
+policy.on_cuda); from this CPU host the CUDA program runs the portable 'blocked' kernel, which is
 what this test checks lowers. No GPU or TPU runs here: the test proves the programs lower and carry
 no CPU custom call, not that they compile on that hardware.
 """
@@ -63,7 +64,7 @@ def _paged(config):
     head = jax.eval_shape(functools.partial(pack_head, config), params)
     pools = jax.eval_shape(lambda: init_pools(config, 16, 8))
     rows, pages = 4, 4
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     kernel = paged_ffi.resolve_paged_kernel("auto", config.dtype, jnp.float32)
     return paged_forward.trace(params, pools, i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows, pages), i32(rows),
                                head, config=config, kernel=kernel)

@@ -63,7 +63,7 @@ def project(config, head: dict, h):
     ``mask_padded_vocab`` give them, their argmax (...) int32 as ``sampling.argmax`` gives it)."""
     d, lead = h.shape[-1], h.shape[:-1]
     n, valid = config.vocab_size, config.token_vocab
-    kernel = lambda x, panels, bias: panel_ffi.panel_matmul(x, panels, n, bias, valid)  # noqa: E731
+    kernel = lambda x, panels, bias: panel_ffi.panel_matmul(x, panels, n, bias, valid)
     logits, top = policy.on_cpu(kernel, lambda x, panels, bias: _unpacked(x, panels, n, bias, valid),
                                 h.reshape(-1, d).astype(jnp.float32), head["panels"], head["bias"])
     return logits.reshape(*lead, n), top.reshape(lead)

@@ -9,7 +9,7 @@ import jax
 from jaxgpt.config import ACT_IMPLS
 from jaxgpt.nn import head
 from jaxgpt.nn.kernels import gelu_ffi, matvec_ffi, native, policy
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.precision import current as precision_in_force, module_scope
 
 
 def gelu(x):
@@ -28,23 +28,24 @@ ACTIVATIONS = {
 }
 
 
-@jax.custom_vjp
-def _narrowing_matmul(x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _narrowing_matmul(x, w, prec):
     """x (N, in) @ w (in, out) for in > out, whose kernel gradient is computed as (out, in) and
     transposed. Why: Eigen's GEMM (the CPU train step's dots) writes a tall (in, out) = x^T dy at
     143 GFLOP/s and the wide (out, in) = dy^T x at 185 (one core, N 8192, 1536 -> 384); the
-    barrier keeps XLA from folding the transpose back into the dot. A 6 x 384 train step: 1.02x."""
+    barrier keeps XLA from folding the transpose back into the dot. A 6 x 384 train step: 1.02x.
+    ``prec``: the matmul precision in force (the backward pass is traced after the module call)."""
     return x @ w
 
 
-def _narrowing_fwd(x, w):
+def _narrowing_fwd(x, w, prec):
     return x @ w, (x, w)
 
 
-def _narrowing_bwd(res, dy):
+def _narrowing_bwd(prec, res, dy):
     x, w = res
-    dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))  # (N, in)
-    dw = jax.lax.optimization_barrier(jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ()))))  # (out, in)
+    dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())), precision=prec)  # (N, in)
+    dw = jax.lax.optimization_barrier(jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ())), precision=prec))  # (out, in)
     return dx, dw.T
 
 
@@ -66,7 +67,7 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
     (N, in) @ (in, out) with in > out (kernels/policy.py), ``lax.dot_general`` otherwise. The same
     products; only the summation order of the kernel gradient may differ (float rounding)."""
     if _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type) and rhs.shape[0] > rhs.shape[1]:
-        return policy.on_cpu(_narrowing_matmul, _dot, lhs, rhs)
+        return policy.on_cpu(functools.partial(_narrowing_matmul, prec=precision_in_force()), _dot, lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)
 

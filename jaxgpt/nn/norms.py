@@ -2,9 +2,9 @@
 
 ``impl`` (``ModelConfig.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
 kernel (kernels/norm_ffi.py: one read of each row, 1.07x on a 6 x 384 train step); 'auto' runs
-'ffi' where it can (the CPU backend, the kernel built) on inputs of native.AUTO_MIN_SIZE floats or more
-(training, prefill; a decode step's few rows keep XLA's norm, fused with its neighbours), and 'xla'
-elsewhere. Same numbers to 1e-6.
+'ffi' in programs lowered for the CPU (kernels/policy.py) where it can (the kernel built here) on
+inputs of native.AUTO_MIN_SIZE floats or more (training, prefill; a decode step's few rows keep
+XLA's norm, fused with its neighbours), and 'xla' elsewhere. Same numbers to 1e-6.
 
 Flax's own ``nn.LayerNorm`` defaults to eps=1e-6 and a one-pass (fast) variance; both break
 1e-5 parity with torch, so the statistics are written out here. Statistics (and the scale and

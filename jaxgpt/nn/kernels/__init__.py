@@ -19,6 +19,10 @@ paged_ffi.cached_attention reads the cache in place and only up to each query's 
 the einsum reads and masks every slot (1.45x faster 1,008-token greedy decoding together with
 matvec_ffi; docs/performance.md).
 
+The C++ kernels are CPU kernels: 'auto' stages each beside the portable kernel it would run
+otherwise, and the platform the program is lowered for picks one (policy.py); an explicit 'ffi'
+fails to lower for another platform.
+
 Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at
 call time (``xla.scaled_dot_product_attention``, ...), so a test can count which one ran.
 """
@@ -143,8 +147,12 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                       fallback=functools.partial(blocked.blocked_attention, block=block)
                                       if fallback else None, **kw)
 
-    def portable(q, k, v):  # what 'auto' runs where no C++ kernel does
-        return run(auto_impl(tq, tk, block, dropout_rate, q, plain), True, q, k, v)
+    def portable(q, k, v):  # what 'auto' runs where no C++ kernel does: cuDNN only in a CUDA program
+        pick = auto_impl(tq, tk, block, dropout_rate, q, plain)
+        if pick != "cudnn":
+            return run(pick, True, q, k, v)
+        return policy.on_cuda(functools.partial(run, "cudnn", True),
+                              functools.partial(run, auto_impl(tq, tk, block, dropout_rate), True), q, k, v)
 
     if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and \
             cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:  # k, v as stored: no reshape
@@ -159,6 +167,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if impl == "auto":
         use = ffi and dropout_rate == 0.0 and not return_weights and tq <= FFI_AUTO_MAX_LEN
         return policy.cpu_kernel(use, False, functools.partial(run, "ffi", True), portable, q, k, v)
+    if impl == "cudnn" and not return_weights and cudnn_unsupported(q) is None:  # jax.nn's XLA path off CUDA
+        return policy.on_cuda(functools.partial(run, "cudnn", False), functools.partial(run, "jax", False), q, k, v)
     return run(impl, False, q, k, v)
 
 

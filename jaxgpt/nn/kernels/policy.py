@@ -24,7 +24,7 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["cpu_kernel", "on_cpu", "require_cpu"]
+__all__ = ["cpu_kernel", "on_cpu", "on_cuda", "require_cpu"]
 
 
 def on_cpu(kernel: Callable, portable: Callable, *args):
@@ -32,6 +32,12 @@ def on_cpu(kernel: Callable, portable: Callable, *args):
     platform (both traced here; the lowering keeps one)."""
     # fresh closures: each call traced anew, as a direct call is (platform_dependent caches branches by function)
     return jax.lax.platform_dependent(*args, cpu=lambda *a: kernel(*a), default=lambda *a: portable(*a))
+
+
+def on_cuda(kernel: Callable, portable: Callable, *args):
+    """``kernel(*args)`` (cuDNN) in a program lowered for CUDA, ``portable(*args)`` elsewhere. Staged
+    only where cuDNN can be traced (a GPU host): JAX cannot build a cuDNN call without it."""
+    return jax.lax.platform_dependent(*args, cuda=lambda *a: kernel(*a), default=lambda *a: portable(*a))
 
 
 _require_cpu_p = Primitive("jaxgpt_require_cpu")
