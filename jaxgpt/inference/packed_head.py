@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.nn.kernels import panel_ffi
+from jaxgpt.inference.sampling import argmax
+from jaxgpt.nn.kernels import panel_ffi, policy
 
 HEAD_KERNELS = ("auto", "panel", "xla")
 
@@ -61,9 +62,21 @@ def project(config, head: dict, h):
     """Final hidden states h (..., d) -> (float32 logits (..., V) as the model's head and
     ``mask_padded_vocab`` give them, their argmax (...) int32 as ``sampling.argmax`` gives it)."""
     d, lead = h.shape[-1], h.shape[:-1]
-    logits, top = panel_ffi.panel_matmul(h.reshape(-1, d).astype(jnp.float32), head["panels"], config.vocab_size,
-                                         head["bias"], config.token_vocab)
-    return logits.reshape(*lead, config.vocab_size), top.reshape(lead)
+    n, valid = config.vocab_size, config.token_vocab
+    kernel = lambda x, panels, bias: panel_ffi.panel_matmul(x, panels, n, bias, valid)
+    logits, top = policy.on_cpu(kernel, lambda x, panels, bias: _unpacked(x, panels, n, bias, valid),
+                                h.reshape(-1, d).astype(jnp.float32), head["panels"], head["bias"])
+    return logits.reshape(*lead, n), top.reshape(lead)
+
+
+def _unpacked(x, panels, n: int, bias, valid: int | None):
+    """panel_ffi.panel_matmul's result in jax.numpy (a program lowered for another platform than the CPU)."""
+    w = panels.transpose(1, 0, 2).reshape(x.shape[1], -1)[:, :n]  # (d, n)
+    logits = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)  # (M, n) float32
+    logits = logits if bias is None else logits + bias
+    if valid is not None and valid < n:
+        logits = jnp.where(jnp.arange(n) >= valid, jnp.finfo(jnp.float32).min, logits)
+    return logits, argmax(logits)
 
 
 __all__ = ["HEAD_KERNELS", "pack_head", "project", "resolve_head_kernel", "unsupported"]

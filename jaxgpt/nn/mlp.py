@@ -1,13 +1,15 @@
 """Position-wise feed-forward networks: two-matrix MLP (relu / gelu / gelu_tanh) and SwiGLU."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 
 from jaxgpt.config import ACT_IMPLS
 from jaxgpt.nn import head
-from jaxgpt.nn.kernels import gelu_ffi, matvec_ffi, native
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels import gelu_ffi, matvec_ffi, native, policy
+from jaxgpt.nn.precision import current as precision_in_force, module_scope
 
 
 def gelu(x):
@@ -26,23 +28,24 @@ ACTIVATIONS = {
 }
 
 
-@jax.custom_vjp
-def _narrowing_matmul(x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _narrowing_matmul(x, w, prec):
     """x (N, in) @ w (in, out) for in > out, whose kernel gradient is computed as (out, in) and
     transposed. Why: Eigen's GEMM (the CPU train step's dots) writes a tall (in, out) = x^T dy at
     143 GFLOP/s and the wide (out, in) = dy^T x at 185 (one core, N 8192, 1536 -> 384); the
-    barrier keeps XLA from folding the transpose back into the dot. A 6 x 384 train step: 1.02x."""
+    barrier keeps XLA from folding the transpose back into the dot. A 6 x 384 train step: 1.02x.
+    ``prec``: the matmul precision in force (the backward pass is traced after the module call)."""
     return x @ w
 
 
-def _narrowing_fwd(x, w):
+def _narrowing_fwd(x, w, prec):
     return x @ w, (x, w)
 
 
-def _narrowing_bwd(res, dy):
+def _narrowing_bwd(prec, res, dy):
     x, w = res
-    dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())))  # (N, in)
-    dw = jax.lax.optimization_barrier(jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ()))))  # (out, in)
+    dx = jax.lax.dot_general(dy, w, (((1,), (1,)), ((), ())), precision=prec)  # (N, in)
+    dw = jax.lax.optimization_barrier(jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ())), precision=prec))  # (out, in)
     return dx, dw.T
 
 
@@ -50,29 +53,35 @@ _narrowing_matmul.defvjp(_narrowing_fwd, _narrowing_bwd)
 
 
 def _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type) -> bool:
-    """A plain (N, in) @ (in, out) on the CPU."""
+    """A plain (N, in) @ (in, out)."""
     return (lhs.ndim == 2 and rhs.ndim == 2 and dimension_numbers == (((1,), (0,)), ((), ()))
-            and precision is None and preferred_element_type is None and jax.default_backend() == "cpu")
+            and precision is None and preferred_element_type is None)
+
+
+def _dot(lhs, rhs):
+    return jax.lax.dot_general(lhs, rhs, (((1,), (0,)), ((), ())))
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """nn.Dense's dot_general on the CPU: ``_narrowing_matmul`` for a plain (N, in) @ (in, out)
-    with in > out, ``lax.dot_general`` otherwise. The same products; only the summation order of
-    the kernel gradient may differ (float rounding)."""
+    """nn.Dense's dot_general: in a program lowered for the CPU, ``_narrowing_matmul`` for a plain
+    (N, in) @ (in, out) with in > out (kernels/policy.py), ``lax.dot_general`` otherwise. The same
+    products; only the summation order of the kernel gradient may differ (float rounding)."""
     if _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type) and rhs.shape[0] > rhs.shape[1]:
-        return _narrowing_matmul(lhs, rhs)
+        return policy.on_cpu(functools.partial(_narrowing_matmul, prec=precision_in_force()), _dot, lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)
 
 
 def matvec_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """``rows_dot_general``, but a decode step's few rows (at most matvec_ffi.MAX_ROWS, float32) run
-    the two-thread ``matvec_ffi.matvec``. For weights read where they lie (separate layers): a kernel
-    weight sliced out of scanned layers would be copied for the custom call every step, where XLA's
-    dot reads the slice in place (a 1,024-slot decode step with scanned layers: 6.1 -> 17.2 ms)."""
-    if _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type) and matvec_ffi.applies(lhs, rhs):
-        return matvec_ffi.matvec(lhs, rhs)
-    return rows_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    """``rows_dot_general``, but in a program lowered for the CPU a decode step's few rows (at most
+    matvec_ffi.MAX_ROWS, float32) run the two-thread ``matvec_ffi.matvec``. For weights read where
+    they lie (separate layers): a kernel weight sliced out of scanned layers would be copied for the
+    custom call every step, where XLA's dot reads the slice in place (a 1,024-slot decode step with
+    scanned layers: 6.1 -> 17.2 ms)."""
+    plain = _plain(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    portable = functools.partial(rows_dot_general, dimension_numbers=dimension_numbers, precision=precision,
+                                 preferred_element_type=preferred_element_type)
+    return policy.cpu_kernel(plain and matvec_ffi.applies(lhs, rhs), False, matvec_ffi.matvec, portable, lhs, rhs)
 
 
 class Dense(nn.Dense):
@@ -107,11 +116,10 @@ def dense(features: int, use_bias: bool, std: float, name: str, dtype: str = "fl
 def activate(name: str, h, impl: str = "auto"):
     """ACTIVATIONS[name](h); the exact GELU runs the C++ CPU kernel (kernels/gelu_ffi.py: 1.05x on a
     6 x 384 train step) where ``impl`` lets it (ModelConfig.act_impl: 'ffi', or 'auto' on at least
-    native.AUTO_MIN_SIZE floats) and it can (the CPU backend, float32), and XLA's otherwise. 'ffi'
-    where it cannot is an error."""
-    if native.use_kernel("act_impl", impl, ACT_IMPLS, h, gelu_ffi.unsupported, applies=name == "gelu"):
-        return gelu_ffi.gelu(h)
-    return ACTIVATIONS[name](h)
+    native.AUTO_MIN_SIZE floats) and it can (float32, the kernel built here), in programs lowered
+    for the CPU (kernels/policy.py), and XLA's otherwise. 'ffi' where it cannot is an error."""
+    use = native.use_kernel("act_impl", impl, ACT_IMPLS, h, gelu_ffi.unsupported, applies=name == "gelu")
+    return policy.cpu_kernel(use, impl == "ffi", gelu_ffi.gelu, ACTIVATIONS[name], h, what="act_impl='ffi'")
 
 
 class MLP(nn.Module):

@@ -2,9 +2,9 @@
 
 ``impl`` (``ModelConfig.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
 kernel (kernels/norm_ffi.py: one read of each row, 1.07x on a 6 x 384 train step); 'auto' runs
-'ffi' where it can (the CPU backend, the kernel built) on inputs of native.AUTO_MIN_SIZE floats or more
-(training, prefill; a decode step's few rows keep XLA's norm, fused with its neighbours), and 'xla'
-elsewhere. Same numbers to 1e-6.
+'ffi' in programs lowered for the CPU (kernels/policy.py) where it can (the kernel built here) on
+inputs of native.AUTO_MIN_SIZE floats or more (training, prefill; a decode step's few rows keep
+XLA's norm, fused with its neighbours), and 'xla' elsewhere. Same numbers to 1e-6.
 
 Flax's own ``nn.LayerNorm`` defaults to eps=1e-6 and a one-pass (fast) variance; both break
 1e-5 parity with torch, so the statistics are written out here. Statistics (and the scale and
@@ -20,11 +20,23 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxgpt.config import NORM_IMPLS
-from jaxgpt.nn.kernels import native, norm_ffi
+from jaxgpt.nn.kernels import native, norm_ffi, policy
 
 
 def _use_ffi(impl: str, x) -> bool:
     return native.use_kernel("norm_impl", impl, NORM_IMPLS, x, norm_ffi.unsupported)
+
+
+def _xla_norm(h, scale, bias, eps: float, center: bool):
+    """The norm of h (..., D) float32 in jax.numpy: two-pass statistics, no E[x^2]-E[x]^2 cancellation."""
+    if center:
+        h = h - h.mean(-1, keepdims=True)
+    y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + eps) * scale
+    return y if bias is None else y + bias
+
+
+def _ffi_norm(h, scale, bias, eps: float, center: bool):
+    return norm_ffi.layer_norm(h, scale, bias, eps=eps) if center else norm_ffi.rms_norm(h, scale, eps=eps)
 
 
 class LayerNorm(nn.Module):
@@ -44,15 +56,10 @@ class LayerNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(jnp.float32) \
             if self.use_bias else None
-        if _use_ffi(self.impl, h):
-            y = norm_ffi.layer_norm(h, scale, bias, eps=self.eps) if self.center else \
-                norm_ffi.rms_norm(h, scale, eps=self.eps)
-            return y.astype(self.dtype or x.dtype)
-        if self.center:  # two-pass: no E[x^2]-E[x]^2 cancellation
-            h = h - h.mean(-1, keepdims=True)
-        y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps) * scale
-        if bias is not None:
-            y = y + bias
+        eps, center = self.eps, self.center
+        y = policy.cpu_kernel(_use_ffi(self.impl, h), self.impl == "ffi",
+                              lambda h, s, b: _ffi_norm(h, s, b, eps, center),
+                              lambda h, s, b: _xla_norm(h, s, b, eps, center), h, scale, bias, what="norm_impl='ffi'")
         return y.astype(self.dtype or x.dtype)
 
 

@@ -19,6 +19,10 @@ paged_ffi.cached_attention reads the cache in place and only up to each query's 
 the einsum reads and masks every slot (1.45x faster 1,008-token greedy decoding together with
 matvec_ffi; docs/performance.md).
 
+The C++ kernels are CPU kernels: 'auto' stages each beside the portable kernel it would run
+otherwise, and the platform the program is lowered for picks one (policy.py); an explicit 'ffi'
+fails to lower for another platform.
+
 Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at
 call time (``xla.scaled_dot_product_attention``, ...), so a test can count which one ran.
 """
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
-from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_ffi, xla
+from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_ffi, policy, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
 from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before, segment_mask
@@ -102,8 +106,9 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if kv_layout == "pages":
         if mask is not None or dropout_rate > 0.0 or segment_ids is not None:
             raise ValueError("kv_layout='pages' is causal by the query positions: no mask, segment ids or dropout")
-        if not return_weights:
-            return paged_ffi.paged_attention(q, k, v, *pages, scale=scale)
+        if not return_weights:  # the C++ kernel on the CPU; elsewhere the pages gathered (the engine's 'gather')
+            return policy.on_cpu(lambda q, k, v: paged_ffi.paged_attention(q, k, v, *pages, scale=scale),
+                                 lambda q, k, v: _gathered(q, k, v, pages, impl=impl, block=block, scale=scale), q, k, v)
         k, v, mask = paged.gather(k, v, *pages)  # the weights: the xla kernel over the gathered pages
         kv_layout, is_causal = "rows", False
     b, tq, h, _ = q.shape
@@ -117,36 +122,60 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                              f"(got kv_layout={kv_layout!r}, {tq} queries over {tk} keys)")
         segment_ids = jnp.asarray(segment_ids)
         validate.check_segment_ids(segment_ids.shape, segment_ids.dtype, (b, tq))
-    if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and \
-            cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:
-        return paged_ffi.cached_attention(q, k, v, q_offset, scale=scale)  # k, v as stored: no reshape
     plain = segment_ids is None and _plain(q, mask, is_causal, q_offset, kv_layout, tk)
-    picked = impl == "auto"  # a kernel auto_impl picks falls back to 'blocked' where it can run: never (T, T) scores
-    if impl == "ffi" and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is not None:
-        impl, picked = auto_impl(tq, tk, block, dropout_rate, q, plain), True  # a cache, a mask, bf16: 'auto' without it
+
+    def run(impl: str, picked: bool, q, k, v):
+        """The kernel ``impl`` on this call; ``picked``: chosen by 'auto' (a rejected cuDNN call runs 'blocked')."""
+        fallback = picked and tq > 1 and tk > block  # else a 'cudnn' call cuDNN rejects runs jax.nn's 'xla'
+        if dropout_rate > 0.0 and impl != "xla":
+            raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
+                             f"set attn_dropout=0.0 or attention_impl='xla'")
+        m, seg, layout = mask, segment_ids, kv_layout
+        if seg is not None and (return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
+            m, seg = masks.both(m, segment_mask(seg, seg)), None
+        kw = dict(mask=m, is_causal=is_causal, q_offset=q_offset, scale=scale)
+        if impl == "xla" or return_weights:
+            return xla.scaled_dot_product_attention(q, k, v, return_weights=return_weights, kv_layout=layout,
+                                                    dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
+        if layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
+            k, v, layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
+        if impl == "ffi":
+            return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=seg)
+        if impl == "blocked":
+            return blocked.blocked_attention(q, k, v, block=block, kv_layout=layout, segment_ids=seg, **kw)
+        return jax_sdpa.jax_attention(q, k, v, kv_layout=layout, implementation="cudnn" if impl == "cudnn" else None,
+                                      fallback=functools.partial(blocked.blocked_attention, block=block)
+                                      if fallback else None, **kw)
+
+    def portable(q, k, v):  # what 'auto' runs where no C++ kernel does: cuDNN only in a CUDA program
+        pick = auto_impl(tq, tk, block, dropout_rate, q, plain)
+        if pick != "cudnn":
+            return run(pick, True, q, k, v)
+        return policy.on_cuda(functools.partial(run, "cudnn", True),
+                              functools.partial(run, auto_impl(tq, tk, block, dropout_rate), True), q, k, v)
+
+    if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and \
+            cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:  # k, v as stored: no reshape
+        return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale), portable,
+                             q, k, v)
+    ffi = ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None
+    if impl == "ffi":  # a cache, a mask, bf16: 'auto' without it
+        if not ffi:
+            return portable(q, k, v)
+        return policy.cpu_kernel(not return_weights, True, functools.partial(run, "ffi", False),
+                                 functools.partial(run, "xla", False), q, k, v, what="attention_impl='ffi'")
     if impl == "auto":
-        impl = "ffi" if (dropout_rate == 0.0 and not return_weights and tq <= FFI_AUTO_MAX_LEN
-                         and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None) \
-            else auto_impl(tq, tk, block, dropout_rate, q, plain)
-    fallback = picked and tq > 1 and tk > block  # else a 'cudnn' call cuDNN rejects runs jax.nn's 'xla'
-    if dropout_rate > 0.0 and impl != "xla":
-        raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
-                         f"set attn_dropout=0.0 or attention_impl='xla'")
-    if segment_ids is not None and (return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
-        mask, segment_ids = masks.both(mask, segment_mask(segment_ids, segment_ids)), None
-    kw = dict(mask=mask, is_causal=is_causal, q_offset=q_offset, scale=scale)
-    if impl == "xla" or return_weights:
-        return xla.scaled_dot_product_attention(q, k, v, return_weights=return_weights, kv_layout=kv_layout,
-                                                dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
-    if kv_layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
-        k, v, kv_layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
-    if impl == "ffi":
-        return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=segment_ids)
-    if impl == "blocked":
-        return blocked.blocked_attention(q, k, v, block=block, kv_layout=kv_layout, segment_ids=segment_ids, **kw)
-    return jax_sdpa.jax_attention(q, k, v, kv_layout=kv_layout, implementation="cudnn" if impl == "cudnn" else None,
-                                  fallback=functools.partial(blocked.blocked_attention, block=block) if fallback else None,
-                                  **kw)
+        use = ffi and dropout_rate == 0.0 and not return_weights and tq <= FFI_AUTO_MAX_LEN
+        return policy.cpu_kernel(use, False, functools.partial(run, "ffi", True), portable, q, k, v)
+    if impl == "cudnn" and not return_weights and cudnn_unsupported(q) is None:  # jax.nn's XLA path off CUDA
+        return policy.on_cuda(functools.partial(run, "cudnn", False), functools.partial(run, "jax", False), q, k, v)
+    return run(impl, False, q, k, v)
+
+
+def _gathered(q, k_pool, v_pool, pages, **kw):
+    """Attention over a paged cache's pages gathered into kv_layout 'rows' (kernels/paged.py)."""
+    k, v, mask = paged.gather(k_pool, v_pool, *pages)
+    return attend(q, k, v, mask=mask, kv_layout="rows", **kw)
 
 
 def cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) -> str | None:
