@@ -139,7 +139,8 @@ EDGE_NUMBERS = st.sampled_from([0, -1, 1, 2, 63, 64, 128, 129, 2 ** 31, 2 ** 32,
                                 10 ** 30, 0.5, -0.0, 1e-300, 1e300, -1e300, True, False])
 RAW_NUMBERS = st.sampled_from(["1" * 5000, "-" + "9" * 4400, "1e999", "-1e999", "1e-999", "NaN", "Infinity",
                                "-Infinity", "0.0000000000000000000000001", "1E2", "-0"]).map(Raw)
-texts = st.one_of(st.text(chars, max_size=12), EDGE_TEXT)
+texts = st.one_of(st.text(chars, max_size=12), EDGE_TEXT,
+                  st.text(st.sampled_from("a \ud800\udbff\udc00\udfff\U0001f600\u00e9\x00"), max_size=4))  # pairs, halves
 numbers = st.one_of(st.integers(), st.floats(allow_nan=True, allow_infinity=True), EDGE_NUMBERS, RAW_NUMBERS)
 scalars = st.one_of(st.none(), st.booleans(), numbers, texts)
 anything = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=3),
@@ -165,8 +166,9 @@ message = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(ROLES), "cont
                                            "content": st.one_of(texts, st.lists(parts, max_size=3), anything)},
                                           optional={"name": anything, "tool_calls": anything}),
                     anything)
-bias_keys = st.one_of(st.sampled_from(["0", "00", " 1", "+1", "1_0", "\u0661", "-1", "9" * 30, "1.5", "", "0x1"]),
-                      st.integers(-2, VOCAB + 2).map(str), texts)
+# token ids written several ways (int() reads them all), so that two keys may name one id
+bias_keys = st.one_of(st.sampled_from(["0", "00", "+0", " 0", "1", "01", " 1", "+1", "\u0661", "1_0", "10", "-1",
+                                       "9" * 30, "1.5", "", "0x1"]), st.integers(-2, VOCAB + 2).map(str), texts)
 PLAUSIBLE = {
     "prompt": st.one_of(texts, st.lists(texts, max_size=4), token_ids, st.lists(token_ids, max_size=3)),
     "messages": st.lists(message, max_size=4),
@@ -175,7 +177,7 @@ PLAUSIBLE = {
     "top_logprobs": st.one_of(st.integers(-1, 25), EDGE_NUMBERS), "seed": numbers,
     "temperature": floats, "top_p": floats, "presence_penalty": floats, "frequency_penalty": floats,
     "stop": st.one_of(texts, st.lists(texts, max_size=6)), "stop_token_ids": token_ids,
-    "logit_bias": st.lists(st.tuples(bias_keys, floats), max_size=4).map(Obj),
+    "logit_bias": st.lists(st.tuples(bias_keys, st.one_of(st.floats(-100, 100), floats)), max_size=4).map(Obj),
     "stream": st.booleans(), "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}),
                                                          anything),
     "echo": st.booleans(), "ignore_eos": st.booleans(), "return_token_ids": st.booleans(), "user": texts,
@@ -194,7 +196,8 @@ VALID = {
     "top_logprobs": st.integers(0, 5), "seed": st.integers(0, 2 ** 32), "temperature": st.floats(0, 2),
     "top_p": st.floats(0.1, 1), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "stop": st.one_of(words, st.lists(words, max_size=4)), "stop_token_ids": st.lists(st.integers(0, 250), max_size=3),
-    "logit_bias": st.dictionaries(st.integers(0, 250).map(str), st.floats(-100, 100), max_size=3),
+    "logit_bias": st.dictionaries(st.tuples(st.sampled_from(["", "0", "+", " "]), st.integers(0, 3)).map(
+        lambda t: t[0] + str(t[1])), st.floats(-100, 100), max_size=3),  # '1' and '01' name one token
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "echo": st.booleans(), "user": words, "response_format": st.just({"type": "text"}),
 }

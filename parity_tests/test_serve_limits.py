@@ -132,9 +132,10 @@ def test_16mb_body_413_and_100000_deep_json_400_without_a_traceback(limited, log
     assert ok[0][0] == 200  # the server answers after them
 
 
-def test_body_over_the_limit_is_refused_before_more_is_read(limited):
-    """Streamed without Content-Length: the 413 starts once the bytes read pass the limit (one
-    chunk past it at most), not after the whole body."""
+@pytest.mark.parametrize("declared", [None, 16 * 10 ** 6])
+def test_body_over_the_limit_is_refused_before_more_is_read(limited, declared):
+    """Streamed without Content-Length, the 413 starts once the bytes read pass the limit (one chunk
+    past it at most), not after the whole body; with a Content-Length over it, before a byte is read."""
     app, _, _ = limited
     read, first = [0], {}
     limit = ServeLimits().max_request_bytes
@@ -151,9 +152,11 @@ def test_body_over_the_limit_is_refused_before_more_is_read(limited):
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": None}
+    if declared:
+        scope["headers"].append((b"content-length", str(declared).encode()))
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
     n, start = first["http.response.start"]
-    assert start["status"] == 413 and limit < n <= limit + 65536, n
+    assert start["status"] == 413 and (n == 0 if declared else limit < n <= limit + 65536), n
     assert (b"connection", b"close") in start["headers"]
 
 
@@ -200,13 +203,27 @@ def test_at_the_limits_requests_are_answered(limited):
     (b'{"prompt": "\\udfff"}', "surrogate"),
     (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
     (b'\xef\xbb\xbf{"prompt": "hi", "max_tokens": 1, "bogus": 1}', "Unrecognized request argument"),
+    (b'{"prompt": "hi", "logit_bias": {"1": 5, "01": -5}}', "names token id 1 twice"),
 ])
 def test_what_the_fuzzer_found_is_a_400(limited, log, body, match):
-    """Each was a 500 before parse_json (a lone surrogate: in a key, when the error body quoting it was
-    encoded as UTF-8; in a prompt, in the tokenizer) or, for NaN, a 200 sampled at temperature NaN;
-    a byte-order mark is skipped."""
+    """Each was a 500 (a lone surrogate: in a key, when the error body quoting it was encoded as
+    UTF-8; in a prompt, in the tokenizer; NaN penalties, in SamplingParams; a 5,000-digit integer, in
+    json.loads; two spellings of one logit_bias id, in SamplingParams) or a 200 sampled at temperature
+    NaN; a byte-order mark is skipped."""
     (status, out), = post_all(limited[0], [("/v1/completions", body)])
     assert status == 400 and match in out["error"]["message"], out
+    assert not log.bad()
+
+
+def test_top_k_past_the_vocabulary_is_off(limited, log):
+    """top_k = 2**31 failed the engine step (int32), and with it every request in the step: a 500,
+    or an error event in a stream. k >= the vocabulary keeps every token, so it is top-k off."""
+    body = {"prompt": "the cat", "max_tokens": 4, "seed": 7, "ignore_eos": True, "return_token_ids": True}
+    answers = post_all(limited[0], [("/v1/completions", json.dumps({**body, "top_k": k}).encode())
+                                    for k in (2 ** 31, 10 ** 30, 0)])
+    assert [s for s, _ in answers] == [200] * 3, answers
+    ids = [out["choices"][0]["token_ids"] for _, out in answers]
+    assert ids[0] == ids[1] == ids[2]  # the same seeded sample as top_k 0 (off)
     assert not log.bad()
 
 
