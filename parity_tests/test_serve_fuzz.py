@@ -139,8 +139,8 @@ EDGE_NUMBERS = st.sampled_from([0, -1, 1, 2, 63, 64, 128, 129, 2 ** 31, 2 ** 32,
                                 10 ** 30, 0.5, -0.0, 1e-300, 1e300, -1e300, True, False])
 RAW_NUMBERS = st.sampled_from(["1" * 5000, "-" + "9" * 4400, "1e999", "-1e999", "1e-999", "NaN", "Infinity",
                                "-Infinity", "0.0000000000000000000000001", "1E2", "-0"]).map(Raw)
-texts = st.one_of(st.text(chars, max_size=12), EDGE_TEXT,
-                  st.text(st.sampled_from("a \ud800\udbff\udc00\udfff\U0001f600\u00e9\x00"), max_size=4))  # pairs, halves
+surrogates = st.text(st.sampled_from("a \ud800\udbff\udc00\udfff\U0001f600\u00e9\x00"), max_size=4)  # halves, pairs
+texts = st.one_of(st.text(chars, max_size=12), EDGE_TEXT, surrogates)
 numbers = st.one_of(st.integers(), st.floats(allow_nan=True, allow_infinity=True), EDGE_NUMBERS, RAW_NUMBERS)
 scalars = st.one_of(st.none(), st.booleans(), numbers, texts)
 anything = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=3),
@@ -185,10 +185,10 @@ PLAUSIBLE = {
     "model": st.one_of(st.just(NAME), texts),
 }
 words = st.text("abcdefghijklmnopqrstuvwxyz .<>", min_size=1, max_size=8)
-ids = st.lists(st.integers(0, 250), min_size=1, max_size=6)
+id_list = st.lists(st.integers(0, 250), min_size=1, max_size=6)
 # values in range, so that many requests are answered (streams too) and not only refused
 VALID = {
-    "prompt": st.one_of(words, st.lists(words, min_size=1, max_size=3), ids),
+    "prompt": st.one_of(words, st.lists(words, min_size=1, max_size=3), id_list),
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": words}), min_size=1,
                          max_size=3),
     "n": st.integers(1, 3), "max_tokens": st.integers(1, 8), "max_completion_tokens": st.integers(1, 8),

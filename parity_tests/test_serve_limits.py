@@ -29,7 +29,7 @@ from test_serve_fuzz import NAME, TEMPLATE, Records, httpx, pages_free, tiny_eng
 
 from jaxgpt.inference.server_limits import MAX_JSON_DEPTH, ServeLimits, json_depth  # noqa: E402
 
-STEP_S = 0.05  # a slowed engine step: generation outlasts the timeouts below
+STEP_S = 0.08  # a slowed engine step: generation outlasts the timeouts below
 LIMITS = ServeLimits(max_prompts=2, max_messages=3, max_prompt_chars=50, max_stop_chars=6, max_stop_token_ids=3,
                      max_user_chars=10, max_header_bytes=4096, header_timeout=0.5, body_timeout=0.5,
                      send_timeout=0.5)  # max_request_bytes and max_json_depth: the defaults
@@ -250,7 +250,7 @@ def test_a_body_that_trickles_in_gets_408_and_close(limited, log):
     asyncio.run(asyncio.wait_for(_asgi(app, "/v1/completions", receive, send), 10))
     at, start = sent[0]
     assert start["status"] == 408 and (b"connection", b"close") in start["headers"]
-    assert LIMITS.body_timeout <= at < LIMITS.body_timeout + 0.5, at
+    assert LIMITS.body_timeout <= at < LIMITS.body_timeout + 1.0, at
     assert json.loads(sent[1][1]["body"])["error"]["code"] == "request_body_timeout"
     assert not engine.has_unfinished() and not log.bad()
 
@@ -286,7 +286,7 @@ def test_a_stream_left_unread_is_cut_and_its_pages_freed(limited, log):
         freed = time.perf_counter()
     finally:
         slow["on"] = False
-    assert LIMITS.send_timeout <= ended - blocked["at"] < LIMITS.send_timeout + 0.5, ended - blocked["at"]
+    assert LIMITS.send_timeout <= ended - blocked["at"] < LIMITS.send_timeout + 1.0, ended - blocked["at"]
     assert freed - t0 < 40 * STEP_S  # before the generation would have ended
     assert engine.stats["generated_tokens"] - tokens < 40
     assert any("unread for 0.5 s" in r.getMessage() for r in log.records) and not log.bad()
@@ -362,7 +362,7 @@ def test_slowloris_body_gets_408_and_is_dropped(served, limited):
         c.sendall(_head("/v1/completions", 1000))
         took, got = _closed_after(c, 5, trickle=b" ", every=0.1)
     assert got.startswith(b"HTTP/1.1 408") and b"request_body_timeout" in got, got[:200]
-    assert LIMITS.body_timeout - 0.1 <= took < LIMITS.body_timeout + 1.0, took
+    assert LIMITS.body_timeout - 0.1 <= took < LIMITS.body_timeout + 1.5, took
     assert not limited[1].has_unfinished() and not log.bad(since)
 
 
@@ -374,11 +374,11 @@ def test_slow_or_oversized_request_heads_are_dropped(served):
     since = len(log.records)
     with _connect(port) as idle:
         took, got = _closed_after(idle, 5)
-        assert LIMITS.header_timeout - 0.1 <= took < LIMITS.header_timeout + 1.0 and got == b"", (took, got)
+        assert LIMITS.header_timeout - 0.1 <= took < LIMITS.header_timeout + 1.5 and got == b"", (took, got)
     with _connect(port) as c:
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
         took, got = _closed_after(c, 5, trickle=b"x", every=0.1)
-        assert took < LIMITS.header_timeout + 1.0 and got == b"", (took, got)
+        assert took < LIMITS.header_timeout + 1.5 and got == b"", (took, got)
     for end in (b"\r\n\r\n", b""):  # a whole head (the app refuses it), one that never ends (the protocol does)
         with _connect(port) as c:
             c.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"x-pad: " + b"a" * 8000 + end)

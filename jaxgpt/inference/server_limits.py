@@ -179,7 +179,7 @@ else:
     _within = asyncio.wait_for
 
 
-def head_too_large(limits: ServeLimits) -> str:
+def _head_too_large(limits: ServeLimits) -> str:
     return (f"the request head (request line and headers) is over this server's limit of {limits.max_header_bytes} "
             "bytes (--max-header-bytes)")
 
@@ -215,7 +215,7 @@ class RequestGuard:
         except ValueError:
             declared = -1
         if sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > lim.max_header_bytes:  # a head read whole
-            return await self._refuse(send, 431, head_too_large(lim), "request_header_too_large", receive, deadline)
+            return await self._refuse(send, 431, _head_too_large(lim), "request_header_too_large", receive, deadline)
         try:
             if declared > lim.max_request_bytes:
                 raise _TooLarge
@@ -292,7 +292,7 @@ def uvicorn_protocol(limits: ServeLimits):
     docstring: ``uvicorn.Config(app, http=uvicorn_protocol(limits))``."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    too_large = _error_body(head_too_large(limits), "invalid_request_error", "request_header_too_large")
+    too_large = _error_body(_head_too_large(limits), "invalid_request_error", "request_header_too_large")
 
     class BoundedHTTPProtocol(AutoHTTPProtocol):
         _head_timer = _stall_timer = None
