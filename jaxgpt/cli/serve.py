@@ -71,6 +71,7 @@ def cmd_serve(args) -> int:
     except ImportError:
         raise ValueError("jaxgpt serve needs FastAPI and uvicorn: pip install 'jaxgpt[serve]'") from None
     from jaxgpt.inference.server import create_app
+    from jaxgpt.inference.server_limits import uvicorn_protocol
     from jaxgpt.inference.server_ops import install
 
     engine, tok, name = build_engine(args)
@@ -79,8 +80,9 @@ def cmd_serve(args) -> int:
         print(f"jaxgpt serve: compiling {len(engine.buckets())} engine shapes ...", file=sys.stderr, flush=True)
         engine.precompile()
         print(f"jaxgpt serve: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    limits = serve_limits(args)
     app = create_app(engine, tokenizer=tok, model_name=name, chat_template=chat_template_of(args.model, tok),
-                     max_waiting=args.max_waiting)
+                     max_waiting=args.max_waiting, limits=limits)
     install(app, api_key=args.api_key or os.environ.get("JAXGPT_API_KEY") or None,
             request_timeout=args.request_timeout, access_log=args.access_log)
 
@@ -101,13 +103,50 @@ def cmd_serve(args) -> int:
           f"max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
     # SIGTERM: stop accepting, let in-flight requests finish for --shutdown-timeout s, cancel the
     # rest (their handlers abort their engine requests), then the lifespan closes the EngineLoop
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=uvicorn_protocol(limits),
+                          timeout_keep_alive=args.timeout_keep_alive,
                           timeout_graceful_shutdown=args.shutdown_timeout)).run()
     left = list(engine.requests)
     for rid in left:  # aborts the engine thread had no time to run: every page back on the free list
         engine.abort(rid)
     print(f"jaxgpt serve: shut down ({len(left)} unfinished requests cancelled)", file=sys.stderr, flush=True)
     return 0
+
+
+def serve_limits(args):
+    """The ServeLimits of the --max-* and --*-timeout flags (a flag left out: the field's default)."""
+    from dataclasses import fields
+
+    from jaxgpt.inference.server_limits import ServeLimits
+
+    return ServeLimits(**{f.name: getattr(args, f.name) for f in fields(ServeLimits)
+                          if getattr(args, f.name, None) is not None})
+
+
+def add_limit_flags(s) -> None:
+    """Bounds on what a client sends (docs/serving.md, Limits); defaults: ServeLimits'."""
+    from jaxgpt.inference.server_limits import ServeLimits
+
+    d = ServeLimits()
+    g = s.add_argument_group("limits on what a client sends (docs/serving.md)")
+    for flag, kind, what in (
+            ("max-request-bytes", int, "request body bytes (413 past it)"),
+            ("max-header-bytes", int, "request line and header bytes (431 past it)"),
+            ("max-json-depth", int, "nesting of arrays and objects in a body (400 past it)"),
+            ("max-prompts", int, "prompts in one /v1/completions request"),
+            ("max-messages", int, "messages in one chat request"),
+            ("max-prompt-chars", int, "characters of one prompt string or one chat message's content"),
+            ("max-stop-chars", int, "characters of each stop string"),
+            ("max-stop-token-ids", int, "entries of stop_token_ids"),
+            ("max-user-chars", int, "characters of user"),
+            ("header-timeout", float, "seconds a request's head may take from its first byte (then closed)"),
+            ("body-timeout", float, "seconds a request's body may take to arrive (408, closed)"),
+            ("send-timeout", float, "seconds a client may leave a response unread (then cut off, its requests "
+                                    "aborted)")):
+        default = getattr(d, flag.replace("-", "_"))
+        g.add_argument(f"--{flag}", type=kind, metavar="N" if kind is int else "S", help=f"{what} [{default}]")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection is held (uvicorn's) [5]")
 
 
 def add_parser(sub) -> None:
@@ -142,4 +181,5 @@ def add_parser(sub) -> None:
     s.add_argument("--access-log", metavar="PATH", help="one JSON line per request to PATH ('-': stdout)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are cancelled")
+    add_limit_flags(s)
     s.set_defaults(fn=cmd_serve)

@@ -154,7 +154,7 @@ def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
     if not isinstance(bias, dict):
         raise ApiError(400, f"logit_bias must be an object mapping token ids to numbers, got {bias!r}",
                        param="logit_bias")
-    out = []
+    out = {}
     for key, value in bias.items():
         try:
             i = int(key)
@@ -162,8 +162,10 @@ def _logit_bias(body, vocab: int) -> tuple[tuple[int, float], ...]:
             i = -1
         if not 0 <= i < vocab:
             raise ApiError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab})", param="logit_bias")
-        out.append((i, _num({"logit_bias": value}, "logit_bias", 0.0, float, lo=-100.0, hi=100.0)))
-    return tuple(sorted(out))
+        if i in out:  # '1' and '01' both read as 1
+            raise ApiError(400, f"logit_bias names token id {i} twice", param="logit_bias")
+        out[i] = _num({"logit_bias": value}, "logit_bias", 0.0, float, lo=-100.0, hi=100.0)
+    return tuple(sorted(out.items()))
 
 
 def _sampling(body: dict, kind: str, prompts: list[list[int]], n: int, engine, top: int, logprobs: bool):
@@ -194,7 +196,8 @@ def _sampling(body: dict, kind: str, prompts: list[list[int]], n: int, engine, t
                  frequency_penalty=_num(body, "frequency_penalty", 0.0, float, lo=-2.0, hi=2.0),
                  logit_bias=_logit_bias(body, vocab), top_logprobs=top)
     top_k = _num(body, "top_k", 0, int, lo=-1)  # vLLM: -1 = off
-    base = dict(temperature=_num(body, "temperature", 1.0, float, lo=0.0, hi=2.0), top_k=max(0, top_k),
+    top_k = 0 if top_k >= vocab else max(0, top_k)  # k >= the vocabulary keeps every token (and k fits int32)
+    base = dict(temperature=_num(body, "temperature", 1.0, float, lo=0.0, hi=2.0), top_k=top_k,
                 top_p=_num(body, "top_p", 1.0, float, lo=0.0, lo_open=True, hi=1.0), stop_token_ids=stop_ids,
                 ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs, **extra)
     params = []

@@ -10,7 +10,9 @@ Every failure is OpenAI's error body {"error": {"message", "type", "param", "cod
 4xx naming the field, a full queue 429 with Retry-After, a request that fails inside the engine a
 500 for it alone, anything else a 500 from a catch-all (logged here with its traceback, which the
 client never sees); a stream that fails after its headers ends with an SSE error event. A client
-that disconnects has its requests aborted (pages freed).
+that disconnects has its requests aborted (pages freed). What a client controls is bounded by
+``server_limits.ServeLimits`` (``create_app(..., limits=)``): body size and arrival time, JSON
+nesting, counts and string lengths, and how long a response may go unread.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from jaxgpt.inference.engine_loop import EngineLoop, QueueFull
 from jaxgpt.inference.detokenize import Detokenizer
 from jaxgpt.inference.protocol import ApiError, Parsed, context, parse_chat, parse_completion, usage
 from jaxgpt.inference.responses import ChoiceState, Update, choice, token_text
+from jaxgpt.inference.server_limits import RequestGuard, ServeLimits, parse_json
 
 log = logging.getLogger("jaxgpt.serve")
 
@@ -73,6 +76,18 @@ class CatchAll:
             body = internal_error(e, f"{scope.get('method')} {scope.get('path')}")
             if not started:
                 await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+class EventStream(StreamingResponse):
+    """A stream that closes its events generator however the response ends (a send cut off by
+    --send-timeout, a cancellation), so the generator's cleanup aborts its engine requests now
+    rather than when the generator is collected."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 class RequestFailed(Exception):
@@ -159,7 +174,10 @@ class Run:
 
 
 def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_template: str | None = None,
-               max_waiting: int = 64) -> FastAPI:
+               max_waiting: int = 64, limits: ServeLimits | None = None) -> FastAPI:
+    """The OpenAI app over ``engine`` (module docstring); ``limits`` bound what clients send
+    (default ``ServeLimits()``, the defaults of ``jaxgpt serve``'s flags)."""
+    limits = ServeLimits() if limits is None else limits
     loop_box: dict = {}
     started = time.time()
 
@@ -170,7 +188,8 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
             loop_box["loop"].close()
 
     app = FastAPI(title="jaxgpt serve", lifespan=lifespan)
-    app.add_middleware(CatchAll)
+    app.add_middleware(RequestGuard, limits=limits)
+    app.add_middleware(CatchAll)  # outside the guard: a failure in it is a 500 with OpenAI's body too
 
     def engine_loop() -> EngineLoop:
         if "loop" not in loop_box:
@@ -261,17 +280,15 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
                        for n, t, h, v in lines)  # a dict: one sample a label set
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    async def _body(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    async def _body(request: Request, kind: str) -> dict:
+        body = parse_json(await request.body(), limits)
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
         model = body.get("model")
         if model is not None and model != model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+        limits.check_fields(body, kind)
         return body
 
     def _echo(p: Parsed, st: ChoiceState) -> str:
@@ -290,8 +307,8 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
         head = {"id": run.id, "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
                 "created": created, "model": model_name}
         if p.stream:
-            return StreamingResponse(_events(run, p, head), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return EventStream(_events(run, p, head), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
         try:
             async for _ in run.updates(request):
                 pass
@@ -341,12 +358,12 @@ def create_app(engine, *, tokenizer=None, model_name: str = "jaxgpt", chat_templ
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request)
+        body = await _body(request, "completion")
         return await _generate(request, parse_completion(body, engine, tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _body(request)
+        body = await _body(request, "chat")
         if chat_template is None or tokenizer is None:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                            code="no_chat_template")
