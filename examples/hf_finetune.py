@@ -14,7 +14,7 @@ from jaxgpt.convert import load_hf, save_hf
 from jaxgpt.data import get_batch, split_train_val
 from jaxgpt.data.hf_tokenizer import HFTokenizer
 from jaxgpt.train import cross_entropy
-from jaxgpt.train.optim import decay_mask
+from jaxgpt.train.optim import DECAY_MASKS
 
 p = argparse.ArgumentParser()
 p.add_argument("hf_dir")
@@ -31,7 +31,7 @@ model, seq_len = build(config), min(args.seq_len, config.max_len)
 # fine-tuning as HF Trainer does it: warmup, then cosine; norms and biases are not decayed
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
     optax.warmup_cosine_decay_schedule(0.0, 1e-3, max(1, args.steps // 20), args.steps), weight_decay=0.1,
-    mask=decay_mask(params, ("kernel", "embedding"))))
+    mask=DECAY_MASKS["matrices"](params)))
 opt_state = tx.init(params)
 
 

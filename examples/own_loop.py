@@ -14,7 +14,7 @@ from jaxgpt.data import CharTokenizer, get_batch, split_train_val
 from jaxgpt.inference.generate import generate
 from jaxgpt.models import build, init_params
 from jaxgpt.train import cross_entropy
-from jaxgpt.train.optim import decay_mask
+from jaxgpt.train.optim import DECAY_MASKS
 
 p = argparse.ArgumentParser()
 p.add_argument("--text", default=Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt")
@@ -31,7 +31,7 @@ model, params = build(config), init_params(config, jax.random.PRNGKey(0))
 # AdamW decaying only the Linear kernels and embeddings (nanoGPT's and HF Trainer's choice)
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
     optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, args.steps), weight_decay=0.1,
-    mask=decay_mask(params, ("kernel", "embedding"))))
+    mask=DECAY_MASKS["matrices"](params)))
 opt_state = tx.init(params)
 
 

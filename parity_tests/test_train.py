@@ -15,6 +15,7 @@ import torch
 import torch_ref
 from jaxgpt.config import EncDecConfig, ModelConfig, TrainConfig, get_preset
 from jaxgpt.data import IGNORE_INDEX, builtin_pairs
+from jaxgpt.models import abstract_params
 from jaxgpt.train import cross_entropy, init_state, make_train_step, schedule
 from jaxgpt.train.optim import DECAY_MASKS, decay_mask
 from jaxgpt.train.tasks import classify_task, fit_config, load_task, pairs_task
@@ -91,6 +92,24 @@ def test_matrices_decay_mask_is_nanogpts_two_d_params():
     model = torch_ref.build(cfg)
     two_d = sum(p.numel() for p in model.parameters() if p.dim() >= 2)  # nanoGPT's rule
     assert decayed == two_d > 0
+
+
+def test_decay_masks_cover_moe_expert_weights():
+    """MoE expert weights are Linear weights stacked (E, in, out): 'linear' and 'matrices' decay them
+    (nanoGPT's >= 2-D rule; HF Trainer decays all but biases and norms), in both frameworks."""
+    from jaxgpt.config.moe import MoEConfig
+
+    cfg = get_preset("llama-tiny").replace(**TINY, moe=MoEConfig(n_experts=4, top_k=2))
+    params = abstract_params(cfg)  # shapes suffice: the masks are keyed on names
+    model = torch_ref.build(cfg)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    two_d = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    for decay, expected in (("linear", two_d - model.tok_embed.weight.numel()), ("matrices", two_d)):
+        mask = DECAY_MASKS[decay](params)
+        decayed = sum(math.prod(p.shape) for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m)
+        opt, _ = make_optimizer(model, TrainConfig(decay=decay))
+        torch_decayed = sum(p.numel() for g in opt.param_groups if g["weight_decay"] for p in g["params"])
+        assert decayed == torch_decayed == expected and experts > 0, decay
 
 
 def _classify_rows(n=48, seed=0):

@@ -37,15 +37,18 @@ def loss_terms(model: nn.Module, batch: dict) -> dict:
 
 
 def make_optimizer(model: nn.Module, tc: TrainConfig):
-    """AdamW over every parameter ('all'), or with decay on nn.Linear weights only ('linear') or on
-    nn.Linear and nn.Embedding weights ('matrices'),
+    """AdamW over every parameter ('all'), or with decay on nn.Linear weights and MoE expert weights
+    only ('linear') or on those and nn.Embedding weights ('matrices'),
     and a LambdaLR following ``tc.lr_at``. Returns (optimizer, scheduler)."""
+    from torch_ref.nn.moe import Experts
+
     params = list(model.parameters())
     if tc.decay == "all":
         groups = [{"params": params, "weight_decay": tc.weight_decay}]
     else:
         kinds = (nn.Linear,) if tc.decay == "linear" else (nn.Linear, nn.Embedding)  # 'matrices': + embeddings
         linear = {id(m.weight) for m in model.modules() if isinstance(m, kinds)}
+        linear |= {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
         groups = [{"params": [p for p in params if id(p) in linear], "weight_decay": tc.weight_decay},
                   {"params": [p for p in params if id(p) not in linear], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps)

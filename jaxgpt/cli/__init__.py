@@ -32,8 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a preset on a text file or a built-in corpus")
     start = t.add_mutually_exclusive_group(required=True)
-    start.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
-    start.add_argument("--init", help="fine-tune these weights: jaxgpt checkpoint, .safetensors, .pt or HF model dir")
+    start.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (training defaults: TrainConfig's, seed 000's; "
+                       "gpt2-*: decay=matrices)")
+    start.add_argument("--init", help="fine-tune these weights: jaxgpt checkpoint, .safetensors, .pt or HF model dir "
+                       "(training defaults: TrainConfig's with decay=matrices and a warmup of 5%% of the steps, at most "
+                       "100)")
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="UTF-8 text file, .tsv (src<TAB>tgt pairs; label<TAB>text for classifiers), or a "
                      "token directory (train.bin/val.bin + meta.json from jaxgpt prepare, or nanoGPT's + meta.pkl)")

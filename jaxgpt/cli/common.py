@@ -14,12 +14,42 @@ def train_sets(args) -> list[str]:
     return args.set + ([f"epochs={args.epochs}"] if args.epochs else [])
 
 
+def saved_train(out: str) -> dict | None:
+    """The TrainConfig fields of the run in ``out`` (its newest step whose metadata reads), or None:
+    no checkpoint there."""
+    if not (Path(out) / "checkpoints").is_dir():
+        return None
+    from jaxgpt.train.checkpoint import Checkpoints, DamagedCheckpoint
+
+    ckpts = Checkpoints(out, create=False)
+    try:
+        for step in reversed(ckpts.steps()):
+            try:
+                return ckpts.meta(step)["train"]
+            except DamagedCheckpoint:
+                continue
+        return None
+    finally:
+        ckpts.close()
+
+
+def run_defaults(out: str, defaults: dict) -> dict:
+    """``defaults`` for a run's TrainConfig, or, where ``out`` holds a run that will resume, the values it
+    started with: a default changed since then does not stop it from resuming (an explicit --set still
+    must match)."""
+    saved = saved_train(out) if defaults else None
+    return defaults if saved is None else {k: saved[k] for k in defaults if k in saved}
+
+
 def init_from(args, **flags):
     """``train --init SRC``: fine-tune the weights of a jaxgpt checkpoint, .safetensors, .pt or HF
     directory with its own tokenizer. Returns what ``prepare`` does; a rerun resumes as usual.
-    ``flags``: TrainConfig fields set by flags (``--mesh``)."""
+    ``flags``: TrainConfig fields set by flags (``--mesh``). Fine-tuning defaults over TrainConfig's:
+    ``INIT_DEFAULTS`` and ``warmup_steps = init_warmup(tc)`` (jaxgpt.config.train), unless set."""
     import jax
 
+    from jaxgpt.config.overrides import parse_sets
+    from jaxgpt.config.train import INIT_DEFAULTS, init_warmup
     from jaxgpt.models import abstract_params
     from jaxgpt.convert.files import detect_format, load_weights
     from jaxgpt.train.loop import prepare
@@ -28,7 +58,9 @@ def init_from(args, **flags):
 
     fmt = detect_format(args.init)
     config, params, extras = load_weights(args.init, fmt)
-    config, tc = apply_sets(config, train_sets(args))
+    saved = saved_train(args.out)  # a run that resumes keeps the defaults it started with, warmup included
+    defaults = dict(INIT_DEFAULTS) if saved is None else {k: saved[k] for k in (*INIT_DEFAULTS, "warmup_steps")}
+    config, tc = apply_sets(config, train_sets(args), defaults)
     tc = tc.replace(**flags)
     shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
     if shapes(abstract_params(config)) != shapes(params):
@@ -56,6 +88,8 @@ def init_from(args, **flags):
         diffs = [f"{k}={v!r} (the weights have {have[k]!r})" for k, v in fitted.to_dict().items() if have[k] != v]
         raise ValueError(f"{args.init} does not fit this data: it needs {', '.join(diffs)}")
     tc = with_epochs(tc, task)
+    if "warmup_steps" not in {key for key, _ in parse_sets(train_sets(args))}:
+        tc = tc.replace(warmup_steps=init_warmup(tc))
     return config, tc, task, init_state(config, tc, params)
 
 

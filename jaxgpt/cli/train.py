@@ -1,8 +1,8 @@
 """``jaxgpt train``: train a preset (or fine-tune --init weights) on text, pairs or a corpus."""
 from __future__ import annotations
 
-from jaxgpt.cli.common import init_from, start_devices, train_sets
-from jaxgpt.config import apply_sets, get_preset
+from jaxgpt.cli.common import init_from, run_defaults, start_devices, train_sets
+from jaxgpt.config import apply_sets, get_preset, train_defaults
 from jaxgpt.config.overrides import parse_sets
 
 
@@ -38,7 +38,8 @@ def cmd_train(args) -> int:
     if args.init:
         config, tc, task, state = init_from(args, **mesh)
     else:
-        config, tc = apply_sets(get_preset(args.preset), train_sets(args))
+        config, tc = apply_sets(get_preset(args.preset), train_sets(args),
+                                run_defaults(args.out, train_defaults(args.preset)))
         # --set vocab_size=N: a padded table of N rows (nanoGPT's 50304); else the data's vocabulary
         padded = config.vocab_size if "vocab_size" in dict(parse_sets(args.set)) else None
         config, tc, task, state = prepare(args.out, config, tc.replace(**mesh), data=args.data, corpus=args.corpus,

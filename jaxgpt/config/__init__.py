@@ -1,7 +1,8 @@
 """Configs are values: frozen, validated dataclasses and named presets; no framework is imported.
 
 - ``model``: ModelConfig (one stack), BertConfig, EncDecConfig and the option tables;
-- ``train``: TrainConfig; ``presets``: PRESETS / get_preset; ``overrides``: ``--set key=value``;
+- ``train``: TrainConfig and ``--init``'s defaults; ``presets``: PRESETS / get_preset / train_defaults;
+- ``overrides``: ``--set key=value``;
 - ``mesh``: the ``--mesh data=N,fsdp=M,tensor=K`` syntax.
 """
 from jaxgpt.config.base import _Config
@@ -11,11 +12,12 @@ from jaxgpt.config.model import (ACT_IMPLS, ATTENTION_IMPLS, ATTNRES_VARIANTS, D
                                  EncDecConfig, ModelConfig, check_sampling, config_from_dict)
 from jaxgpt.config.moe import MOE_IMPLS, MoEConfig
 from jaxgpt.config.overrides import apply_sets, parse_value
-from jaxgpt.config.presets import PRESETS, get_preset
-from jaxgpt.config.train import DECAY, ON_NONFINITE, SCHEDULES, TOKENIZERS, TrainConfig
+from jaxgpt.config.presets import PRESETS, TRAIN_DEFAULTS, get_preset, train_defaults
+from jaxgpt.config.train import DECAY, INIT_DEFAULTS, ON_NONFINITE, SCHEDULES, TOKENIZERS, TrainConfig, init_warmup
 
-__all__ = ["ACT_IMPLS", "ATTENTION_IMPLS", "ATTNRES_VARIANTS", "AXES", "DECAY", "DTYPES", "FLOAT32_EPS", "MATMUL_PRECISIONS", "MLPS", "NORM_IMPLS", "NORMS",
-           "ON_NONFINITE", "PLACEMENTS", "POOLERS", "POS", "PRESETS", "REMATS", "RESIDUALS", "ROPE_LAYOUTS",
+__all__ = ["ACT_IMPLS", "ATTENTION_IMPLS", "ATTNRES_VARIANTS", "AXES", "DECAY", "DTYPES", "FLOAT32_EPS", "INIT_DEFAULTS",
+           "MATMUL_PRECISIONS", "MLPS", "NORM_IMPLS", "NORMS", "ON_NONFINITE", "PLACEMENTS", "POOLERS", "POS", "PRESETS",
+           "REMATS", "RESIDUALS", "ROPE_LAYOUTS", "TRAIN_DEFAULTS",
            "SCHEDULES", "TOKENIZERS", "BertConfig", "EncDecConfig", "ModelConfig", "MoEConfig", "MOE_IMPLS", "TrainConfig", "_Config",
-           "apply_sets", "check_sampling", "config_from_dict", "get_preset", "mesh_devices", "parse_mesh",
-           "parse_value"]
+           "apply_sets", "check_sampling", "config_from_dict", "get_preset", "init_warmup", "mesh_devices",
+           "parse_mesh", "parse_value", "train_defaults"]

@@ -39,10 +39,11 @@ def parse_sets(items: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
-    """``key=value`` settings -> (model config, TrainConfig). Training keys go to TrainConfig;
-    model keys to the config (BERT: its own fields or the encoder's; encoder-decoder: both
-    stacks, or one with an ``encoder.``/``decoder.`` prefix)."""
+def apply_sets(config, items: list[str], train_defaults: dict | None = None) -> tuple[object, TrainConfig]:
+    """``key=value`` settings -> (model config, TrainConfig). Training keys go to TrainConfig, over
+    ``train_defaults`` (TrainConfig fields: a preset's ``train_defaults``, ``--init``'s INIT_DEFAULTS),
+    themselves over TrainConfig's own defaults; model keys to the config (BERT: its own fields or the
+    encoder's; encoder-decoder: both stacks, or one with an ``encoder.``/``decoder.`` prefix)."""
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     own = {f.name for f in dataclasses.fields(config)} - {"encoder", "decoder"}
@@ -88,6 +89,6 @@ def apply_sets(config, items: list[str]) -> tuple[object, TrainConfig]:
     nested = {stack: getattr(config, stack).replace(**model[stack]) for stack in ("encoder", "decoder") if stack in model}
     if nested or "self" in model:
         config = config.replace(**nested, **model.get("self", {}))
-    return config, TrainConfig(**train)
+    return config, TrainConfig(**{**(train_defaults or {}), **train})
 
 

@@ -61,6 +61,20 @@ PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
 }
 
 
+# The TrainConfig fields a preset trains with unless --set says otherwise, over TrainConfig's defaults
+# (seed 000's, which the seed presets keep). GPT-2: weight decay on Linear weights and embeddings only,
+# not LayerNorm gains or biases (nanoGPT's grouping; HF Trainer also leaves norms and biases out):
+# results/defaults/nanogpt_decay.md.
+TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {name: {"decay": "matrices"} for name in PRESETS if name.startswith("gpt2")}
+
+
+def train_defaults(name: str) -> dict[str, Any]:
+    """TrainConfig fields preset ``name`` is trained with by default (``jaxgpt train --preset``), e.g.
+    ``TrainConfig(**train_defaults('gpt2-small'), steps=...)``; {} where TrainConfig's own apply."""
+    get_preset(name)  # an unknown name is an error here too
+    return dict(TRAIN_DEFAULTS.get(name, {}))
+
+
 def get_preset(name: str) -> ModelConfig | BertConfig | EncDecConfig:
     """PRESETS[name], with an error listing the names when it is unknown."""
     if name not in PRESETS:

@@ -13,6 +13,10 @@ ON_NONFINITE = ("stop", "skip")
 DATA_ORDERS = ("random", "epochs")
 DOCUMENTS = ("stream", "masked", "isolated")  # jaxgpt.data.documents
 MAX_STEPS_PER_CALL = 64  # 'auto' steps_per_call: the batches of one call are stacked on the device
+# ``jaxgpt train --init`` (fine-tuning) over TrainConfig's defaults: weight decay on matrices only, as HF
+# Trainer and nanoGPT group it, and a warmup of ``init_warmup`` updates (results/defaults/).
+INIT_DEFAULTS = {"decay": "matrices"}
+INIT_WARMUP_FRACTION, INIT_WARMUP_MAX = 0.05, 100
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,10 @@ class TrainConfig(_Config):
     """Optimisation and data settings, shared by jaxgpt.train and torch_ref.train.
 
     Defaults are seed 000's: AdamW(lr 3e-4, betas (0.9, 0.95), weight decay 0.1 on every
-    parameter), cosine annealing to 0.1 * lr, gradient clipping at 1.0, batches of 32 x 64.
+    parameter), no warmup, cosine annealing to 0.1 * lr, gradient clipping at 1.0, batches of 32 x 64.
+    ``jaxgpt train`` starts some runs from other values: the GPT-2 presets decay matrices only
+    (``jaxgpt.config.presets.train_defaults``), and ``--init`` fine-tuning decays matrices only and warms
+    up (``INIT_DEFAULTS``, ``init_warmup``).
     """
 
     steps: int = 500
@@ -35,8 +42,8 @@ class TrainConfig(_Config):
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    # 'all': every parameter (the seeds, torch AdamW); 'linear': Linear kernels only; 'matrices': Linear
-    # kernels and embeddings, not norms or biases (nanoGPT's "every >= 2-D parameter")
+    # 'all': every parameter (the seeds, torch AdamW); 'linear': Linear kernels (and MoE expert weights) only;
+    # 'matrices': those and embeddings, not norms or biases (nanoGPT's "every >= 2-D parameter")
     decay: str = "all"
     grad_clip: float | None = 1.0  # global-norm clip; None = off
     seed: int = 0  # init, batch order and dropout all derive from it
@@ -178,3 +185,11 @@ class TrainConfig(_Config):
         if xp is None:
             return warmup if step < w else cosine
         return xp.where(step < w, warmup, cosine)
+
+
+def init_warmup(tc: TrainConfig) -> int:
+    """``--init``'s default ``warmup_steps`` for ``tc``: INIT_WARMUP_FRACTION of the schedule's steps
+    (epochs with lr_per_epoch), at most INIT_WARMUP_MAX; 0 for a constant learning rate."""
+    if tc.schedule == "constant":
+        return 0
+    return min(INIT_WARMUP_MAX, int(tc.schedule_units[1] * INIT_WARMUP_FRACTION))

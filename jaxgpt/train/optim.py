@@ -1,5 +1,6 @@
-"""AdamW as the seeds and torch configure it: decoupled weight decay on every parameter or on
-Linear kernels only, warmup + cosine or constant learning rate, global-norm clipping."""
+"""AdamW as the seeds and torch configure it: decoupled weight decay on every parameter, on Linear
+weights only, or on Linear weights and embeddings; warmup + cosine or constant learning rate,
+global-norm clipping."""
 from __future__ import annotations
 
 import functools
@@ -19,19 +20,24 @@ def schedule(tc: TrainConfig):
     return functools.partial(tc.lr_at, xp=jnp)
 
 
-def decay_mask(params, leaves: tuple[str, ...] = ("kernel",)):
-    """True on the parameters named ``leaves``: Dense kernels ('linear'), plus embedding tables
-    ('matrices', nanoGPT's choice). Norms, biases and AttnRes queries are never decayed. Keyed on
-    names, not rank: scanned norm scales are (L, d). The torch mirror selects nn.Linear (and
-    nn.Embedding) weights. ``params`` may also be an NNX State (``jaxgpt.nnx``, ``nnx.Optimizer``), whose
-    paths end in each Variable's ``.value``: the name is the last dict key."""
+# The Linear weights of every expert, stacked (E, in, out) in one parameter each (jaxgpt.nn.moe.Experts).
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def decay_mask(params, leaves: tuple[str, ...] = ("kernel", *EXPERT_WEIGHTS)):
+    """True on the parameters named ``leaves``: Dense kernels and MoE expert weights ('linear'), plus
+    embedding tables ('matrices', nanoGPT's choice). Norms, biases and AttnRes queries are never
+    decayed. Keyed on names, not rank: scanned norm scales are (L, d). The torch mirror selects
+    nn.Linear (and nn.Embedding) weights and the Experts' weights. ``params`` may also be an NNX State
+    (``jaxgpt.nnx``, ``nnx.Optimizer``), whose paths end in each Variable's ``.value``: the name is the
+    last dict key."""
     def name(path) -> str:
         return next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
 
     return jax.tree_util.tree_map_with_path(lambda path, _: name(path) in leaves, params)
 
 
-DECAY_MASKS = {"linear": decay_mask, "matrices": lambda p: decay_mask(p, ("kernel", "embedding"))}
+DECAY_MASKS = {"linear": decay_mask, "matrices": lambda p: decay_mask(p, ("kernel", *EXPERT_WEIGHTS, "embedding"))}
 
 
 def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -26,7 +26,8 @@ clip 1.0, dropout 0, 20 validation batches every 250 steps, a checkpoint every 2
 nanoGPT runs iterations 0..2000 (2001 updates) and evaluates 20 train + 20 val batches; the
 reported loss is each run's last validation estimate.
 
-Results: results/engine/nanogpt_run{,_avx2}.{json,md}.
+Results: results/engine/nanogpt_run{,_avx2}.{json,md}. The losses alone, under each decay grouping and
+scored on the whole validation split: nanogpt_losses.py.
 """
 from __future__ import annotations
 
@@ -69,12 +70,13 @@ def prepare_char(text: Path, out: Path) -> Path:
     return out
 
 
-def run_nanogpt(repo: Path, data: Path, out: Path, seed: int, env: dict) -> dict:
+def run_nanogpt(repo: Path, data: Path, out: Path, seed: int, env: dict, args: tuple[str, ...] = ()) -> dict:
+    """``args``: more train.py flags (a checkout only; the restated loop takes none)."""
     if (repo / "train.py").is_file():  # the checkout's train.py, its seed offset by ``seed``
         shim = ("import runpy, sys, torch; seed = torch.manual_seed; "
                 f"torch.manual_seed = lambda s: seed(s + {seed}); sys.argv = sys.argv[1:]; "
                 "runpy.run_path('train.py', run_name='__main__')")
-        cmd = [sys.executable, "-c", shim, "train.py", *NANOGPT_ARGS, f"--out_dir={out}"]
+        cmd = [sys.executable, "-c", shim, "train.py", *NANOGPT_ARGS, *args, f"--out_dir={out}"]
         cwd = repo
     else:
         cmd = [sys.executable, "-m", "scripts.benchmarks.nanogpt_train_loop", "--nanogpt", str(repo), "--data",
@@ -89,9 +91,10 @@ def run_nanogpt(repo: Path, data: Path, out: Path, seed: int, env: dict) -> dict
     return dict(wall_s=wall, val_loss=float(vals[-1][2]), last_eval_step=int(vals[-1][0]))
 
 
-def run_jaxgpt(data: Path, out: Path, cache: Path, seed: int, env: dict) -> dict:
+def run_jaxgpt(data: Path, out: Path, cache: Path, seed: int, env: dict, sets: tuple[str, ...] = ()) -> dict:
+    """``sets``: more ``--set`` items, after JAXGPT_SETS (a later key wins)."""
     cmd = [sys.executable, "-m", "jaxgpt", "train", "--preset", "gpt2-shakespeare-char", "--data", str(data),
-           "--out", str(out), "--quiet"] + [a for s in (*JAXGPT_SETS, f"seed={seed}") for a in ("--set", s)]
+           "--out", str(out), "--quiet"] + [a for s in (*JAXGPT_SETS, f"seed={seed}", *sets) for a in ("--set", s)]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**env, "JAXGPT_COMPILE_CACHE": str(cache)})
     wall = time.perf_counter() - t0

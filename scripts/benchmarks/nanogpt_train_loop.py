@@ -5,7 +5,9 @@ shipped here). One process, CPU, no DDP, no torch.compile, float32 (``train.py``
 
 - ``get_batch``: ``torch.randint`` offsets into the uint16 memmaps, int64 rows stacked;
 - every ``eval_interval`` steps, ``estimate_loss`` over ``eval_iters`` train then val batches (eval
-  mode, no grad), and a ``torch.save`` of model + optimizer when the val loss improves (after step 0);
+  mode, no grad), and a ``torch.save`` of model + optimizer + ``model_args`` to ``ckpt.pt`` when the
+  val loss improves (after step 0); also, not in train.py, the model of the last evaluation (after
+  max_iters updates: the one whose loss is reported) to ``final.pt``, for scoring on a fixed split;
 - the step: forward, the next batch fetched, backward, clip_grad_norm_ 1.0, AdamW
   (``configure_optimizers``: decay on >= 2-D params), zero_grad(set_to_none=True);
 - ``loss.item()`` every ``log_interval`` steps; iterations 0..max_iters (max_iters + 1 updates);
@@ -58,8 +60,9 @@ def main(argv=None) -> int:
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + c["block_size"]].astype(np.int64)) for i in ix])
         return x, y
 
-    model = GPT(GPTConfig(n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], block_size=c["block_size"],
-                          bias=c["bias"], vocab_size=vocab, dropout=c["dropout"]))
+    model_args = dict(n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], block_size=c["block_size"],
+                      bias=c["bias"], vocab_size=vocab, dropout=c["dropout"])
+    model = GPT(GPTConfig(**model_args))
     optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]), "cpu")
 
     @torch.no_grad()
@@ -96,8 +99,11 @@ def main(argv=None) -> int:
             if losses["val"] < best_val:
                 best_val = losses["val"]
                 if iter_num > 0:
-                    torch.save(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), iter_num=iter_num,
-                                    best_val_loss=best_val, config=c), os.path.join(a.out, "ckpt.pt"))
+                    torch.save(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), model_args=model_args,
+                                    iter_num=iter_num, best_val_loss=best_val, config=c), os.path.join(a.out, "ckpt.pt"))
+            if iter_num == c["max_iters"]:  # the model the last estimate scored (max_iters updates), whatever its loss
+                torch.save(dict(model=model.state_dict(), model_args=model_args, iter_num=iter_num, config=c),
+                           os.path.join(a.out, "final.pt"))
         _, loss = model(x, y)
         x, y = get_batch("train")  # the next batch, fetched while (on a GPU) the step runs
         loss.backward()
