@@ -84,7 +84,8 @@ def test_the_weights_make_tokens_depend_on_the_context(llama):
     q[row, at] = 3 + (q[row, at] - 3 + rng.integers(1, 93, n)) % 93  # another id, never the last token
     with torch.no_grad():
         a, b = (model(torch.tensor(x)).logits[:, -1].argmax(-1) for x in (p, q))
-    assert (a != b).float().mean() > 0.4
+    changed = float((a != b).float().mean())
+    assert changed > 0.4, f"one earlier token changed the next greedy token for only {changed:.0%} of the prompts"
 
 
 def _workload(seed=0, n=7):
