@@ -1,6 +1,9 @@
 """Subprocess side of test_moe_dispatch.py: runs with 8 simulated CPU devices (set by the caller through
 XLA_FLAGS before JAX starts) and prints one JSON line: the expert-parallel ('alltoall') train step on
-MESH against the single-device step of the dense impl, per capacity factor.
+MESH against the single-device step of the dense impl, per capacity factor, and with a factor against
+torch_ref's train step with the capacity rule applied to each device's token group (torch_ref's MoE keeps
+its rule, ``kept``, and sees the whole batch as one group: the reference splits its (token, expert)
+picks into the mesh's groups, contiguous rows as the batch is split, and runs ``kept`` on each).
 
     python moe_dispatch_worker.py MESH/CF [MESH/CF...]  # e.g. data=2,expert=4/0.5; CF 'none': dropless
 """
@@ -17,6 +20,7 @@ import numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.config.mesh import batch_devices  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.parallel.sharding import make_mesh, shard_batch  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.train.step import init_state, make_train_step  # noqa: E402 - after the setup above, which must run first
 
@@ -41,6 +45,24 @@ def reference():
     return make_train_step(DENSE, TC)(init_state(DENSE, TC), batch())
 
 
+def torch_grouped(cfg, groups: int) -> dict:
+    """torch_ref's train step on the same initial weights and batch, each MoE layer dropping by its
+    capacity rule within each of ``groups`` equal token groups -> its metrics (loss, expert_dropped, ...)."""
+    import torch
+
+    import torch_ref
+    from torch_ref.convert import load_params
+    from torch_ref.nn.moe import MoE
+    from torch_ref.train import make_optimizer, train_step
+
+    model = load_params(torch_ref.build(cfg), jax.device_get(init_state(cfg, TC).params))
+    for m in model.modules():
+        if isinstance(m, MoE):
+            whole = m.kept  # (N, k) -> (N, k) bool, its capacity from N: per group, from the group's tokens
+            m.kept = lambda idx, whole=whole: torch.cat([whole(g) for g in idx.chunk(groups)])
+    return train_step(model, *make_optimizer(model, TC), TC, batch())
+
+
 def run(spec: str, cf: float | None) -> dict:
     cfg = DENSE.replace(moe=DENSE.moe.replace(impl="alltoall", capacity_factor=cf))
     ref, m_ref = reference()
@@ -51,7 +73,16 @@ def run(spec: str, cf: float | None) -> dict:
     return {"loss": abs(float(m["loss"]) - float(m_ref["loss"])),
             "grad_norm": abs(float(m["grad_norm"]) - float(m_ref["grad_norm"])),
             "params": max_diff(ref.params, s1.params), "all_to_all": hlo.count("all-to-all("),
-            "dropped": float(m["expert_dropped"])}
+            "dropped": float(m["expert_dropped"]), **({} if cf is None else torch_diffs(cfg, mesh, m))}
+
+
+def torch_diffs(cfg, mesh, m) -> dict:
+    """|jaxgpt - torch_ref per group| of the loss, grad norm and expert_dropped, and the reference's dropped share."""
+    groups = batch_devices(dict(mesh.shape))
+    ref = torch_grouped(cfg, groups)
+    return {"torch_loss": abs(float(m["loss"]) - ref["loss"]), "torch_grad_norm": abs(float(m["grad_norm"]) - ref["grad_norm"]),
+            "torch_dropped": ref["expert_dropped"],
+            "torch_dropped_diff": abs(float(m["expert_dropped"]) - ref["expert_dropped"]), "groups": groups}
 
 
 if __name__ == "__main__":

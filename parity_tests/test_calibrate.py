@@ -1,6 +1,10 @@
 """Per-machine kernel choices (jaxgpt/nn/kernels/calibrate.py): measured once, stored on disk by
 machine, instruction sets and versions, read back later; off, they leave every kernel on. And the
-matvec kernel's rule (matvec_ffi.wins) following the stored answer into generate()'s program."""
+matvec kernel's rule (matvec_ffi.wins) following the stored answer into generate()'s program.
+
+A measurement's figures are checked against what it timed: a spy on ``calibrate.best_seconds`` reads
+each timed program's lowered text for the kernel's custom call (``arms_spy``), so a kernel arm that
+ran XLA's dot fails however its figures compare (test_panel_head.py uses it for the panel head)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +17,7 @@ import pytest
 from jaxgpt.config import ModelConfig
 from jaxgpt.inference.generate import generate
 from jaxgpt.models import abstract_params
-from jaxgpt.nn.kernels import calibrate, matvec_ffi, native
+from jaxgpt.nn.kernels import calibrate, matvec_ffi, native, panel_ffi
 
 SOURCE = (native.CPU / "matvec.cc",)
 
@@ -25,6 +29,21 @@ def cache(tmp_path, monkeypatch):
     matvec_ffi.wins.cache_clear()
     yield tmp_path
     matvec_ffi.wins.cache_clear()
+
+
+def arms_spy(monkeypatch) -> list[tuple[set[str], np.ndarray]]:
+    """Wrap calibrate.best_seconds: for each program timed, the kernel custom calls in its lowered text
+    (matvec's and the panel head's FFI targets) and its output, recorded before the real timing runs."""
+    seen = []
+    real = calibrate.best_seconds
+
+    def spy(fn, *args, **kw):
+        text = fn.lower(*args).as_text()
+        seen.append(({t for t in (matvec_ffi.TARGET, panel_ffi.TARGET) if t in text}, np.asarray(fn(*args))))
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(calibrate, "best_seconds", spy)
+    return seen
 
 
 def counted(wins: bool):
@@ -103,10 +122,16 @@ def test_a_rule_asked_while_tracing_measures_outside_the_trace(cache):
     assert seen == [False]
 
 
-def test_the_matvec_measurement_times_both_paths(cache):
-    """The real measurement (about half a second): both figures, and the rule's margin applied."""
+def test_the_matvec_measurement_times_both_paths(cache, monkeypatch):
+    """The real measurement (about half a second): the kernel arm's program calls the kernel and the
+    XLA arm's does not, both compute the same chain (1e-4: 24 float32 matvecs of up to 1,536 terms,
+    summed in another order, whose rounding adds up to ~1e-5), both figures are set, and the rule's
+    margin is applied to them."""
     if not matvec_ffi.available():
         pytest.skip("no C++ compiler: the kernel cannot be built")
+    arms = arms_spy(monkeypatch)
     r = matvec_ffi._measure()
+    assert [targets for targets, _ in arms] == [{matvec_ffi.TARGET}, set()], "each arm must time its own path"
+    np.testing.assert_allclose(arms[0][1], arms[1][1], rtol=0, atol=1e-4)
     assert r["kernel_s"] > 0 and r["xla_s"] > 0
     assert r["wins"] == (r["kernel_s"] < matvec_ffi.MARGIN * r["xla_s"])

@@ -39,7 +39,8 @@ def _perturbed(params, scale, seed=0):
 
 
 def _drafts(config, params):
-    return {"itself": (config, params), "perturbed": (config, _perturbed(params, 0.1))}
+    # 3% noise: on test_engine's weights its rounds accept each of 0..K proposals (with 10% almost every round accepted none)
+    return {"itself": (config, params), "perturbed": (config, _perturbed(params, 0.03))}
 
 
 # one engine setting for every draft, so the drafts sharing the target's config share its programs
@@ -69,7 +70,8 @@ def test_speculation_turns_off_above_spec_max_batch_and_back_on(llama, reference
     """Above ``spec_max_batch`` running requests, rows take plain decode steps (the draft's pages
     fall behind); when the batch shrinks they speculate again after the draft is fed the tokens it
     missed. With the target as its own draft every proposal is accepted only if the draft's pages
-    hold every token: a skipped catch-up shows as a rate below 1."""
+    hold every token: a skipped catch-up shows as a rate below 1 (tried: 17 of 129 accepted; with
+    HF's 0.02 init, 45 of 54)."""
     _, config, params = llama
     prompts, news, hf, _ = references
     eng = Engine(config, params, page_size=8, draft=(config, params), num_speculative_tokens=K,

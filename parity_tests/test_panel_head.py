@@ -22,6 +22,7 @@ from jaxgpt.inference.engine import Engine
 from jaxgpt.inference.sampling import SamplingParams, argmax
 from jaxgpt.models import abstract_params
 from jaxgpt.nn.kernels import calibrate, panel_ffi
+from test_calibrate import arms_spy
 
 pytestmark = pytest.mark.skipif(not panel_ffi.available(), reason="no C++ compiler: the kernel cannot be built")
 F32_MIN = np.finfo(np.float32).min
@@ -138,10 +139,15 @@ def test_auto_follows_the_stored_measurement(tmp_path, monkeypatch, kernel_wins)
         panel_ffi.wins.cache_clear()
 
 
-def test_the_measurement_times_both_paths():
-    """The real measurement (about a second): every figure, and the rule's margin applied."""
+def test_the_measurement_times_both_paths(monkeypatch):
+    """The real measurement (about a second): at each row count the kernel arm's program calls the
+    kernel and the XLA arm's does not (test_calibrate.arms_spy), both give the same argmaxes (their
+    sum: equal), every figure is set, and the rule's margin is applied to them."""
+    arms = arms_spy(monkeypatch)
     r = panel_ffi._measure()
     rows = panel_ffi.CALIBRATION_ROWS
+    assert [targets for targets, _ in arms] == [{panel_ffi.TARGET}, set()] * len(rows), "each arm must time its path"
+    assert all(a[1] == b[1] for a, b in zip(arms[::2], arms[1::2]))
     assert all(r[f"kernel_s_rows{m}"] > 0 and r[f"xla_s_rows{m}"] > 0 for m in rows)
     assert r["wins"] == all(r[f"kernel_s_rows{m}"] < panel_ffi.MARGIN * r[f"xla_s_rows{m}"] for m in rows)
 

@@ -13,33 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from jaxgpt.inference.engine import Engine
 from jaxgpt.inference.prefix_cache import ROOT, PrefixCachingAllocator
 from jaxgpt.inference.sampling import SamplingParams
-from test_engine import _hf_greedy
+from test_engine import _hf_greedy, llama  # noqa: F401  (the module fixture: context-sensitive HF LLaMA)
 
 PAGE = 8
-
-
-@pytest.fixture(scope="module")
-def llama():
-    """test_engine's random HF LLaMA (the same shapes, so the same compiled programs) with weights
-    10x larger: at HF's init scale its greedy tokens hardly depend on the context, and keys and
-    values read from the wrong positions changed no token."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from hf_dirs import randomize_
-    from jaxgpt.convert.hf import from_hf
-
-    torch.manual_seed(1)
-    model = randomize_(LlamaForCausalLM(LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=False, initializer_range=0.2)), seed=1)
-    config, params = from_hf(model)
-    return model, config, params
 
 
 def _workload(seed=0):
@@ -107,7 +87,7 @@ def _no_leaks(eng):
 
 
 @pytest.fixture(scope="module")
-def workload(llama):
+def workload(llama):  # noqa: F811 - the imported fixture
     model, _, _ = llama
     prompts, news = _workload()
     return prompts, news, [_hf_greedy(model, p, n) for p, n in zip(prompts, news)]
@@ -117,7 +97,7 @@ def workload(llama):
                                 dict(max_seqs=4, max_tokens_per_step=16, num_pages=9),
                                 dict(max_seqs=4, max_tokens_per_step=64, num_pages=40, kv_dtype="int8")],
                          ids=["roomy", "chunked+preempting", "int8"])
-def test_greedy_identical_with_and_without_prefix_caching(llama, workload, kw):
+def test_greedy_identical_with_and_without_prefix_caching(llama, workload, kw):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     _, config, params = llama
     prompts, news, hf = workload
     on = _counting(Engine(config, params, page_size=PAGE, **kw))
@@ -142,7 +122,7 @@ def test_greedy_identical_with_and_without_prefix_caching(llama, workload, kw):
     assert on.allocator.cached > 0
 
 
-def test_hits_count_whole_pages_and_leave_the_last_token(llama):
+def test_hits_count_whole_pages_and_leave_the_last_token(llama):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     """A repeated page-aligned prompt hits all but its last page (the page that holds the token
     whose logits sample the next one is recomputed into a page of its own); a prompt one token
     longer hits both pages; a prefix shorter than a page never hits."""
@@ -159,7 +139,7 @@ def test_hits_count_whole_pages_and_leave_the_last_token(llama):
     _no_leaks(eng)
 
 
-def test_requests_arriving_together_share_the_prefix(llama):
+def test_requests_arriving_together_share_the_prefix(llama):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     """Four prompts with one 20-token prefix, all added before the first step: the later ones wait
     for the first to compute the shared pages instead of computing them too, then hit both."""
     _, config, params = llama
@@ -174,7 +154,7 @@ def test_requests_arriving_together_share_the_prefix(llama):
     _no_leaks(on)
 
 
-def test_pages_are_shared_while_running(llama):
+def test_pages_are_shared_while_running(llama):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     _, config, params = llama
     eng = Engine(config, params, max_seqs=4, page_size=PAGE, max_tokens_per_step=64, num_pages=40)
     prefix = list(range(3, 20))
@@ -191,7 +171,7 @@ def test_pages_are_shared_while_running(llama):
     _no_leaks(eng)
 
 
-def test_eviction_under_pressure(llama):
+def test_eviction_under_pressure(llama):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     """Twelve distinct 30-token prompts through 12 allocatable pages: cached pages are evicted for
     new ones, a repeat of the latest prompt still hits, and every token equals the uncached engine's."""
     _, config, params = llama
@@ -208,7 +188,7 @@ def test_eviction_under_pressure(llama):
 
 
 @pytest.mark.slow  # ~14 s, most of it compiling the speculative round: make test-slow
-def test_with_a_draft_identical_and_hits(llama):
+def test_with_a_draft_identical_and_hits(llama):  # noqa: F811 - a pytest fixture argument named as the imported fixture
     """Speculative decoding: the draft's pools share the page ids, and a cached page holds both
     models' keys/values (it was filled by prefill chunks or speculative rounds)."""
     _, config, params = llama

@@ -290,13 +290,16 @@ def markdown(result: dict) -> str:
                    f"{s['model_flops_per_step'] / 1e9:.2f} GFLOP/step"),
                   "", "| runner | setting | ms/step (median) | tokens/s | GFLOP/s | MFU | vs torch eager |",
                   "|---|---|---|---|---|---|---|"]
+        eager = s["rows"].get("torch-eager")  # the ratio's base: an arm that may not have run or may have failed
+        no_ratio = "not run" if eager is None else "torch eager failed" if "error" in eager else "–"
         for name, row in s["rows"].items():
             if "error" in row:
                 lines.append(f"| {name} | – | failed: {row['error'][:120]} | | | | |")
                 continue
             setting = ", ".join(f"{k}={v}" for k, v in row["setting"].items()) or "defaults"
+            ratio = f"{row['vs_torch_eager']:.2f}x" if "vs_torch_eager" in row else no_ratio
             lines.append(f"| {name} | {setting} | {row['ms_step']:.1f} | {row['tok_s']:,.0f} | {row['gflops']:.1f} | "
-                         f"{100 * row['mfu']:.0f}% | {row.get('vs_torch_eager', float('nan')):.2f}x |")
+                         f"{100 * row['mfu']:.0f}% | {ratio} |")
         best = s.get("best_jaxgpt")
         if best and "vs_torch_eager" in s["rows"][best]:
             row = s["rows"][best]
