@@ -39,7 +39,8 @@ flag test_train.py's loss curves from 46-51 to 37-41 s (2026-11-27, one process,
 With jaxlib 0.10 they also use XLA:CPU's older fusion emitters (``--xla_cpu_use_fusion_emitters=false``):
 test_train.py + test_attention.py cold 152/148 -> 95/98 s, the fast tier cold 514 -> 320 s (2026-11-27).
 Tests marked ``same_bits`` (two different programs, equal bit for bit as XLA compiles by default) then run
-in a fresh pytest process with the default emitters; JAXGPT_TEST_FUSION_EMITTERS=default turns the flag off.
+in a fresh pytest process compiled as users compile (JAXGPT_TEST_XLA_OPT=default, no test-only flag);
+JAXGPT_TEST_FUSION_EMITTERS=default turns the emitters flag off.
 JAXGPT_TEST_XLA_OPT=default compiles as users do (``make parity-margins`` and ``make test-gpu`` do);
 so do the fresh-interpreter checks of the device-count flags.
 """
@@ -168,14 +169,14 @@ ACCELERATOR_SKIP = "accelerator:"
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """A ``same_bits`` test compares two different programs bit for bit (a loop of steps against one-step calls),
-    which holds as XLA compiles by default, not with the tests' legacy fusion emitters: it runs in a fresh
-    pytest process compiled with XLA's own emitters, and passes or fails with it."""
-    if not (pyfuncitem.get_closest_marker("same_bits") and LEGACY_EMITTERS in TEST_XLA_FLAGS):
+    which holds as XLA compiles by default, not with the tests' compile flags: it runs in a fresh pytest
+    process compiled as users compile (no test-only XLA flag), and passes or fails with it."""
+    if not (pyfuncitem.get_closest_marker("same_bits") and TEST_XLA_FLAGS):
         return None
     import sys
 
-    env = dict(os.environ, JAXGPT_TEST_FUSION_EMITTERS="default",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(LEGACY_EMITTERS, "").strip())
+    env = dict(os.environ, JAXGPT_TEST_XLA_OPT="default",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip())
     env.pop("PYTEST_XDIST_WORKER", None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
                         pyfuncitem.nodeid], cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""The README's map cannot drift: every module under ``jaxgpt/`` is named in the README's "Where
+"""The repository's map cannot drift: every module under ``jaxgpt/`` is named in docs/layout.md's "Where
 things are" table (in the row of its folder, or of the nearest listed folder above it), and every
 ``jaxgpt <command>`` the README and docs/ write is a subcommand the CLI has. Text only, fast."""
 from __future__ import annotations
@@ -7,14 +7,14 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+LAYOUT = (ROOT / "docs" / "layout.md").read_text()
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _map_rows() -> dict[str, str]:
-    """README's "Where things are" table: folder (as linked, 'jaxgpt/nn') -> the row's text; the
+    """docs/layout.md's "Where things are" table: folder (as linked, 'jaxgpt/nn') -> the row's text; the
     package's own top-level modules ('jaxgpt') may be named anywhere in the table."""
-    section = README.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    section = LAYOUT.split("# Where things are", 1)[1].split("\n## ", 1)[0]
     rows = {"jaxgpt": section}
     for line in section.splitlines():
         m = re.match(r"\|\s*\[`([\w/]+)/`\]", line)
@@ -37,8 +37,8 @@ def _unmapped() -> list[str]:
     return missing
 
 
-def test_every_module_is_on_the_readme_map():
-    assert not _unmapped(), "modules missing from README's 'Where things are' table:\n  " + "\n  ".join(_unmapped())
+def test_every_module_is_on_the_map():
+    assert not _unmapped(), "modules missing from docs/layout.md's 'Where things are' table:\n  " + "\n  ".join(_unmapped())
 
 
 def _subcommands() -> set[str]:
