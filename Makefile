@@ -1,7 +1,9 @@
 # Two entry points, each setting itself up from a fresh clone:
 #   make demo   create .venv, install jaxgpt, run the main job
 #   make test   create .venv, install jaxgpt + torch (CPU) + test deps, run the fast tier of the test suite:
-#               every parity test and the unit tests, in parallel (pytest-xdist), about 6 min on 2 CPU cores
+#               every parity test and the unit tests, in parallel (pytest-xdist), about 6 min on 2 CPU cores; then
+#               the float64-reference and serving-engine tests again compiled as users compile (-m users_flags)
+#   make test-kernels  the C++ kernels' suites built for avx2 and for the portable baseline (CI runs it)
 #   make test-experiments  the heaviest experiment smoke runs (-m experiment: exp_attnres, exp_minigpt, exp_seed004,
 #                      exp_shakespeare nanogpt + big;
 #                      about 8 min of CPU), kept out of CI for its time (issue 41); make test-all runs them too
@@ -44,7 +46,7 @@ GPU_TESTS := $(addprefix parity_tests/,test_gpu_policy.py test_norms.py test_mlp
 	test_block.py test_decoder.py test_bert.py test_encdec.py test_attnres.py test_moe.py test_attention_backends.py \
 	test_precision.py)
 
-.PHONY: demo test test-slow test-experiments test-all test-gpu lint parity-margins experiments clean
+.PHONY: demo test test-kernels test-slow test-experiments test-all test-gpu lint parity-margins experiments clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,8 +64,22 @@ $(VENV)/.test: pyproject.toml $(VENV)/.core
 demo: $(VENV)/.core
 	$(BIN)/python scripts/demo.py
 
+# Two passes: the suite at the tests' fast compile flags (conftest.py), then the tests marked users_flags (the
+# float64-reference parity tests, the serving engine and its packed head) compiled as users compile.
 test: $(VENV)/.test
-	$(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS))" --durations 15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS) or users_flags)" --durations 15 $(PYTEST_ARGS)
+	JAXGPT_TEST_XLA_OPT=default $(BIN)/python -m pytest $(XDIST) -m "users_flags and not ($(SLOW_TIERS))" \
+		--durations 5 $(PYTEST_ARGS)
+
+# The C++ kernels' suites again with the kernels built for AVX2 and for the compiler's portable baseline: their
+# tile shapes are chosen at compile time, and the CI machine's native build is AVX-512 (CI runs this).
+KERNEL_TESTS := $(addprefix parity_tests/,test_panel_head.py test_decode_kernels.py test_attention_ffi.py \
+	test_norm_gelu_ffi.py test_paged_kernel.py test_documents.py)
+test-kernels: $(VENV)/.test
+	for isa in avx2 portable; do \
+		JAXGPT_KERNEL_ISA=$$isa $(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS))" --durations 5 \
+			$(KERNEL_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 test-slow: $(VENV)/.test
 	$(BIN)/python -m pytest $(XDIST) -m "($(SLOW_TIERS)) and not experiment" --durations 15 $(PYTEST_ARGS)

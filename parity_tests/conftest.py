@@ -88,7 +88,22 @@ def xla_flags(*flags: str) -> str:
 # Tests marked cpu_only hold only on the CPU backend (its C++ kernels, no cuDNN): skipped elsewhere.
 
 
+# Compiled as users compile, in make test's second pass (JAXGPT_TEST_XLA_OPT=default): the tests judged against a
+# float64 reference (their margins are meant for the programs users run) and the serving engine's programs.
+USERS_FLAGS_FILES = ("test_norms.py", "test_mlp.py", "test_attention.py", "test_block.py", "test_decoder.py",
+                     "test_bert.py", "test_encdec.py", "test_attnres.py")
+USERS_FLAGS_WHOLE = ("test_engine.py", "test_panel_head.py")
+
+
+def users_flags(item) -> bool:
+    name = item.path.name
+    return name in USERS_FLAGS_WHOLE or (name in USERS_FLAGS_FILES and "torch_ref" in item.name)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if users_flags(item):
+            item.add_marker(pytest.mark.users_flags)
     if jax.default_backend() == "cpu":
         return
     skip = pytest.mark.skip(reason=f"{ACCELERATOR_SKIP} cpu_only: holds on the CPU backend only "
