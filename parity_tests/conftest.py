@@ -41,7 +41,8 @@ test_train.py + test_attention.py cold 152/148 -> 95/98 s, the fast tier cold 51
 Tests marked ``same_bits`` (two different programs, equal bit for bit as XLA compiles by default) then run
 in a fresh pytest process compiled as users compile (JAXGPT_TEST_XLA_OPT=default, no test-only flag);
 JAXGPT_TEST_FUSION_EMITTERS=default turns the emitters flag off.
-JAXGPT_TEST_XLA_OPT=default compiles as users do (``make parity-margins`` and ``make test-gpu`` do);
+JAXGPT_TEST_XLA_OPT=default compiles as users do (``make test``'s second pass over the tests marked
+``users_flags``, ``make parity-margins`` and ``make test-gpu`` do);
 so do the fresh-interpreter checks of the device-count flags.
 """
 from __future__ import annotations
