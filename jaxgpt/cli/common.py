@@ -88,7 +88,7 @@ def init_from(args, **flags):
         diffs = [f"{k}={v!r} (the weights have {have[k]!r})" for k, v in fitted.to_dict().items() if have[k] != v]
         raise ValueError(f"{args.init} does not fit this data: it needs {', '.join(diffs)}")
     tc = with_epochs(tc, task)
-    if "warmup_steps" not in {key for key, _ in parse_sets(train_sets(args))}:
+    if saved is None and "warmup_steps" not in {key for key, _ in parse_sets(train_sets(args))}:
         tc = tc.replace(warmup_steps=init_warmup(tc))
     return config, tc, task, init_state(config, tc, params)
 
