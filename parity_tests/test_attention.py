@@ -121,6 +121,16 @@ def test_self_attention_matches_torch_ref(h, h_kv, rope, bias, rng):
                  torch_kwargs=dict(mask=torch.from_numpy(mask), is_causal=True), select=lambda o: o[0])
 
 
+@pytest.mark.parametrize("head_dim", [6, 16])
+def test_head_dim_apart_from_d_model_matches_torch_ref(head_dim, rng):
+    # Gemma and Qwen3 heads: n_head * head_dim != d_model, so q_proj and o_proj are not square.
+    x = rng.standard_normal((2, 7, 20)).astype(np.float32)
+    ja, ta = _attention_pair(20, 4, 2, rope=True, head_dim=head_dim)
+    check_module("Attention (head_dim)", ja, ta.eval(), [x], jax_kwargs=dict(is_causal=True),
+                 torch_kwargs=dict(is_causal=True), select=lambda o: o[0])
+    assert ta.q_proj.weight.shape == (4 * head_dim, 20) and ta.o_proj.weight.shape == (20, 4 * head_dim)
+
+
 @pytest.mark.parametrize("h,h_kv", HEADS[:3])
 def test_cross_attention_matches_torch_ref(h, h_kv, rng):
     d = 8 * h

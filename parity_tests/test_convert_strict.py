@@ -26,7 +26,7 @@ FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LL
 # Candidate values for a field, to find one its family's rule refuses.
 CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMENTS, "rope_layout": ROPE_LAYOUTS,
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
-              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "valid_vocab": (None, 40), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False))}
+              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "valid_vocab": (None, 40), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False))}
 
 
 def _params(config):
@@ -123,7 +123,6 @@ def _hf_dict(config_cls, **kw):
     ("GPT2Config", gpt2, {"embd_pdrop": 0.3}, "equal to resid_pdrop"),
     ("LlamaConfig", llama, {"hidden_act": "gelu"}, "'silu'"),
     ("LlamaConfig", llama, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "default"),
-    ("LlamaConfig", llama, {"head_dim": 16}, "hidden_size / num_attention_heads"),
     ("LlamaConfig", llama, {"pretraining_tp": 2}, "1"),
     ("LlamaConfig", llama, {"pruned_heads": {0: [1]}}, "pruned heads"),
     ("LlamaConfig", llama, {"quantization_config": {"bits": 4}}, "does not implement"),

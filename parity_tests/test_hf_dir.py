@@ -39,6 +39,7 @@ DECODERS = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
     "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {**LLAMA, "attention_bias": True, "mlp_bias": True}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA),
+    "llama-head-dim": ("LlamaConfig", "LlamaForCausalLM", {**LLAMA, "head_dim": 12}),  # head_dim != hidden / heads
     "mistral": ("MistralConfig", "MistralForCausalLM", {**LLAMA, "sliding_window": None}),
     "mistral-window-covers-context": ("MistralConfig", "MistralForCausalLM", {**LLAMA, "sliding_window": CTX}),
 }

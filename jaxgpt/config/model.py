@@ -82,6 +82,7 @@ class ModelConfig(_Config):
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: int | None = None
+    d_head: int | None = None  # width of each head; None: d_model // n_head (Gemma and Qwen3 set it apart)
     d_ff: int | None = None  # None: 4 * d_model (swiglu: 2/3 of that, rounded up to a multiple of 8)
     max_len: int = 256  # context window; sizes learned/sinusoidal tables and KV caches
     pos: str = "sinusoidal"
@@ -148,7 +149,9 @@ class ModelConfig(_Config):
                              f"remat={self.remat!r}, scan_unroll={self.scan_unroll} (use 'none' and 1 or 'auto')")
         if self.residual != "standard" and self.norm_placement != "pre":
             raise ValueError(f"residual={self.residual!r} mixes pre-norm sublayer outputs; it needs norm_placement='pre'")
-        if self.d_model % self.n_head:
+        if self.d_head is not None:
+            _positive("d_head", self.d_head)
+        elif self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.kv_heads}")
@@ -211,7 +214,8 @@ class ModelConfig(_Config):
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        """Width of each attention head: ``d_head``, or ``d_model // n_head``."""
+        return self.d_model // self.n_head if self.d_head is None else self.d_head
 
     @property
     def kv_heads(self) -> int:

@@ -32,6 +32,13 @@ def _rope(d: Mapping[str, Any]) -> tuple[str, float]:
     return kind, float(theta if theta is not None else d.get("rope_theta", 10000.0))
 
 
+def _head_dim(d: Mapping[str, Any]) -> int | None:
+    """config.json's head_dim when it differs from hidden_size / num_attention_heads, else None."""
+    width, heads = d.get("hidden_size", 4096), d.get("num_attention_heads", 32)
+    given = d.get("head_dim")
+    return None if given is None or (given * heads == width) else given
+
+
 def _context(d: Mapping[str, Any]) -> int:
     return d.get("max_position_embeddings", 2048)
 
@@ -54,8 +61,7 @@ _COMMON: dict[str, Option] = {
                            "pad_token_id")},
     "rope_parameters": _ROPE, "rope_scaling": _ROPE,
     "hidden_act": equals("silu"),
-    "head_dim": Option(lambda v, d: v is None or v * d.get("num_attention_heads", 32) == d.get("hidden_size", 4096),
-                       "hidden_size / num_attention_heads"),
+    "head_dim": MAPPED,
     "pretraining_tp": equals(1, None),
 }
 _LAYER_TYPES = Option(_sliding_layers_ok, "full_attention layers, or a sliding window covering the context")
@@ -73,7 +79,7 @@ _BIASES = {"llama": None, "qwen2": (True, False, False), "mistral": (False, Fals
 
 FIELDS: dict[str, Field] = {
     "vocab_size": maps_to("vocab_size"), "d_model": maps_to("hidden_size"), "n_layer": maps_to("num_hidden_layers"),
-    "n_head": maps_to("num_attention_heads"), "n_kv_head": maps_to("num_key_value_heads"),
+    "n_head": maps_to("num_attention_heads"), "n_kv_head": maps_to("num_key_value_heads"), "d_head": maps_to("head_dim"),
     "d_ff": maps_to("intermediate_size"), "max_len": maps_to("max_position_embeddings"),
     "rope_base": maps_to("rope_parameters.rope_theta"), "norm_eps": maps_to("rms_norm_eps"),
     "attn_dropout": maps_to("attention_dropout"), "tie_embeddings": maps_to("tie_word_embeddings"),
@@ -109,6 +115,7 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=d.get("vocab_size", 32000), max_len=_context(d), d_model=d.get("hidden_size", 4096),
         n_layer=d.get("num_hidden_layers", 32), n_head=heads, n_kv_head=d.get("num_key_value_heads") or heads,
+        d_head=_head_dim(d),
         d_ff=d.get("intermediate_size", 11008), pos="rope", rope_layout="half", rope_base=_rope(d)[1],
         norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_bias=mlp, qkv_bias=qkv, o_bias=o,
         tie_embeddings=d.get("tie_word_embeddings", False), attn_dropout=d.get("attention_dropout", 0.0),

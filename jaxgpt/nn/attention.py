@@ -110,12 +110,13 @@ class KVCache:
 class Attention(nn.Module):
     """Multi-head attention: self-attention, or cross-attention when ``context`` is given.
 
-    Parameters q_proj (d_model -> H*D), k_proj, v_proj (d_model -> H_kv*D), o_proj (H*D -> d_model).
+    Parameters q_proj (d_model -> H*D, D = head_dim or d_model // H), k_proj, v_proj (d_model -> H_kv*D), o_proj (H*D -> d_model).
     """
 
     d_model: int
     n_head: int
     n_kv_head: int | None = None
+    head_dim: int | None = None  # None: d_model // n_head
     qkv_bias: bool = False
     o_bias: bool = False
     rope: bool = False
@@ -144,10 +145,10 @@ class Attention(nn.Module):
         sees only keys of its own document.
         Returns (y (B, T, d_model), new cache or None, weights (B, H, T, S) or None).
         """
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.head_dim is None and self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head} (or set head_dim)")
         h_kv = self.n_kv_head or self.n_head
-        d = self.d_model // self.n_head
+        d = self.head_dim or self.d_model // self.n_head
         b, t, _ = x.shape
         src = x if context is None else context
 
@@ -189,7 +190,7 @@ class Attention(nn.Module):
 def attention_from_config(config, name: str, rope: bool | None = None) -> Attention:
     """The Attention a ModelConfig describes (RoPE on when config.pos == 'rope', unless overridden)."""
     return Attention(
-        d_model=config.d_model, n_head=config.n_head, n_kv_head=config.kv_heads,
+        d_model=config.d_model, n_head=config.n_head, n_kv_head=config.kv_heads, head_dim=config.d_head,
         qkv_bias=config.qkv_bias, o_bias=config.o_bias,
         rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
         rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,

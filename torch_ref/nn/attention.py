@@ -85,12 +85,12 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, qkv_bias: bool = False,
                  o_bias: bool = False, rope: bool = False, rope_base: float = 10000.0,
                  rope_layout: str = "half", attn_dropout: float = 0.0, init_std: float = 0.02,
-                 out_init_std: float = 0.02):
+                 out_init_std: float = 0.02, head_dim: int | None = None):
         super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
+        if head_dim is None and d_model % n_head:
+            raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head} (or set head_dim)")
         self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
-        self.head_dim = d_model // n_head
+        self.head_dim = head_dim or d_model // n_head
         self.rope, self.rope_base, self.rope_layout = rope, rope_base, rope_layout
         self.attn_dropout = attn_dropout
         self.q_proj = linear(d_model, n_head * self.head_dim, qkv_bias, init_std)
@@ -155,4 +155,4 @@ def attention_from_config(config, rope: bool | None = None) -> Attention:
                      qkv_bias=config.qkv_bias, o_bias=config.o_bias,
                      rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
                      rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,
-                     init_std=config.init_std, out_init_std=config.out_init_std)
+                     init_std=config.init_std, out_init_std=config.out_init_std, head_dim=config.d_head)
