@@ -9,7 +9,8 @@ import torch
 
 from conftest import assert_close, require_module
 from jaxgpt import PRESETS, build
-from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig, MoEConfig)
+from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig, MoEConfig,
+                           RopeScaling)
 from jaxgpt.convert import bert, from_hf, gpt2, llama, mixtral, qwen2_moe, to_hf
 from jaxgpt.convert.common import check_options
 from jaxgpt.models import abstract_params
@@ -26,7 +27,8 @@ FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LL
 # Candidate values for a field, to find one its family's rule refuses.
 CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMENTS, "rope_layout": ROPE_LAYOUTS,
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
-              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "valid_vocab": (None, 40), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False))}
+              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "valid_vocab": (None, 40), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
+              "rope_scaling": (None, RopeScaling("linear", factor=2.0))}
 
 
 def _params(config):
@@ -122,7 +124,12 @@ def _hf_dict(config_cls, **kw):
     ("GPT2Config", gpt2, {"add_cross_attention": True}, "False"),
     ("GPT2Config", gpt2, {"embd_pdrop": 0.3}, "equal to resid_pdrop"),
     ("LlamaConfig", llama, {"hidden_act": "gelu"}, "'silu'"),
-    ("LlamaConfig", llama, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "default"),
+    ("LlamaConfig", llama, {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "'default'"),
+    ("LlamaConfig", llama, {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                                                "partial_rotary_factor": 0.5}}, "partial_rotary_factor 1.0"),
+    ("LlamaConfig", llama, {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4,
+                                                "original_max_position_embeddings": 16, "short_factor": [1.0] * 4,
+                                                "long_factor": [2.0] * 4}}, "within original_max_position_embeddings"),
     ("LlamaConfig", llama, {"pretraining_tp": 2}, "1"),
     ("LlamaConfig", llama, {"pruned_heads": {0: [1]}}, "pruned heads"),
     ("LlamaConfig", llama, {"quantization_config": {"bits": 4}}, "does not implement"),

@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxgpt.config.base import _Config, _choice, _positive, _probability
 from jaxgpt.config.moe import MoEConfig
+from jaxgpt.config.rope import RopeScaling
 
 POS = ("none", "sinusoidal", "learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
@@ -88,6 +89,7 @@ class ModelConfig(_Config):
     pos: str = "sinusoidal"
     rope_base: float = 10000.0
     rope_layout: str = "half"  # 'half' = HF LLaMA rotate_half, 'interleaved' = adjacent pairs (seed 000)
+    rope_scaling: RopeScaling | None = None  # RoPE scaling variant (jaxgpt/config/rope.py); None: plain RoPE
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only
@@ -163,6 +165,10 @@ class ModelConfig(_Config):
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.rope_base <= 1:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        if self.rope_scaling is not None:
+            if self.pos != "rope":
+                raise ValueError(f"rope_scaling={self.rope_scaling.rope_type!r} needs pos='rope', got pos={self.pos!r}")
+            self.rope_scaling.check_model(self.head_dim, self.max_len)
         _probability("dropout", self.dropout)
         if self.attn_dropout is not None:
             _probability("attn_dropout", self.attn_dropout)
@@ -196,9 +202,9 @@ class ModelConfig(_Config):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        moe = d.get("moe")
-        if isinstance(moe, dict):
-            d = {**d, "moe": MoEConfig.from_dict(moe)}
+        for key, cls_ in (("moe", MoEConfig), ("rope_scaling", RopeScaling)):
+            if isinstance(d.get(key), dict):
+                d = {**d, key: cls_.from_dict(d[key])}
         return super().from_dict(d)
 
     # Derived sizes -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ROPE_TYPES, ModelConfig, RopeScaling
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields, check_options, equals,
                                    inert, load_ref, maps_to, must_be, padding_row, refuse, rename, rename_layers, unused)
 
@@ -24,12 +24,23 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "M
 NAMES = {"llama": "LLaMA", "qwen2": "Qwen2", "mistral": "Mistral"}
 
 
-def _rope(d: Mapping[str, Any]) -> tuple[str, float]:
-    """(rope_type, theta) from transformers >= 5 ``rope_parameters`` or the older rope_theta/rope_scaling."""
+def _rope(d: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
+    """(scaling, theta) from transformers >= 5 ``rope_parameters`` or the older rope_theta/rope_scaling."""
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, Mapping) else "?"
-    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
-    return kind, float(theta if theta is not None else d.get("rope_theta", 10000.0))
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_parameters={params!r} is not a dict")
+    theta = params.get("rope_theta")
+    return RopeScaling.from_hf(params, _context(d)), float(theta if theta is not None else d.get("rope_theta", 10000.0))
+
+
+def _rope_ok(d: Mapping[str, Any]) -> bool:
+    try:
+        scaling = _rope(d)[0]
+        if scaling is not None:
+            scaling.check_model(_head_dim(d) or d.get("hidden_size", 4096) // d.get("num_attention_heads", 32), _context(d))
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _head_dim(d: Mapping[str, Any]) -> int | None:
@@ -53,7 +64,8 @@ def _sliding_layers_ok(types, d) -> bool:
         d.get("sliding_window"), d)) for t in types)
 
 
-_ROPE = Option(lambda v, d: _rope(d)[0] == "default", "default RoPE (no scaling)")
+_ROPE = Option(lambda v, d: _rope_ok(d), f"rope_type 'default' or one of {ROPE_TYPES} with valid parameters "
+               "(jaxgpt.config.RopeScaling), partial_rotary_factor 1.0; longrope within original_max_position_embeddings")
 _COMMON: dict[str, Option] = {
     **{k: MAPPED for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
@@ -81,7 +93,8 @@ FIELDS: dict[str, Field] = {
     "vocab_size": maps_to("vocab_size"), "d_model": maps_to("hidden_size"), "n_layer": maps_to("num_hidden_layers"),
     "n_head": maps_to("num_attention_heads"), "n_kv_head": maps_to("num_key_value_heads"), "d_head": maps_to("head_dim"),
     "d_ff": maps_to("intermediate_size"), "max_len": maps_to("max_position_embeddings"),
-    "rope_base": maps_to("rope_parameters.rope_theta"), "norm_eps": maps_to("rms_norm_eps"),
+    "rope_base": maps_to("rope_parameters.rope_theta"), "rope_scaling": maps_to("rope_parameters (rope_type and its keys)"),
+    "norm_eps": maps_to("rms_norm_eps"),
     "attn_dropout": maps_to("attention_dropout"), "tie_embeddings": maps_to("tie_word_embeddings"),
     "init_std": maps_to("initializer_range"), "pad_token_id": maps_to("pad_token_id"), "valid_vocab": UNPADDED,
     "qkv_bias": maps_to("attention_bias (LLaMA) / always True (Qwen2)"),
@@ -117,6 +130,7 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
         n_layer=d.get("num_hidden_layers", 32), n_head=heads, n_kv_head=d.get("num_key_value_heads") or heads,
         d_head=_head_dim(d),
         d_ff=d.get("intermediate_size", 11008), pos="rope", rope_layout="half", rope_base=_rope(d)[1],
+        rope_scaling=_rope(d)[0],
         norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_bias=mlp, qkv_bias=qkv, o_bias=o,
         tie_embeddings=d.get("tie_word_embeddings", False), attn_dropout=d.get("attention_dropout", 0.0),
         init_std=d.get("initializer_range", 0.02), pad_token_id=padding_row(d))
@@ -138,8 +152,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              hidden_size=config.d_model, intermediate_size=config.ffn_dim, num_hidden_layers=config.n_layer,
              num_attention_heads=config.n_head, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
              max_position_embeddings=config.max_len, rms_norm_eps=config.norm_eps, hidden_act="silu",
-             rope_theta=config.rope_base, rope_scaling=None,
-             rope_parameters={"rope_theta": config.rope_base, "rope_type": "default"},
+             rope_theta=config.rope_base, rope_scaling=None, rope_parameters=_rope_parameters(config),
              tie_word_embeddings=config.tie_embeddings, attention_dropout=config.attention_dropout,
              initializer_range=config.init_std, bos_token_id=None, eos_token_id=None,
              pad_token_id=config.pad_token_id)
@@ -148,6 +161,12 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     else:
         d.update(use_sliding_window=False, sliding_window=None)
     return d
+
+
+def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    if config.rope_scaling is None:
+        return {"rope_theta": config.rope_base, "rope_type": "default"}
+    return config.rope_scaling.to_hf(config.rope_base)
 
 
 def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

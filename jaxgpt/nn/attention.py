@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxgpt.config.rope import RopeScaling
 from jaxgpt.core import validate
 from jaxgpt.nn import checks
 from jaxgpt.nn.kernels import attend, keys_before
@@ -122,6 +123,7 @@ class Attention(nn.Module):
     rope: bool = False
     rope_base: float = 10000.0
     rope_layout: str = "half"
+    rope_scaling: RopeScaling | None = None  # config.RopeScaling; None: plain RoPE
     attn_dropout: float = 0.0
     init_std: float = 0.02
     out_init_std: float = 0.02
@@ -163,8 +165,8 @@ class Attention(nn.Module):
                 raise ValueError("RoPE applies to self-attention only")
             if positions is None:
                 positions = offset + jnp.arange(t)
-            q = apply_rope(q, positions, base=self.rope_base, layout=self.rope_layout)
-            k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
+            rope = dict(base=self.rope_base, layout=self.rope_layout, scaling=self.rope_scaling)
+            q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
 
         kv_layout, pages = "tokens", None
         if cache is not None:  # the caches' one contract: keys, values, layout and mask to attend over
@@ -193,7 +195,7 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         d_model=config.d_model, n_head=config.n_head, n_kv_head=config.kv_heads, head_dim=config.d_head,
         qkv_bias=config.qkv_bias, o_bias=config.o_bias,
         rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
-        rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,
+        rope_layout=config.rope_layout, rope_scaling=config.rope_scaling, attn_dropout=config.attention_dropout,
         init_std=config.init_std, out_init_std=config.out_init_std, attention_impl=config.attention_impl,
         attention_block=config.attention_block, dtype=config.dtype, param_dtype=config.param_dtype,
         matvec=not config.scan_layers, matmul_precision=config.matmul_precision, name=name)

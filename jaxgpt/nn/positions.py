@@ -11,6 +11,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.nn.rope_scaling import rope_frequencies
+
 
 def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> np.ndarray:
     """(max_len, d_model) float32: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(...)."""
@@ -27,21 +29,26 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0) -> np.ndarray:
     return (1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32)
 
 
-def rope_cos_sin(positions, head_dim: int, base: float = 10000.0):
-    """cos and sin of position * theta, each (..., head_dim // 2) float32. positions: (...,) ints."""
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(head_dim, base))
-    return jnp.cos(angles), jnp.sin(angles)
+def rope_cos_sin(positions, head_dim: int, base: float = 10000.0, scaling=None):
+    """cos and sin of position * theta, each (..., head_dim // 2) float32. positions: (...,) ints.
+    ``scaling``: a RopeScaling (its frequencies, and cos and sin times its attention scaling, as HF's)."""
+    inv, attn = rope_frequencies(head_dim, base, scaling)
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(inv)
+    if attn == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * np.float32(attn), jnp.sin(angles) * np.float32(attn)
 
 
-def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half"):
+def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", scaling=None):
     """Rotate queries or keys by their absolute positions.
 
     x: (B, T, H, D); positions: (T,) or (B, T) integer positions (any offset, e.g. a cache index).
     layout 'half' pairs dimension i with i + D/2 (HF LLaMA's rotate_half); 'interleaved' pairs
-    2i with 2i+1 (the complex-number form of seed 000 and Meta's LLaMA). Returns x's shape/dtype.
+    2i with 2i+1 (the complex-number form of seed 000 and Meta's LLaMA). ``scaling``: a RopeScaling
+    (jaxgpt/config/rope.py) or None for plain RoPE. Returns x's shape/dtype.
     """
     d = x.shape[-1]
-    cos, sin = rope_cos_sin(positions, d, base)  # (T, D/2) or (B, T, D/2)
+    cos, sin = rope_cos_sin(positions, d, base, scaling)  # (T, D/2) or (B, T, D/2)
     cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     if cos.ndim == 3:  # (T, 1, D/2) -> (1, T, 1, D/2)
         cos, sin = cos[None], sin[None]

@@ -85,13 +85,14 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, qkv_bias: bool = False,
                  o_bias: bool = False, rope: bool = False, rope_base: float = 10000.0,
                  rope_layout: str = "half", attn_dropout: float = 0.0, init_std: float = 0.02,
-                 out_init_std: float = 0.02, head_dim: int | None = None):
+                 out_init_std: float = 0.02, head_dim: int | None = None, rope_scaling=None):
         super().__init__()
         if head_dim is None and d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head} (or set head_dim)")
         self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
         self.head_dim = head_dim or d_model // n_head
         self.rope, self.rope_base, self.rope_layout = rope, rope_base, rope_layout
+        self.rope_scaling = rope_scaling  # a jaxgpt RopeScaling (framework-free); None: plain RoPE
         self.attn_dropout = attn_dropout
         self.q_proj = linear(d_model, n_head * self.head_dim, qkv_bias, init_std)
         self.k_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
@@ -116,8 +117,8 @@ class Attention(nn.Module):
                 raise ValueError("RoPE applies to self-attention only")
             if positions is None:
                 positions = offset + torch.arange(t, device=x.device)
-            q = apply_rope(q, positions, base=self.rope_base, layout=self.rope_layout)
-            k = apply_rope(k, positions, base=self.rope_base, layout=self.rope_layout)
+            rope = dict(base=self.rope_base, layout=self.rope_layout, scaling=self.rope_scaling)
+            q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
 
         kv_layout = "tokens"
         if cache is not None:

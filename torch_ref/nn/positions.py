@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from torch_ref.nn.rope_scaling import rope_frequencies
+
 
 def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
     """(max_len, d_model) float32: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(...)."""
@@ -21,18 +23,20 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
     return (1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
 
 
-def rope_cos_sin(positions, head_dim: int, base: float = 10000.0):
-    """cos and sin of position * theta, each (..., head_dim // 2) float32."""
+def rope_cos_sin(positions, head_dim: int, base: float = 10000.0, scaling=None):
+    """cos and sin of position * theta, each (..., head_dim // 2) float32 (times ``scaling``'s attention scaling)."""
     positions = torch.as_tensor(positions)
-    inv = rope_inv_freq(head_dim, base).to(positions.device)
-    angles = positions.float()[..., None] * inv
-    return torch.cos(angles), torch.sin(angles)
+    inv, attn = rope_frequencies(head_dim, base, scaling)
+    angles = positions.float()[..., None] * inv.to(positions.device)
+    if attn == 1.0:
+        return torch.cos(angles), torch.sin(angles)
+    return torch.cos(angles) * attn, torch.sin(angles) * attn
 
 
-def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half"):
-    """Rotate x: (B, T, H, D) by positions: (T,) or (B, T). Same layouts as jaxgpt.apply_rope."""
+def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", scaling=None):
+    """Rotate x: (B, T, H, D) by positions: (T,) or (B, T). Same layouts and ``scaling`` as jaxgpt.apply_rope."""
     d = x.shape[-1]
-    cos, sin = rope_cos_sin(positions, d, base)
+    cos, sin = rope_cos_sin(positions, d, base, scaling)
     cos, sin = cos[..., None, :], sin[..., None, :]
     if cos.dim() == 3:
         cos, sin = cos[None], sin[None]
