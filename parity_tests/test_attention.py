@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_close, assert_self_consistent, check_module, load_into, random_params
+from jaxgpt.config import RopeScaling
 from jaxgpt.nn.attention import Attention, KVCache, causal_mask, scaled_dot_product_attention as sdpa
+from test_positions import SCALINGS
 from torch_ref.nn import attention as tattn
 
 HEADS = [(4, 4), (4, 2), (4, 1), (6, 3)]  # (n_head, n_kv_head): MHA, GQA, MQA, GQA
@@ -129,6 +131,18 @@ def test_head_dim_apart_from_d_model_matches_torch_ref(head_dim, rng):
     check_module("Attention (head_dim)", ja, ta.eval(), [x], jax_kwargs=dict(is_causal=True),
                  torch_kwargs=dict(is_causal=True), select=lambda o: o[0])
     assert ta.q_proj.weight.shape == (4 * head_dim, 20) and ta.o_proj.weight.shape == (20, 4 * head_dim)
+
+
+@pytest.mark.parametrize("name", sorted(SCALINGS))
+def test_rope_scaling_matches_torch_ref(name, rng):
+    """Each RoPE scaling threaded through Attention: forward and gradients vs torch_ref at positions 8..31,
+    past the original context of 16 (the frequencies vs HF: test_positions.py, test_rope_scaling.py)."""
+    x = rng.standard_normal((2, 24, 32)).astype(np.float32)
+    scaling = RopeScaling.from_hf(SCALINGS[name], 32)
+    ja, ta = _attention_pair(32, 2, 1, rope=True, rope_scaling=scaling)
+    pos = np.arange(8, 32)
+    check_module(f"Attention (rope {name})", ja, ta.eval(), [x], jax_kwargs=dict(is_causal=True, positions=pos),
+                 torch_kwargs=dict(is_causal=True, positions=torch.from_numpy(pos)), select=lambda o: o[0])
 
 
 @pytest.mark.parametrize("h,h_kv", HEADS[:3])

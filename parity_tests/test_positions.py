@@ -87,3 +87,39 @@ def test_rope_dot_product_depends_only_on_offset(layout, rng):
 def test_rope_rejects_unknown_layout():
     with pytest.raises(ValueError, match="unknown rope layout 'spiral'"):
         P.apply_rope(jnp.zeros((1, 2, 1, 4)), np.arange(2), layout="spiral")
+
+
+# One RoPE scaling per variant with an original context of 16 (jaxgpt/config/rope.py; frequencies vs HF's
+# functions in test_rope_scaling.py).
+SCALINGS = {
+    "linear": dict(rope_type="linear", factor=4.0),
+    "dynamic": dict(rope_type="dynamic", factor=4.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16),
+    "longrope": dict(rope_type="longrope", factor=4.0, original_max_position_embeddings=32,
+                     short_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0], long_factor=[2.0] * 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALINGS))
+def test_scaled_rope_matches_hf_rotary_embedding(name, rng):
+    """apply_rope with each scaling vs HF LLaMA's own rotary module (its frequencies, its cos/sin factor,
+    its dynamic update) and apply_rotary_pos_emb, at positions past the original context (8..31), and torch_ref."""
+    from jaxgpt.config import RopeScaling
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    b, t, h, d = 2, 24, 2, 16
+    hf = LlamaConfig(hidden_size=h * d, num_attention_heads=h, max_position_embeddings=32,
+                     rope_parameters={**SCALINGS[name], "rope_theta": 10000.0})
+    scaling = RopeScaling.from_hf(hf.rope_parameters, hf.max_position_embeddings)
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    pos = np.arange(8, 8 + t)
+    qt = torch.from_numpy(q).transpose(1, 2)  # HF is (B, H, T, D)
+    cos, sin = LlamaRotaryEmbedding(hf)(qt, torch.from_numpy(pos)[None])
+    ref, _ = apply_rotary_pos_emb(qt, qt, cos, sin)
+    ours = P.apply_rope(jnp.asarray(q), pos, scaling=scaling)
+    assert_close(ours, ref.transpose(1, 2), f"RoPE {name} vs HF LLaMA rotary embedding")
+    assert_close(ours, TP.apply_rope(torch.from_numpy(q), torch.from_numpy(pos), scaling=scaling), f"RoPE {name}")
+    plain = P.apply_rope(jnp.asarray(q), pos)
+    assert (np.abs(np.asarray(ours - plain)).max() > 1e-2) == (name != "dynamic")  # the scaling is in effect
