@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from hf_family import check_family, perturb
 from jaxgpt.config import ModelConfig, RopeScaling
@@ -125,3 +124,30 @@ def test_scaled_llama_everywhere(name, tmp_path):
     config, _ = check_family(hf, tmp_path, f"LLaMA rope {name}")
     assert config.rope_scaling is not None and config.rope_scaling.rope_type == name
     assert config.tie_embeddings == (name == "llama3")
+
+
+# Meta's config.json values for Llama 3.1 / 3.2 (hidden, layers, heads, intermediate, rope factor, tied)
+# and the parameter counts their model cards give.
+_META = {"llama3.2-1b": (2048, 16, 32, 8192, 32.0, True, 1_235_814_400),
+         "llama3.2-3b": (3072, 28, 24, 8192, 32.0, True, 3_212_749_824),
+         "llama3.1-8b": (4096, 32, 32, 14336, 8.0, False, 8_030_261_248)}
+
+
+@pytest.mark.parametrize("name", sorted(_META))
+def test_llama3_presets_are_metas_configs(name):
+    import jax
+
+    from jaxgpt.config import PRESETS
+    from jaxgpt.convert import llama
+    from jaxgpt.models import abstract_params
+
+    hidden, layers, heads, inter, factor, tied, count = _META[name]
+    hf = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=8, intermediate_size=inter, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, bos_token_id=128000, eos_token_id=128001, rope_parameters=dict(
+            rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192, rope_theta=500000.0))
+    assert llama.config_from_hf(hf.to_dict(), "LlamaForCausalLM") == PRESETS[name]
+    assert transformers.LlamaConfig(**llama.config_to_hf(PRESETS[name])).rope_parameters == hf.rope_parameters
+    assert sum(x.size for x in jax.tree.leaves(abstract_params(PRESETS[name]))) == count

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxgpt.config.model import FLOAT32_EPS, BertConfig, EncDecConfig, ModelConfig
+from jaxgpt.config.rope import RopeScaling
 
 
 def _gpt2(d_model: int, n_layer: int, n_head: int, **kw: Any) -> ModelConfig:
@@ -15,9 +16,17 @@ def _gpt2(d_model: int, n_layer: int, n_head: int, **kw: Any) -> ModelConfig:
 
 def _llama(vocab_size: int, d_model: int, n_layer: int, n_head: int, n_kv_head: int, d_ff: int, max_len: int,
            **kw: Any) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
-                       d_ff=d_ff, max_len=max_len, pos="rope", rope_layout="half", norm="rmsnorm", norm_eps=1e-6,
-                       mlp="swiglu", **kw)
+    return ModelConfig(**{**dict(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, n_head=n_head,
+                                 n_kv_head=n_kv_head, d_ff=d_ff, max_len=max_len, pos="rope", rope_layout="half",
+                                 norm="rmsnorm", norm_eps=1e-6, mlp="swiglu"), **kw})
+
+
+def _llama3(d_model: int, n_layer: int, n_head: int, d_ff: int, factor: float, tie: bool) -> ModelConfig:
+    """Meta's Llama 3.1 / 3.2 configs: 128K context stretched from 8K by llama3 RoPE scaling, 8 KV heads."""
+    scaling = RopeScaling("llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    return _llama(128256, d_model, n_layer, n_head, 8, d_ff, 131072, rope_base=500000.0, rope_scaling=scaling,
+                  norm_eps=1e-5, tie_embeddings=tie)
 
 
 # Seed 000's MiniGPT: sinusoidal positions, RMSNorm (eps 1e-6), Pre-LN, SwiGLU, untied head.
@@ -52,6 +61,9 @@ PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
     "llama-tiny": _llama(512, 256, 4, 8, 2, 688, 512),
     "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 2048),
     "llama-1b": _llama(128256, 2048, 16, 32, 8, 8192, 8192, rope_base=500000.0, tie_embeddings=True),
+    "llama3.2-1b": _llama3(2048, 16, 32, 8192, 32.0, tie=True),
+    "llama3.2-3b": _llama3(3072, 28, 24, 8192, 32.0, tie=True),
+    "llama3.1-8b": _llama3(4096, 32, 32, 14336, 8.0, tie=False),
     "seed-attnres-standard": _SEED_ATTNRES,
     "seed-attnres-full": _SEED_ATTNRES.replace(residual="full_attnres"),
     "seed-attnres-block": _SEED_ATTNRES.replace(residual="block_attnres", attnres_blocks=3),
