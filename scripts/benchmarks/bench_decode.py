@@ -4,10 +4,14 @@
     .venv/bin/python -m scripts.benchmarks.bench_decode --quick    # CI smoke: tiny shapes, one repeat, < 60 s
     .venv/bin/python -m scripts.benchmarks.bench_decode --slots    # decode-step ms/token vs cache slots only
     .venv/bin/python -m scripts.benchmarks.bench_decode --isa avx2 # every worker capped at AVX2 (harness.isa_env)
+    .venv/bin/python -m scripts.benchmarks.bench_decode --family llama3  # a LlamaForCausalLM instead -> decode_llama3.*
 
 Model: a GPT-2-style GPT2LMHeadModel (6 layers, 384 wide, 6 heads, context 1024, vocab 65 like
 the shakespeare-char preset) with random weights, built from transformers.GPT2Config and saved
-locally; jaxgpt and torch_ref load the same directory (jaxgpt.convert.load_hf). Nothing is
+locally; jaxgpt and torch_ref load the same directory (jaxgpt.convert.load_hf). ``--family llama2`` /
+``llama3``: a LlamaForCausalLM of the same width, depth and heads (2 KV heads, SwiGLU 1024 wide), with
+plain RoPE (theta 1e4) or Llama 3's (theta 5e5, llama3 scaling of factor 8 over a quarter of the
+context): the same shapes, only the RoPE constants differ. Nothing is
 downloaded. Each framework runs in its own subprocess (their thread pools interfere in one
 process), in rotating order, ``--repeats`` times; medians are reported. Every run's greedy
 tokens are compared with jaxgpt's cached ones (``tokens_match``).
@@ -148,9 +152,9 @@ def worker_torch(model_dir: str, cases, cached: bool, prompt_len: int) -> list[d
 
 def worker_hf(model_dir: str, cases, static: bool, prompt_len: int) -> list[dict]:
     import torch
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
-    model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     out = []
     for b, n in cases:
         prompt = torch.from_numpy(_prompt(b, prompt_len, model.config.vocab_size))
@@ -223,13 +227,24 @@ def slots_worker(slots: list[int], steps: int, vocab: int) -> list[dict]:
 
 
 # Parent ----------------------------------------------------------------------------------------------
-def build_model_dir(path: Path, vocab: int, d: int, layers: int, heads: int, ctx: int) -> None:
+FAMILIES = ("gpt2", "llama2", "llama3")
+
+
+def build_model_dir(path: Path, vocab: int, d: int, layers: int, heads: int, ctx: int, family: str = "gpt2") -> None:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=ctx, n_embd=d, n_layer=layers,
-                               n_head=heads)).eval().save_pretrained(path)
+    if family == "gpt2":
+        GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=ctx, n_embd=d, n_layer=layers,
+                                   n_head=heads)).eval().save_pretrained(path)
+        return
+    rope = {"rope_type": "default", "rope_theta": 10000.0} if family == "llama2" else {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": ctx // 4, "rope_theta": 500000.0}
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=-(-(8 * d // 3) // 8) * 8,
+                                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                                 max_position_embeddings=ctx, rope_parameters=rope)).eval().save_pretrained(path)
 
 
 def run_worker(argv: list[str]) -> list[dict]:
@@ -259,6 +274,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", default="256,1008", help="1008 + the 16-token prompt fills the 1024 context")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     ap.add_argument("--out", default=str(RESULTS / "engine" / "decode.json"))
+    ap.add_argument("--family", choices=FAMILIES, default="gpt2", help="the model: GPT-2, or a LLaMA 2 / Llama 3 "
+                    "(llama3 RoPE scaling) of the same shapes; not gpt2: no slots table, the output named decode_<family>")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--cases", help=argparse.SUPPRESS)
@@ -282,14 +299,14 @@ def main() -> None:
         if args.frameworks == ",".join(FRAMEWORKS):
             args.frameworks = "jax-cached,jax-uncached,torch-cached,hf-default"
     load_before = os.popen("uptime").read().strip()
-    slots = [] if args.quick and not args.slots else run_worker(["--worker", "slots", "--slot-sizes", args.slot_sizes])
+    slots = [] if (args.quick or args.family != "gpt2") and not args.slots else run_worker(["--worker", "slots", "--slot-sizes", args.slot_sizes])
     rows = []
     if not args.slots:
         cases = [(b, n) for b in batches for n in news]
         fws = args.frameworks.split(",")
         runs = {fw: [] for fw in fws}
         with tempfile.TemporaryDirectory() as tmp:
-            build_model_dir(Path(tmp), **dims)
+            build_model_dir(Path(tmp), **dims, family=args.family)
             for r in range(args.repeats):
                 for fw in fws[r % len(fws):] + fws[:r % len(fws)]:  # rotate the order: A B C, B C A, ...
                     print(f"repeat {r + 1}/{args.repeats}: {fw}", file=sys.stderr, flush=True)
@@ -311,11 +328,12 @@ def main() -> None:
     load_after = os.popen("uptime").read().strip()
     print(table)
     out = Path(args.out)
-    if args.quick or args.slots:  # keep the full table's files
-        out = out.with_name("decode_quick.json" if args.quick else "decode_slots.json")
+    if args.quick or args.slots or args.family != "gpt2":  # keep the full table's files
+        out = out.with_name("decode_quick.json" if args.quick else "decode_slots.json" if args.slots
+                            else f"decode_{args.family}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(["python -m scripts.benchmarks.bench_decode", *sys.argv[1:]]), "dims": dims,
-                                   "prompt_len": args.prompt_len, "rows": rows, "slots": slots, "cpu_count": os.cpu_count(),
+                                   "family": args.family, "prompt_len": args.prompt_len, "rows": rows, "slots": slots, "cpu_count": os.cpu_count(),
                                    "isa": args.isa, "uptime_before": load_before, "uptime_after": load_after,
                                    "note": "machine shared with other jobs unless stated; medians of repeats"}, indent=1))
     out.with_suffix(".md").write_text(table + f"\n\nInstruction sets: {args.isa}. uptime before: `{load_before}`; "
