@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hf_family import check_family, perturb
-from jaxgpt.config import ModelConfig, RopeScaling
+from jaxgpt.config import ModelConfig, RopeScaling, config_from_dict
 from jaxgpt.nn.rope_scaling import rope_frequencies
 from torch_ref.nn.rope_scaling import rope_frequencies as torch_rope_frequencies
 
@@ -72,10 +72,11 @@ def test_scaling_changes_the_frequencies():
 
 
 def test_config_round_trips_through_dict_and_json():
+    """As checkpoints and safetensors metadata store it (config_from_dict of the JSON), and HF's dict."""
     for params in VARIANTS.values():
         scaling = RopeScaling.from_hf(params, 64)
         config = ModelConfig(pos="rope", d_model=128, max_len=16, rope_scaling=scaling)
-        assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+        assert config_from_dict(json.loads(json.dumps(config.to_dict()))) == config
         assert RopeScaling.from_hf(scaling.to_hf(1e4), 64) == scaling
 
 
