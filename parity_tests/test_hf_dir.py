@@ -210,10 +210,11 @@ def edited(src, dst, **changes):
      r"model_type='gpt_neox' \(architectures=\['GPTNeoXForCausalLM'\]\) is not supported"),
     ({"architectures": ["LlamaForSequenceClassification"]},
      r"architecture 'LlamaForSequenceClassification' is not supported for model_type='llama'"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-     r"rope_parameters=\{'rope_type': 'linear'.*\(supported: default RoPE \(no scaling\)\)"),
-    ({"rope_parameters": None, "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
-     r"rope_scaling=\{'type': 'dynamic', 'factor': 2.0\}"),
+    ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0}},
+     r"rope_parameters=\{'rope_type': 'proportional'.*\(supported: rope_type 'default' or one of"),
+    ({"rope_parameters": None, "rope_theta": 10000.0,
+      "rope_scaling": {"type": "dynamic", "factor": 2.0, "partial_rotary_factor": 0.5}},
+     r"rope_scaling=\{'type': 'dynamic', 'factor': 2.0, 'partial_rotary_factor': 0.5\}"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' \(supported: 'silu'\)"),
     ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 16},
      r"HF Mistral config .*sliding_window=16 \(supported: None or >= max_position_embeddings"),
@@ -221,6 +222,15 @@ def edited(src, dst, **changes):
 def test_load_hf_refusals(llama_dir, tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         load_hf(edited(llama_dir, tmp_path / "edited", **changes))
+
+
+def test_load_hf_reads_the_older_rope_scaling_key(llama_dir, tmp_path):
+    from jaxgpt.config import RopeScaling
+
+    path = edited(llama_dir, tmp_path / "edited", rope_parameters=None, rope_theta=5e5,
+                  rope_scaling={"type": "dynamic", "factor": 2.0})
+    config, _ = load_hf(path)
+    assert config.rope_scaling == RopeScaling("dynamic", factor=2.0) and config.rope_base == 5e5
 
 
 def test_load_hf_names_every_problem_at_once(llama_dir, tmp_path):
