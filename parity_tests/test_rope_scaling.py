@@ -24,6 +24,7 @@ VARIANTS = {
     "yarn": dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=16),
     "yarn-mscale": dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=4096, beta_fast=16,
                         beta_slow=2, mscale=1.2, mscale_all_dim=0.8, truncate=False),
+    "yarn-defaults": dict(rope_type="yarn", factor=4.0),  # HF fills original_max_position_embeddings in
     "yarn-attention": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, attention_factor=0.9),
     "llama3": dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192),
@@ -46,6 +47,7 @@ def test_frequencies_match_hf_rope_init_functions(name, theta):
     the cos/sin factor to 1e-12; jaxgpt and torch_ref bit-identical."""
     hf = _hf_config(dict(VARIANTS[name]), theta)
     scaling = RopeScaling.from_hf(hf.rope_parameters, hf.max_position_embeddings)
+    assert RopeScaling.from_hf(VARIANTS[name], hf.max_position_embeddings) == scaling  # config.json as written
     want, want_attn = ROPE_INIT_FUNCTIONS[scaling.rope_type](hf, "cpu")
     inv, attn = rope_frequencies(HEAD_DIM, theta, scaling)
     assert inv.dtype == np.float32 and inv.shape == (HEAD_DIM // 2,)

@@ -112,7 +112,8 @@ class RopeScaling(_Config):
     @classmethod
     def from_hf(cls, params, max_position_embeddings: int) -> "RopeScaling | None":
         """transformers' ``rope_parameters`` (or older ``rope_scaling``) dict -> a RopeScaling, None for plain
-        RoPE; keys HF does not read for the variant are dropped, a partial rotary factor is refused."""
+        RoPE; keys HF does not read for the variant are dropped, a partial rotary factor is refused. A
+        model whose top-level original_max_position_embeddings HF prefers (Phi-3) passes it in ``params``."""
         kind = params.get("rope_type", params.get("type", "default"))
         if kind == "default":
             return None
@@ -124,24 +125,25 @@ class RopeScaling(_Config):
         kw = {k: params[k] for k in ROPE_PARAMS[kind] if params.get(k) is not None}
         if kind == "yarn" and "truncate" in params:
             kw["truncate"] = bool(params["truncate"])  # HF reads .get("truncate", True): a stored None is False
-        original = kw.get("original_max_position_embeddings")
-        if "factor" not in kw and kind in ("yarn", "longrope") and original:  # HF's own fallback
-            kw["factor"] = max_position_embeddings / original
+        if kind in ("yarn", "llama3", "longrope"):  # HF's standardize_rope_params and its factor fallback
+            kw.setdefault("original_max_position_embeddings", max_position_embeddings)
+            if "factor" not in kw and kind != "llama3":
+                kw["factor"] = max_position_embeddings / kw["original_max_position_embeddings"]
         return cls(kind, **kw)
 
     @property
     def attention_scaling(self) -> float:
         """The factor HF multiplies cos and sin by (yarn, longrope; 1.0 for the others)."""
-        s = self
-        if s.rope_type not in ("yarn", "longrope"):
+        if self.rope_type not in ("yarn", "longrope"):
             return 1.0
-        if s.attention_factor is not None:
-            return float(s.attention_factor)
-        if s.rope_type == "longrope":
-            return 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_position_embeddings))
-        if s.mscale and s.mscale_all_dim:
-            return _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
-        return _yarn_mscale(s.factor)
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.rope_type == "longrope":
+            return 1.0 if self.factor <= 1 else math.sqrt(
+                1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor)
 
     def yarn_ramp(self, dim: int, base: float) -> tuple[float, float]:
         """yarn: the dimensions (low, high) between which frequencies go from kept to interpolated."""
