@@ -69,10 +69,11 @@ def load_ref(config, sd: Mapping[str, Any], template: Mapping | None = None) -> 
 # Import: config.json options -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
-    """How one config.json key is handled: ``ok(value, whole dict)``; ``needs`` says what is accepted."""
+    """How one config.json key is handled: ``ok(value, whole dict)``; ``needs`` says what is accepted
+    (or ``needs(value, whole dict)`` says it, naming what is wrong with this value)."""
 
     ok: Callable[[Any, Mapping[str, Any]], bool]
-    needs: str
+    needs: str | Callable[[Any, Mapping[str, Any]], str]
 
 
 MAPPED = Option(lambda v, d: True, "")  # read into the jaxgpt config
@@ -129,7 +130,8 @@ def check_options(d: Mapping[str, Any], table: Mapping[str, Option], family: str
         if key not in table:
             problems.append(f"{key}={value!r} (an option jaxgpt does not implement)")
         elif not table[key].ok(value, d):
-            problems.append(f"{key}={value!r} (supported: {table[key].needs})")
+            needs = table[key].needs
+            problems.append(f"{key}={value!r} (supported: {needs(value, d) if callable(needs) else needs})")
     if problems:
         raise ValueError(f"HF {family} config not supported exactly by jaxgpt: " + "; ".join(problems))
 

@@ -33,14 +33,15 @@ def _rope(d: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
     return RopeScaling.from_hf(params, _context(d)), float(theta if theta is not None else d.get("rope_theta", 10000.0))
 
 
-def _rope_ok(d: Mapping[str, Any]) -> bool:
+def _rope_problem(d: Mapping[str, Any]) -> str | None:
+    """Why jaxgpt cannot run this config's RoPE exactly, or None."""
     try:
         scaling = _rope(d)[0]
         if scaling is not None:
             scaling.check_model(_head_dim(d) or d.get("hidden_size", 4096) // d.get("num_attention_heads", 32), _context(d))
-    except (ValueError, TypeError):
-        return False
-    return True
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
 
 
 def _head_dim(d: Mapping[str, Any]) -> int | None:
@@ -64,8 +65,8 @@ def _sliding_layers_ok(types, d) -> bool:
         d.get("sliding_window"), d)) for t in types)
 
 
-_ROPE = Option(lambda v, d: _rope_ok(d), f"rope_type 'default' or one of {ROPE_TYPES} with valid parameters "
-               "(jaxgpt.config.RopeScaling), partial_rotary_factor 1.0; longrope within original_max_position_embeddings")
+_ROPE = Option(lambda v, d: _rope_problem(d) is None,
+               lambda v, d: f"rope_type 'default' or one of {ROPE_TYPES} that runs exactly; here: {_rope_problem(d)}")
 _COMMON: dict[str, Option] = {
     **{k: MAPPED for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
