@@ -7,6 +7,9 @@ for the CPU gets the kernel, one lowered for 'cuda', 'rocm' or 'tpu' (from this 
 it and run elsewhere) gets the pure-JAX path with the same numbers. With one lowering platform the
 choice is made while lowering, so the CPU program holds the kernel alone (no conditional).
 
+Kernels for other platforms are staged the same way (``by_platform``): the Pallas paged-attention
+kernel in CUDA programs (paged_dispatch.py), ragged_dot MoE experts in CUDA and TPU ones (nn/moe.py).
+
 An explicit choice of a CPU kernel (``norm_impl='ffi'``, ``act_impl='ffi'``, ``attention_impl='ffi'``)
 is honoured on the CPU and refused, with a message naming the knob, when the program is lowered for
 another platform (``require_cpu``): a user who asked for the kernel gets it or an error, never a
