@@ -2,7 +2,9 @@
 
 Kernel choices are made per lowering platform (jaxgpt/nn/kernels/policy.py): a C++ CPU kernel
 (custom call ``jaxgpt_*``) may appear only in the CPU program; the CUDA and TPU programs get the
-portable paths. Each program is traced once on abstract inputs (jax.ShapeDtypeStruct, eval_shape:
+portable paths, or their own kernels: the engine's paged attention the Pallas (Triton) kernel on
+CUDA (``__gpu$xla.gpu.triton``, kernels/gpu_paged.py), MoE experts ``ragged_dot`` ('grouped') on
+CUDA and TPU where the CPU keeps 'dense' (no ragged_dot). Each program is traced once on abstract inputs (jax.ShapeDtypeStruct, eval_shape:
 nothing is allocated) and lowered three times; the test prints the custom calls each platform got.
 
 What this host cannot show: cuDNN attention. JAX builds a cuDNN call only where cuDNN is installed
@@ -26,7 +28,7 @@ from jaxgpt.config.presets import PRESETS
 from jaxgpt.inference.engine import paged_forward
 from jaxgpt.inference.generate import _generate_cached
 from jaxgpt.inference.packed_head import pack_head
-from jaxgpt.inference.paged_cache import init_pools
+from jaxgpt.inference.paged_cache import init_pools, resolve_paged_kernel
 from jaxgpt.models import abstract_params
 from jaxgpt.nn.kernels import causal_ffi, native, norm_ffi, paged_ffi
 from jaxgpt.train.step import init_state, make_train_step
@@ -37,9 +39,10 @@ assert B * T * 64 >= native.AUTO_MIN_SIZE
 GPT2 = PRESETS["gpt2-small"].replace(vocab_size=96, d_model=64, n_layer=2, n_head=4, max_len=T, dropout=0.0)
 LLAMA = PRESETS["llama-tiny"].replace(vocab_size=96, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128,
                                       max_len=T)
-MOE = LLAMA.replace(moe=MoEConfig(n_experts=4, top_k=2, d_ff=64))
+MOE = LLAMA.replace(moe=MoEConfig(n_experts=8, top_k=2, d_ff=64))  # Mixtral's router: 8 experts, top-2
 EXACT_GELU = GPT2.replace(mlp="gelu")  # the exact GELU: the one the GELU kernel computes
 CUSTOM_CALL = re.compile(r'(?:custom_call_target\s*=\s*|stablehlo\.custom_call\s+@)"?([\w$.\-]+)"?')
+TRITON, RAGGED_DOT = "__gpu$xla.gpu.triton", "chlo.ragged_dot"
 
 
 def _train(config, dtype: str, **over):
@@ -57,15 +60,15 @@ def _decode(config):
                                   temperature=0.0, top_k=None, top_p=None, eos_id=None)
 
 
-def _paged(config):
+def _paged(config, kv_dtype="auto", kernel="auto"):
     """The engine's step (engine.paged_forward) with the kernels the Engine resolves on this host: the
-    in-place paged attention and the packed panel head."""
+    in-place paged attention (each platform's, for 'auto') and the packed panel head."""
     params = abstract_params(config)
     head = jax.eval_shape(functools.partial(pack_head, config), params)
-    pools = jax.eval_shape(lambda: init_pools(config, 16, 8))
+    pools = jax.eval_shape(lambda: init_pools(config, 16, 8, kv_dtype))
     rows, pages = 4, 4
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    kernel = paged_ffi.resolve_paged_kernel("auto", config.dtype, jnp.float32)
+    kernel = resolve_paged_kernel(kernel, config.dtype, pools[0][0].dtype, config.head_dim, 8)
     return paged_forward.trace(params, pools, i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows, pages), i32(rows),
                                head, config=config, kernel=kernel)
 
@@ -79,12 +82,19 @@ PROGRAMS = {
                        {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}),
     "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}),
     "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)}),
+    "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(scan_layers=False, dtype="bfloat16"), "int8"), {}),
+}
+# name: {platform: what its program must hold there (custom-call targets, or RAGGED_DOT)}, beyond no CPU call
+ACCELERATOR_KERNELS = {
+    "paged-engine-f32": {"cuda": {TRITON}},
+    "paged-engine-bf16-int8": {"cuda": {TRITON}},
+    "moe-train-bf16": {"cuda": {RAGGED_DOT}, "tpu": {RAGGED_DOT}},
 }
 
 
 def custom_calls(text: str) -> set[str]:
-    """The custom-call targets in a lowered module's StableHLO text."""
-    return set(CUSTOM_CALL.findall(text))
+    """The custom-call targets in a lowered module's StableHLO text, and RAGGED_DOT where it holds one."""
+    return set(CUSTOM_CALL.findall(text)) | ({RAGGED_DOT} if RAGGED_DOT in text else set())
 
 
 @functools.cache
@@ -103,6 +113,9 @@ def test_program_lowers_for_every_platform_with_its_own_kernels(name):
     for module, targets in PROGRAMS[name][1].items():  # the CPU program still runs its kernels
         if module.available():
             assert set(targets) <= got["cpu"], f"{name} for the CPU lacks {targets}: {sorted(got['cpu'])}"
+    for p, kernels in ACCELERATOR_KERNELS.get(name, {}).items():  # and the accelerators theirs
+        assert kernels <= got[p], f"{name} lowered for {p} lacks {sorted(kernels)}: {sorted(got[p])}"
+    assert TRITON not in got["cpu"] | got["tpu"] and RAGGED_DOT not in got["cpu"], f"{name}: {got}"
 
 
 def test_explicit_cpu_kernel_is_refused_off_the_cpu():
@@ -113,3 +126,18 @@ def test_explicit_cpu_kernel_is_refused_off_the_cpu():
     assert "jaxgpt_norm_fwd" in custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())
     with pytest.raises(ValueError, match=r"norm_impl='ffi' runs a C\+\+ CPU kernel, but this program is lowered for tpu"):
         traced.lower(lowering_platforms=("tpu",))
+
+
+def test_explicit_paged_kernels_are_refused_where_they_cannot_lower():
+    """paged_kernel='ffi' (the C++ kernel) lowers for the CPU only; 'pallas' (the Triton kernel) for
+    CUDA, and for the CPU interpreted (no Triton call there); neither for a TPU."""
+    config = LLAMA.replace(scan_layers=False)
+    with pytest.raises(ValueError, match=r"paged_kernel='ffi' runs a C\+\+ CPU kernel, but this program is lowered "
+                                         r"for cuda"):
+        _paged(config, kernel="ffi").lower(lowering_platforms=("cuda",))
+    pallas = _paged(config, kernel="pallas")
+    assert TRITON in custom_calls(pallas.lower(lowering_platforms=("cuda",)).as_text())
+    assert not custom_calls(pallas.lower(lowering_platforms=("cpu",)).as_text()) & {TRITON, "jaxgpt_paged_attention"}
+    with pytest.raises(ValueError, match="paged_kernel='pallas' runs a kernel for cpu, cuda only, but this program "
+                                         "is lowered for tpu"):
+        pallas.lower(lowering_platforms=("tpu",))

@@ -18,7 +18,7 @@ from conftest import (assert_close, assert_self_consistent, check_module, load_i
                       torch_grads)
 from jaxgpt import build
 from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
-from jaxgpt.nn.moe import MoE, route, router_losses
+from jaxgpt.nn.moe import EXPERT_IMPLS, MoE, route, router_losses
 from jaxgpt.train import init_state, make_train_step
 from jaxgpt.train.tasks import fit_config, load_task
 from torch_ref.convert import load_params
@@ -83,6 +83,18 @@ def test_dense_and_grouped_layers_agree_forward_and_backward():
     assert_self_consistent(out["grouped"][0], out["dense"][0], "MoE layer grouped vs dense (sum y * cot)")
     for a, b in zip(jax.tree.leaves(out["grouped"][1]), jax.tree.leaves(out["dense"][1])):
         assert_self_consistent(a, b, "MoE layer grouped vs dense grads", unit_scale=True)
+
+
+def test_auto_impl_is_dense_on_the_cpu():
+    """moe.impl='auto' (the default) runs 'dense' in a CPU program: the same numbers, bit for bit
+    ('grouped' differs by rounding); test_lowering.py checks that CUDA and TPU get 'grouped'."""
+    rng = np.random.default_rng(5)
+    x, gate, up = (rng.standard_normal(s).astype(np.float32) for s in ((12, 16), (4, 16, 8), (4, 16, 8)))
+    down = rng.standard_normal((4, 8, 16)).astype(np.float32)
+    _, weights, idx = route(jnp.asarray(x @ rng.standard_normal((16, 4)).astype(np.float32)), 2, True)
+    out = {impl: np.asarray(jax.jit(EXPERT_IMPLS[impl])(x, gate, up, down, weights, idx)) for impl in ("auto", "dense")}
+    np.testing.assert_array_equal(out["auto"], out["dense"])
+    assert MoEConfig().impl == "auto"  # the default
 
 
 def _loss(cfg, p, aux=0.3, z=0.05):

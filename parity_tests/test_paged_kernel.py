@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
+from jaxgpt.inference import paged_cache
+from jaxgpt.inference.paged_cache import resolve_paged_kernel
 from jaxgpt.nn.kernels import attend, paged_ffi
 from jaxgpt.nn.kernels.paged import PagedKVCache
 
@@ -110,39 +111,52 @@ def test_kernel_refuses_a_position_past_the_page_table():
 
 
 def test_resolve_paged_kernel(monkeypatch):
+    """'auto' stays 'auto' (each lowering platform picks its kernel), warning once per reason where
+    this machine's platform gathers; an explicit kernel that cannot run is an error."""
     import warnings
 
-    paged_ffi._fallback_warning.cache_clear()
+    paged_cache._fallback_warning.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the kernel runs: nothing to say
-        assert resolve_paged_kernel("auto", "float32", jnp.float32) == "ffi"
+        assert resolve_paged_kernel("auto", "float32", jnp.float32) == "auto"
         assert resolve_paged_kernel("gather", "float32", jnp.float32) == "gather"  # asked for: no warning
+        assert resolve_paged_kernel("pallas", "bfloat16", jnp.int8) == "pallas"  # interpreted on the CPU
     with pytest.warns(UserWarning, match="runs 'gather'.*float32 pages in a float32 model"):
-        assert resolve_paged_kernel("auto", "float32", jnp.int8) == "gather"  # int8 pages: the JAX path dequantises
+        assert resolve_paged_kernel("auto", "float32", jnp.int8) == "auto"  # int8 pages: the JAX path dequantises
     with pytest.warns(UserWarning, match="dtype=bfloat16, pages bfloat16"):
-        assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "gather"
+        assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "auto"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per reason
-        assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "gather"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # an accelerator: no in-place kernel yet (issue 37)
-    with pytest.warns(UserWarning, match="it is a CPU kernel and this backend is 'gpu'"):
-        assert resolve_paged_kernel("auto", "float32", jnp.float32) == "gather"
+        assert resolve_paged_kernel("auto", "bfloat16", jnp.bfloat16) == "auto"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU: the Pallas kernel, where it takes the shapes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_paged_kernel("auto", "bfloat16", jnp.int8) == "auto"
+    with pytest.warns(UserWarning, match="head_dim 24 and page_size 16 must be"):
+        assert resolve_paged_kernel("auto", "float32", jnp.float32, head_dim=24) == "auto"
+    with pytest.raises(ValueError, match="'ffi' cannot run: it is a CPU kernel and this backend is 'gpu'"):
+        resolve_paged_kernel("ffi", "float32", jnp.float32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with pytest.warns(UserWarning, match="no in-place paged kernel runs on 'tpu'"):
+        assert resolve_paged_kernel("auto", "float32", jnp.float32) == "auto"
+    with pytest.raises(ValueError, match="'pallas' cannot run: it runs on CUDA"):
+        resolve_paged_kernel("pallas", "float32", jnp.float32)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="float32 pages"):
         resolve_paged_kernel("ffi", "bfloat16", jnp.bfloat16)
     with pytest.raises(ValueError, match="not one of"):
-        resolve_paged_kernel("pallas", "float32", jnp.float32)
+        resolve_paged_kernel("triton", "float32", jnp.float32)
 
 
 def test_without_a_compiler_the_engine_gathers(tmp_path):
-    """A fresh interpreter with no compiler and an empty cache: one warning, 'auto' -> 'gather'."""
+    """A fresh interpreter with no compiler and an empty cache: one warning, and 'auto' gathers on the CPU."""
     code = ("import warnings; warnings.simplefilter('always')\n"
             "from jaxgpt.nn.kernels import paged_ffi\n"
-            "from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel\n"
+            "from jaxgpt.inference.paged_cache import resolve_paged_kernel\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    print(paged_ffi.available(), resolve_paged_kernel('auto', 'float32', 'float32'))\n"
             "print(any('unavailable' in str(x.message) for x in w))\n")
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), JAXGPT_CACHE=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", "gather", "True"]
+    assert r.stdout.split() == ["False", "auto", "True"]

@@ -18,8 +18,9 @@ from jaxgpt.config.base import _Config, _choice, _positive
 # jax.lax.ragged_dot (k/E of the dense FLOPs on accelerators; on the CPU ragged_dot lowers to a masked
 # dense product). 'alltoall': per-expert capacity buffers, sent to the devices holding their experts with an
 # all-to-all under a mesh with an 'expert' axis (jaxgpt/nn/moe_dispatch.py); the only impl that takes a
-# capacity_factor. Dropless, the three are the same math: an engine knob.
-MOE_IMPLS = ("dense", "grouped", "alltoall")
+# capacity_factor. Dropless, the three are the same math: an engine knob. 'auto' (the default): 'grouped' in
+# a program lowered for CUDA or TPU, 'dense' on the CPU (and elsewhere), chosen per lowering platform.
+MOE_IMPLS = ("auto", "dense", "grouped", "alltoall")
 # How the load-balancing loss spans the layers. 'pooled': transformers' load_balancing_loss_func, every layer's
 # router rows pooled into one f_e and P_e (what HF Mixtral / Qwen2-MoE train with; layers that favour different
 # experts cancel out in it). 'layer': the loss of each layer, averaged (Switch Transformer, MaxText): each layer's
@@ -43,7 +44,7 @@ class MoEConfig(_Config):
     shared_d_ff: int = 0  # > 0: a shared SwiGLU expert on every token, scaled by sigmoid(shared_expert_gate(x))
     every: int = 1
     dense_layers: tuple | list = ()  # layer indices that stay dense
-    impl: str = "dense"  # one of MOE_IMPLS (engine knob: same math)
+    impl: str = "auto"  # one of MOE_IMPLS (engine knob: same math)
     # None: dropless. A float > 0 (impl='alltoall'): each expert takes at most
     # ceil(capacity_factor * tokens_in_group * top_k / n_experts) tokens of a group, first choices first, then
     # token order; the rest of its tokens skip it (jaxgpt/nn/moe_dispatch.py). 1.0: room for a balanced load.

@@ -39,13 +39,13 @@ import numpy as np
 from jaxgpt.inference import speculative
 from jaxgpt.inference.detokenize import Detokenizer
 from jaxgpt.inference.packed_head import pack_head, resolve_head_kernel
-from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_PAGES, MIN_ROWS, batch_arrays, bucket, init_pools
+from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, batch_arrays, bucket, init_pools,
+                                          resolve_paged_kernel)
 from jaxgpt.inference.paged_model import paged_apply
 from jaxgpt.inference.requests import Request, RequestOutput
 from jaxgpt.inference.sampling import SamplingParams, batch_settings, sample_requests
 from jaxgpt.inference.scheduler import Scheduler
 from jaxgpt.models.decoder import unstack_layers
-from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 
 # 'auto': speculate where measured acceptance and call times say it pays (spec_policy.py). The crossover
@@ -81,8 +81,10 @@ class Engine(Scheduler):
     decoding with ``num_speculative_tokens`` proposals a round. ``spec_max_batch``: 'auto' decides
     each step from measured acceptance and call times (``self.spec_policy``, spec_policy.py); an
     int speculates while at most that many requests are running. Otherwise rows take plain decode steps.
-    ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the CPU kernel
-    (kernels/paged_ffi.py, float32 pages), 'gather' pure JAX, 'auto' the first where it can run.
+    ``paged_kernel``: how attention reads the pages (PAGED_KERNELS): 'ffi' the C++ CPU kernel
+    (float32 pages), 'pallas' the CUDA kernel (kernels/gpu_paged.py; in Pallas' interpret mode on
+    the CPU, for tests), 'gather' pure JAX, 'auto' each platform's kernel where it can run
+    (kernels/paged_dispatch.py, chosen when the program is lowered).
     ``enable_prefix_caching``: full KV pages of shared prefixes are reused (prefix_cache.py).
     ``head_kernel``: how the vocabulary projection runs (packed_head.HEAD_KERNELS): 'panel' the CPU
     kernel over a packed copy of the head's weight (which then replaces the lm_head in the engine's
@@ -122,7 +124,8 @@ class Engine(Scheduler):
                          spec_max_batch=spec_max_batch)
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
-        self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype)
+        self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype,
+                                                 self.config.head_dim, page_size)
         self.eos_ids = set(int(i) for i in eos_ids)
         self.decode = decode
         self._detoks: dict[str, Detokenizer] = {}  # per request with stop strings
@@ -151,7 +154,8 @@ class Engine(Scheduler):
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0, spec_rounds=0, spec_off_steps=0)
         params, head = self._device_params(config, params, resolve_head_kernel(head_kernel, config))
         return dict(config=config, params=params, head=head, pools=pools,
-                    kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
+                    kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype, config.head_dim,
+                                                            self.page_size))
 
     @staticmethod
     def _device_params(config, params, head_kernel: str):

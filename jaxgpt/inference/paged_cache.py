@@ -6,12 +6,17 @@ writes land there), so ``num_pages - 1`` pages are allocatable.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxgpt.nn.kernels import gpu_paged, paged_ffi
+from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
@@ -193,3 +198,43 @@ def batch_arrays(rows, page_size: int, b: int, t: int, p: int):
         slots[i, :n] = pg[pos // page_size] * page_size + pos % page_size
         last[i] = n - 1
     return tokens, q_pos, slots, table, last
+
+
+@functools.cache
+def _fallback_warning(why: str) -> None:
+    warnings.warn(f"paged_kernel='auto' runs 'gather' (each layer copies every row's pages into one array): the "
+                  f"in-place paged kernel cannot run, because {why}", stacklevel=4)
+
+
+def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: int = 64, page_size: int = 16) -> str:
+    """The paged kernel an engine on this machine runs (kernels/paged_dispatch.py picks each
+    platform's kernel for 'auto' when the program is lowered). 'auto' stays 'auto', with one warning
+    per reason where this machine's platform gathers (a fallback is never silent): on the CPU the
+    C++ kernel needs float32 pages in a float32 model and a compiler; on a GPU the Pallas kernel
+    needs power-of-two head_dim and page_size; a TPU gathers. An explicit 'ffi' or 'pallas' that
+    cannot run here is an error; 'pallas' on the CPU runs in Pallas' interpret mode (tests)."""
+    if kernel not in PAGED_KERNELS:
+        raise ValueError(f"paged_kernel={kernel!r} is not one of {PAGED_KERNELS}")
+    if kernel == "gather":
+        return kernel
+    backend = jax.default_backend()  # the machine the engine runs its programs on
+    ffi_why = None
+    if backend != "cpu":
+        ffi_why = f"it is a CPU kernel and this backend is {backend!r}"
+    elif compute_dtype != "float32" or np.dtype(pool_dtype) != np.float32:
+        ffi_why = f"it reads float32 pages in a float32 model (dtype={compute_dtype}, pages {np.dtype(pool_dtype)})"
+    elif not paged_ffi.available():
+        ffi_why = f"it is unavailable on this {backend} backend (see the warning)"
+    q = jax.ShapeDtypeStruct((1, 1, 1, head_dim), jnp.dtype(compute_dtype))
+    pallas_why = gpu_paged.unsupported(q, jax.ShapeDtypeStruct((1, 1, page_size, head_dim), np.dtype(pool_dtype)))
+    if kernel == "ffi" and ffi_why is not None:
+        raise ValueError(f"paged_kernel='ffi' cannot run: {ffi_why}; use 'gather' or 'auto'")
+    if kernel == "pallas" and (pallas_why is not None or backend not in ("cpu", "gpu")):
+        why = pallas_why or f"it runs on CUDA (interpreted on the CPU), and this backend is {backend!r}"
+        raise ValueError(f"paged_kernel='pallas' cannot run: {why}; use 'gather' or 'auto'")
+    if kernel == "auto":
+        why = ffi_why if backend == "cpu" else pallas_why if backend == "gpu" else \
+            f"no in-place paged kernel runs on {backend!r} yet"
+        if why is not None:
+            _fallback_warning(why)
+    return kernel

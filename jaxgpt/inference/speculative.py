@@ -22,12 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.inference.paged_cache import init_pools, next_pow2
+from jaxgpt.inference.paged_cache import init_pools, next_pow2, resolve_paged_kernel
 from jaxgpt.inference.paged_model import paged_apply, write_slots
 from jaxgpt.inference.sampling import argmax, filter_logits, row_keys
 from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.models.stack import check_tokens
-from jaxgpt.nn.kernels.paged_ffi import resolve_paged_kernel
 
 
 def accept_reject(p, q, draft, rng):
@@ -74,7 +73,8 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
     pages = next_pow2(-(-(t0 + max_new_tokens + k) // page_size))
     table = np.arange(1, pages + 1, dtype=np.int32)[None]  # (1, P)
     pools, dpools = init_pools(tc, pages + 1, page_size), init_pools(dc, pages + 1, page_size)
-    kernels = [resolve_paged_kernel("auto", c.dtype, pl[0][0].dtype) for c, pl in ((tc, pools), (dc, dpools))]
+    kernels = [resolve_paged_kernel("auto", c.dtype, pl[0][0].dtype, c.head_dim, page_size)
+               for c, pl in ((tc, pools), (dc, dpools))]
     # Both prefill all but the last prompt token; every round then starts from one pending token.
     if t0 > 1:
         pools = _prefill(tp, pools, prompt[:, :-1], table, config=tc, kernel=kernels[0])

@@ -177,7 +177,7 @@ class Attention(nn.Module):
                 validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.capacity))
             cache, k, v, kv_layout, mask, is_causal = cache.write(k, v, mask, is_causal)
             if kv_layout == "pages":  # a paged cache read in place: attend follows its page table
-                pages = (cache.page_table, cache.q_pos)
+                pages = cache.pages
 
         rate = 0.0 if deterministic else self.attn_dropout
         out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,

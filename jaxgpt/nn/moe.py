@@ -5,7 +5,8 @@ of the k weights (``MoEConfig.norm_topk``) -> each token's output is the weighte
 experts' SwiGLU outputs (+ a shared expert scaled by sigmoid(shared_expert_gate(x))). Dropless,
 unless impl 'alltoall' has a ``capacity_factor``.
 
-Three implementations of the same math (``MoEConfig.impl``):
+Three implementations of the same math (``MoEConfig.impl``), and 'auto', the default: 'grouped' in
+a program lowered for CUDA or TPU, 'dense' on the CPU (and ROCm), per lowering platform (kernels/policy.py):
 - 'dense': every expert on every token, one einsum per projection, combined with the (N, E)
   routing matrix that is zero off the top-k. E/k times the useful FLOPs, but no gathers: exact
   and the fastest on a CPU for a few experts.
@@ -32,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.nn.kernels import policy
 from jaxgpt.nn.mlp import SwiGLU, dense
 from jaxgpt.nn.moe_dispatch import experts_alltoall
 from jaxgpt.nn.precision import module_scope
@@ -79,7 +81,14 @@ def experts_grouped(x, gate, up, down, weights, idx):
     return jnp.zeros_like(x).at[token].add(y)
 
 
-EXPERT_IMPLS = {"dense": experts_dense, "grouped": experts_grouped}
+def experts_auto(x, gate, up, down, weights, idx):
+    """'grouped' in a program lowered for CUDA or TPU (ragged_dot's grouped kernels: k/E of the dense
+    FLOPs), 'dense' elsewhere: faster on the CPU, where ragged_dot is a masked dense product."""
+    return policy.by_platform(x, gate, up, down, weights, idx, cuda=experts_grouped, tpu=experts_grouped,
+                              default=experts_dense)
+
+
+EXPERT_IMPLS = {"auto": experts_auto, "dense": experts_dense, "grouped": experts_grouped}
 
 
 class Experts(nn.Module):

@@ -12,19 +12,35 @@ padding) and writes its key/value to flat slot ``slots[b, t]`` = page * page_siz
 Key j of the gathered row is the token at position j (page table entry j // page_size), so
 "written and causal" is one mask: key position <= query position. The attention itself goes
 through ``kernels.attend``, as every call does: layout 'rows' (the gathered pages) for the kernel
-every other call uses, or, where the engine picked it on the CPU (``kernel='ffi'``), layout 'pages':
-attend reads the float32 pools in place (kernels/paged_ffi.py), with the same results.
+every other call uses, or, for every kernel but ``kernel='gather'``, layout 'pages': attend reads
+the pools in place with the kernel the program's lowering platform gets (kernels/paged_dispatch.py:
+the C++ kernel on the CPU, the Pallas kernel on CUDA), with the same results.
 
 kv 'int8': the pools hold int8 with a float32 absmax scale per token and head (k_scale, v_scale
 (num_pages, H_kv, page_size)); gathered pages are dequantised before attention.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-PAGED_KERNELS = ("auto", "gather", "ffi")  # the engine's paged_kernel: 'auto' is 'ffi' where it can run
+# The engine's paged_kernel: 'gather' copies the pages (pure JAX); 'ffi' the C++ CPU kernel, 'pallas'
+# the Pallas kernel (CUDA; interpreted on the CPU), both refused where they cannot lower; 'auto' each
+# platform's in-place kernel where it takes the call, else the gather (kernels/paged_dispatch.py).
+PAGED_KERNELS = ("auto", "gather", "ffi", "pallas")
+
+
+class Pages(NamedTuple):
+    """What attend needs to read a paged cache's pools in place (kv_layout 'pages')."""
+
+    page_table: jax.Array  # (B, P) int32
+    q_pos: jax.Array  # (B, T) int32, -1 for padding
+    k_scale: jax.Array | None = None  # int8 pools only: (num_pages, H_kv, page_size) float32
+    v_scale: jax.Array | None = None
+    kernel: str = "auto"  # PAGED_KERNELS, as resolved by the engine
 
 
 def quantize_int8(x):
@@ -52,14 +68,19 @@ class PagedKVCache:
     v_scale: jax.Array | None = None
     compute_dtype: str = struct.field(pytree_node=False, default="float32")
     layout: str = struct.field(pytree_node=False, default="paged")
-    # 'gather': pure JAX, pages gathered then kernels.attend; 'ffi': kernels/paged_ffi.py reads them
-    # in place (CPU, float32 pools; PAGED_KERNELS, chosen by the engine)
+    # 'gather': pure JAX, pages gathered then kernels.attend; the others read them in place
+    # (PAGED_KERNELS, chosen by the engine; kernels/paged_dispatch.py)
     kernel: str = struct.field(pytree_node=False, default="gather")
 
     @property
     def index(self):
         """DecoderLM reads a cache's index for its default positions; paged callers pass positions."""
         return jnp.zeros((), jnp.int32)
+
+    @property
+    def pages(self) -> Pages:
+        """The page table, positions, int8 scales and kernel attend reads the pools in place with."""
+        return Pages(self.page_table, self.q_pos, self.k_scale, self.v_scale, self.kernel)
 
     @property
     def capacity(self) -> int:
@@ -70,8 +91,8 @@ class PagedKVCache:
         donates them). The KV caches' one contract (attention.KVCache.write too): returns (the cache
         after the write, keys, values, their kv_layout, mask, is_causal) for ``kernels.attend``. The
         mask is built from the query positions ("written and causal"), so the call passes none.
-        kernel 'ffi': the pools themselves, kv_layout 'pages' (attend reads them in place through the
-        page table, ``pages=(page_table, q_pos)``); 'gather': each row's pages, layout 'rows'."""
+        kernel 'gather': each row's pages, layout 'rows'; any other: the pools themselves, kv_layout
+        'pages' (attend reads them in place through the page table, ``pages=cache.pages``)."""
         if mask is not None:
             raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
         n, h_kv, ps, d = self.k.shape
@@ -88,7 +109,7 @@ class PagedKVCache:
         kp, ks = put(self.k, self.k_scale, k)
         vp, vs = put(self.v, self.v_scale, v)
         cache = self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
-        if self.kernel == "ffi":
+        if self.kernel != "gather":
             return cache, cache.k, cache.v, "pages", None, True
         k, v, mask = cache.gather()
         return cache, k, v, "rows", mask, False

@@ -13,14 +13,12 @@ engine then gathers.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.nn.kernels import native, xla
-from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
 TARGET = "jaxgpt_paged_attention"
 CACHED_TARGET = "jaxgpt_cached_attention"
@@ -75,32 +73,3 @@ def _cached_bwd(scale, res, dout):
 
 
 _cached.defvjp(_cached_fwd, _cached_bwd)
-
-
-@functools.cache
-def _fallback_warning(why: str) -> None:
-    warnings.warn(f"paged_kernel='auto' runs 'gather' (each layer copies every row's pages into one array): the "
-                  f"in-place paged kernel cannot run, because {why}", stacklevel=4)
-
-
-def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
-    """'auto' -> 'ffi' where the CPU kernel runs (CPU backend, float32 compute and pages, built),
-    else 'gather', with one warning per reason (a fallback is never silent); an explicit 'ffi' that
-    cannot run is an error. No accelerator has an in-place kernel yet (issue 37): there 'auto' warns."""
-    if kernel not in PAGED_KERNELS:
-        raise ValueError(f"paged_kernel={kernel!r} is not one of {PAGED_KERNELS}")
-    if kernel == "gather":
-        return kernel
-    why = None
-    if jax.default_backend() != "cpu":
-        why = f"it is a CPU kernel and this backend is {jax.default_backend()!r}"
-    elif compute_dtype != "float32" or np.dtype(pool_dtype) != np.float32:
-        why = f"it reads float32 pages in a float32 model (dtype={compute_dtype}, pages {np.dtype(pool_dtype)})"
-    elif not available():
-        why = f"it is unavailable on this {jax.default_backend()} backend (see the warning)"
-    if why is None:
-        return "ffi"
-    if kernel == "ffi":
-        raise ValueError(f"paged_kernel='ffi' cannot run: {why}; use 'gather' or 'auto'")
-    _fallback_warning(why)
-    return "gather"

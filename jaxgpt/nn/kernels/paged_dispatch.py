@@ -1,0 +1,58 @@
+"""Which kernel reads a paged cache in place (kv_layout 'pages'), per the platform the program is
+lowered for (policy.py), never per the machine tracing it.
+
+    paged kernel   cpu                           cuda                     tpu, rocm
+    'auto'         C++ kernel (paged_ffi.py)     Pallas kernel            the gather
+                   where it takes the call:      (gpu_paged.py) where     (kernels/paged.py)
+                   float32 pages, built here;    it takes the call
+                   else the gather
+    'ffi'          C++ kernel                    refused                  refused
+    'pallas'       Pallas kernel, interpreted    Pallas kernel            refused
+
+The gather copies each row's pages into one array and attends over it: the same numbers, and the
+portable path. 'pallas' on the CPU runs the CUDA kernel in Pallas' interpret mode: slow, exact, for
+tests (the engine's greedy tokens with it equal transformers', test_gpu_paged.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from jaxgpt.nn.kernels import gpu_paged, paged_ffi, policy
+from jaxgpt.nn.kernels.paged import PAGED_KERNELS, Pages
+
+__all__ = ["attend_pages"]
+
+
+def _ffi_takes(q, k_pool) -> bool:
+    return q.dtype == jnp.float32 and k_pool.dtype == jnp.float32 and paged_ffi.available()
+
+
+def attend_pages(q, k_pool, v_pool, pages: Pages, *, scale, gathered: Callable):
+    """Attention of q (B, T, H, D) over a paged cache's pools read in place by ``pages.kernel``'s
+    kernel for the lowering platform; ``gathered(q, k_pool, v_pool)``: the gather path."""
+    table, q_pos, ks, vs, kernel = pages
+    if kernel not in PAGED_KERNELS or kernel == "gather":
+        raise ValueError(f"kv_layout='pages' reads the pools with one of {PAGED_KERNELS[:1] + PAGED_KERNELS[2:]}, "
+                         f"got paged kernel {kernel!r}")
+
+    def ffi(q, k, v):
+        return paged_ffi.paged_attention(q, k, v, table, q_pos, scale=scale)
+
+    def pallas(interpret: bool):
+        return lambda q, k, v: gpu_paged.paged_attention(q, k, v, table, q_pos, ks, vs, scale=scale,
+                                                         interpret=interpret)
+
+    if kernel == "ffi":
+        if not _ffi_takes(q, k_pool):
+            raise ValueError(f"paged_kernel='ffi' reads float32 pages in a float32 model where the C++ kernel is "
+                             f"built (got {q.dtype} queries, {k_pool.dtype} pages); use 'auto' or 'gather'")
+        return ffi(*policy.require_cpu(q, k_pool, v_pool, what="paged_kernel='ffi'"))
+    if kernel == "pallas":
+        q, k_pool, v_pool = policy.require_platforms(q, k_pool, v_pool, what="paged_kernel='pallas'",
+                                                     platforms=("cpu", "cuda"))
+        return policy.by_platform(q, k_pool, v_pool, cpu=pallas(True), default=pallas(False))
+    cuda = pallas(False) if gpu_paged.unsupported(q, k_pool) is None else gathered
+    cpu = ffi if ks is None and _ffi_takes(q, k_pool) else gathered
+    return policy.by_platform(q, k_pool, v_pool, cpu=cpu, cuda=cuda, default=gathered)
