@@ -15,8 +15,8 @@ when the budget runs out; the next step runs all the same; nothing starts past -
 Output, under $OUT when it is set (the device tool brings back only that folder), else the repository (the
 dry run: a temporary folder): results/engine/gpu_check.{md,json} (the targets and the steps),
 gpu_check_<step>.{md,json} (each step's tables) and gpu_check_logs/<step>.log; on stdout one
-``device-check`` line per target. Exit status 1 when a step failed, timed out or had no time left (a missed
-target is a result, not a failure).
+``device-check`` line per target. Exit status 1 when a step failed, timed out or had no time left, or a
+target has no measurement (a missed target is a result, not a failure).
 
 nanoGPT's model.py (the race's reference) is not in the repository: --nanogpt DIR, else $NANOGPT_DIR,
 else shared/reference/nanogpt beside or inside the clone, else .gpu/nanogpt/ in the clone (copy it there
@@ -152,7 +152,7 @@ def targets(step: str, ctx: dict, ran: dict) -> list[dict]:
     if step == "serving":
         res = _json(out / "gpu_check_serving.json")
         by = {r["arm"]: r for r in res.get("rows", []) if "output_tok_per_s" in r}
-        errors = "; ".join(f"{r['arm']}: {r['error'][:150]}" for r in res.get("rows", []) if "error" in r)
+        errors = "; ".join(f"{r['arm']}: ...{r['error'][-200:]}" for r in res.get("rows", []) if "error" in r)
         ok = {"engine", "hf-batch"} <= set(by)
         e, h = by.get("engine", {}).get("output_tok_per_s"), by.get("hf-batch", {}).get("output_tok_per_s")
         return [target("serving engine", ">= 2x transformers' generate_batch output tok/s", e / h if ok else None, 2.0,
@@ -188,7 +188,8 @@ def run_step(argv: list[str], env: dict, budget: float, log: Path) -> dict:
     with open(log, "w") as f:
         try:
             p = subprocess.Popen(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                     filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env})
         except OSError as e:
             return {"rc": None, "wall_s": 0.0, "error": f"could not start {argv[0]}: {e}"}
         try:
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
         print(f"{tag} {r['target']}: {r['value']} (target {r['goal']}): {r['status']}"
               + (f" - {r['detail']}" if r["detail"] else ""))
     print(f"{tag} wrote {engine / 'gpu_check.md'}", flush=True)
-    return 1 if any("error" in r for r in ran.values()) else 0
+    return 1 if any("error" in r for r in ran.values()) or any(r["status"] == "FAILED" for r in rows) else 0
 
 
 def render(result: dict, device: str, jax_dev: str) -> str:

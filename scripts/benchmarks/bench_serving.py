@@ -127,7 +127,8 @@ def run_hf_one(path, prompts, outs, warm=True, device="cpu", dtype="float32"):
     return tokens, _stats(starts, firsts, ends, [len(t) for t in tokens], wall)
 
 
-def run_hf_batch(path, prompts, outs, warm=True, device="cpu", dtype="float32"):
+def run_hf_batch(path, prompts, outs, warm=True, device="cpu", dtype="float32", max_batch_tokens=None):
+    """``max_batch_tokens``: tokens a step (None: transformers solves it from the free memory)."""
     from transformers import GenerationConfig
 
     model = torch_model(path, device, dtype)  # the manager switches to paged attention
@@ -137,8 +138,9 @@ def run_hf_batch(path, prompts, outs, warm=True, device="cpu", dtype="float32"):
     # default is 60% of RAM, zeroed inside the timed run when the manager starts (~14 GiB here: 5-40 s).
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    page, ctx = ContinuousBatchingConfig().page_size, model.config.max_position_embeddings
-    cbc = ContinuousBatchingConfig(num_blocks=len(prompts) * -(-ctx // page))
+    default = ContinuousBatchingConfig()  # its page is 'block_size' before transformers 5.2x, 'page_size' after
+    page, ctx = getattr(default, "page_size", None) or default.block_size, model.config.max_position_embeddings
+    cbc = ContinuousBatchingConfig(num_blocks=len(prompts) * -(-ctx // page), max_batch_tokens=max_batch_tokens)
 
     def once(prompts):
         manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)

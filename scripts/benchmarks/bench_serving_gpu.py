@@ -12,6 +12,7 @@ Workload: bench_serving's (prompts of 8-96 tokens, outputs exponential with mean
 Arms, each in its own process, one after the other (torch on cuda when it sees one; JAX on its default device):
   hf-batch  transformers' continuous batching (``init_continuous_batching``, what ``generate_batch`` runs,
             with its own attention and CUDA-graph defaults) in --dtype, KV blocks for one full context a request
+            and 512 tokens a step, as the engine (left to transformers, 5.17 sizes its step from the free memory)
   engine    jaxgpt's Engine, params and compute in --dtype, paged KV cache in the compute dtype
 Each arm runs the workload once untimed (other prompt ids: compilation, allocator warm-up) and once timed.
 Tokens: the first --check-tokens requests again, on the --check-size model in float32, with HF ``generate``
@@ -30,6 +31,7 @@ from pathlib import Path
 from scripts.benchmarks.bench_serving import compare, run_engine, run_hf_batch, run_hf_one, workload
 from scripts.harness import RESULTS, report, spawn
 
+TOKENS_PER_STEP = 512  # both arms: the engine's max_tokens_per_step (bench_serving._engine), transformers' max_batch_tokens
 SIZES = {"1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8),
          "small": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -73,7 +75,8 @@ def worker(arm: str, spec: dict) -> dict:
             build(root / "check", spec["check_size"], "float32", device)
         out["build_s"] = time.perf_counter() - t0
         out["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-        tokens, stats = run_hf_batch(root / "big", prompts, outs, spec["warm"], device=device, dtype=spec["dtype"])
+        tokens, stats = run_hf_batch(root / "big", prompts, outs, spec["warm"], device=device, dtype=spec["dtype"],
+                                     max_batch_tokens=TOKENS_PER_STEP)
         checker = lambda: run_hf_one(root / "check", *check, device=device)[0]
     else:
         import jax
@@ -100,7 +103,7 @@ def render(result: dict) -> str:
              f"({result['started']})", "",
              f"Model: random LLaMA `{spec['size']}` ({by.get('hf-batch', {}).get('weights', 0) / 1e9:.2f}B weights), "
              f"{spec['dtype']}; {spec['requests']} requests at t=0, prompts 8-96 tokens, outputs capped at "
-             f"{spec['max_out']}, greedy, EOS ignored. Each arm in its own process, "
+             f"{spec['max_out']}, greedy, EOS ignored, {TOKENS_PER_STEP} tokens a step in both arms. Each arm in its own process, "
              f"{'after one untimed run' if spec['warm'] else 'no untimed run first (compilation timed)'}. Written by "
              "`python -m scripts.benchmarks.bench_serving_gpu`.", "",
              "| arm | output tok/s | vs hf-batch | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | notes |",
