@@ -50,12 +50,13 @@ def test_dry_run_reports_every_target(tmp_path):
 
 
 def test_a_failed_or_timed_out_step_is_reported_and_the_next_runs(tmp_path, monkeypatch):
-    """Fake steps: race exits 3, decode outlives its 1 s budget (a child of its own too), the tier prints
-    pytest's final line; the run exits 1 and reports each."""
+    """Fake steps: race exits 3, decode outlives its 1 s budget (a child of its own too), the tier ends as
+    pytest does with a failed test; the run exits 1 and reports each."""
     fake = {"race": "import sys; sys.exit(3)",
             "decode": "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
                       "time.sleep(60)']); print('child', c.pid, flush=True); time.sleep(60)",
-            "tier": "print('=== 3 passed, 1 skipped in 2.0s ===')"}
+            "tier": "import sys; print('FAILED parity_tests/test_mlp.py::test_x - 1e-3 > 1e-5'); "
+                    "print('=== 1 failed, 3 passed, 1 skipped in 2.0s ==='); sys.exit(1)"}
     monkeypatch.setattr(device_check, "command", lambda step, ctx: ([sys.executable, "-c", fake[step]], {}))
     rc = device_check.main(["--only", "race,decode,tier", "--budget", "decode=1", "--out", str(tmp_path)])
     engine = tmp_path / "results" / "engine"
@@ -72,10 +73,11 @@ def test_a_failed_or_timed_out_step_is_reported_and_the_next_runs(tmp_path, monk
         raise AssertionError(f"the timed-out step's child {child} still runs")
     steps = result["steps"]
     assert steps["race"]["error"].startswith("exited with 3") and "timed out" in steps["decode"]["error"]
-    assert steps["decode"]["wall_s"] < 15 and "error" not in steps["tier"]
+    assert steps["decode"]["wall_s"] < 15 and steps["tier"]["error"].startswith("exited with 1")
     status = {t["target"]: (t["status"], t["value"]) for t in result["targets"]}
     assert status == {"train B 12": ("FAILED", "-"), "train B 32": ("FAILED", "-"), "cached decoding": ("FAILED", "-"),
-                      "GPU test tier": ("MET", "3 passed, 1 skipped")}, status
+                      "GPU test tier": ("MISSED", "1 failed, 3 passed, 1 skipped")}, status  # ran: a result
+    assert result["targets"][-1]["detail"] == "first failures: parity_tests/test_mlp.py::test_x"
 
 
 def test_tier_counts_from_a_final_line_or_a_cut_off_log():

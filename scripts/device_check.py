@@ -105,8 +105,14 @@ def command(step: str, ctx: dict) -> tuple[list[str], dict]:
     raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
 
 
+def _short(text: str, most: int = 300) -> str:
+    """A detail for one line: its end, where a traceback says what went wrong."""
+    return text if len(text) <= most else "..." + text[-most:]
+
+
 def target(name: str, goal: str, value: float | None, least: float | None, detail: str = "") -> dict:
     """One target's row: MET / MISSED against ``least`` (a ratio), FAILED when nothing was measured."""
+    detail = _short(detail)
     if value is None:
         return {"target": name, "goal": goal, "value": "-", "status": "FAILED", "detail": detail}
     return {"target": name, "goal": goal, "value": f"{value:.2f}x", "status": "MET" if value >= least else "MISSED",
@@ -159,12 +165,16 @@ def targets(step: str, ctx: dict, ran: dict) -> list[dict]:
                        f"engine {e:,.0f} tok/s, generate_batch {h:,.0f} tok/s; float32 tokens: "
                        f"{res.get('tokens', 'not checked')}" if ok else errors or _why(ran, "no serving rows"))]
     if step == "tier":
-        counts, green = tier_counts(ran.get("log_text", "")), ran.get("rc") == 0
+        log = ran.get("log_text", "")
+        counts = tier_counts(log)
         text = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no test counts in the log"
-        green = green and counts.get("passed", 0) > 0 and not counts.get("failed") and not counts.get("errors")
+        final = bool(counts) and not any("cut off" in k for k in counts)  # pytest finished: a result
+        green = ran.get("rc") == 0 and counts.get("passed", 0) > 0 and not counts.get("failed") \
+            and not counts.get("errors")
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)
+        detail = ("first failures: " + ", ".join(failed[:3])) if final and failed else ran.get("error", "")
         return [{"target": "GPU test tier", "goal": "green (make test-gpu)", "value": text,
-                 "status": "MET" if green else ("MISSED" if counts and not ran.get("error") else "FAILED"),
-                 "detail": ran.get("error", "")}]
+                 "status": "MET" if green else ("MISSED" if final else "FAILED"), "detail": _short(detail)}]
     return []
 
 

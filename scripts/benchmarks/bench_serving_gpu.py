@@ -49,7 +49,7 @@ def build(path: Path, size: str, dtype: str, device: str) -> int:
     cfg = LlamaConfig(**SIZES[size], max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
-    model.save_pretrained(path)
+    model.to("cpu").save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
 
 
