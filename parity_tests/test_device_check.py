@@ -50,15 +50,16 @@ def test_dry_run_reports_every_target(tmp_path):
 
 
 def test_a_failed_or_timed_out_step_is_reported_and_the_next_runs(tmp_path, monkeypatch):
-    """Fake steps: race exits 3, decode outlives its 1 s budget (a child of its own too), the tier ends as
-    pytest does with a failed test; the run exits 1 and reports each."""
+    """Fake steps: race exits 3 at once, decode outlives its 1 s budget and the 3 s race left (a child of its
+    own too), the tier ends as pytest does with a failed test; the run exits 1 and reports each."""
     fake = {"race": "import sys; sys.exit(3)",
             "decode": "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
                       "time.sleep(60)']); print('child', c.pid, flush=True); time.sleep(60)",
             "tier": "import sys; print('FAILED parity_tests/test_mlp.py::test_x - 1e-3 > 1e-5'); "
                     "print('=== 1 failed, 3 passed, 1 skipped in 2.0s ==='); sys.exit(1)"}
     monkeypatch.setattr(device_check, "command", lambda step, ctx: ([sys.executable, "-c", fake[step]], {}))
-    rc = device_check.main(["--only", "race,decode,tier", "--budget", "decode=1", "--out", str(tmp_path)])
+    rc = device_check.main(["--only", "race,decode,tier", "--budget", "race=3", "--budget", "decode=1", "--out",
+                            str(tmp_path)])
     engine = tmp_path / "results" / "engine"
     result = json.loads((engine / "gpu_check.json").read_text())
     assert rc == 1
@@ -73,6 +74,7 @@ def test_a_failed_or_timed_out_step_is_reported_and_the_next_runs(tmp_path, monk
         raise AssertionError(f"the timed-out step's child {child} still runs")
     steps = result["steps"]
     assert steps["race"]["error"].startswith("exited with 3") and "timed out" in steps["decode"]["error"]
+    assert 3 <= steps["decode"]["budget_s"] <= 4  # its own 1 s and what race left of its 3
     assert steps["decode"]["wall_s"] < 15 and steps["tier"]["error"].startswith("exited with 1")
     status = {t["target"]: (t["status"], t["value"]) for t in result["targets"]}
     assert status == {"train B 12": ("FAILED", "-"), "train B 32": ("FAILED", "-"), "cached decoding": ("FAILED", "-"),
@@ -88,3 +90,10 @@ def test_tier_counts_from_a_final_line_or_a_cut_off_log():
     met, missed = device_check.target("t", "g", 1.0, 1.0), device_check.target("t", "g", 0.99, 1.0)
     assert (met["status"], missed["status"], device_check.target("t", "g", None, 1.0)["status"]) == \
         ("MET", "MISSED", "FAILED")
+
+
+def test_no_step_starts_past_the_total(tmp_path):
+    rc = device_check.main(["--only", "tier", "--total", "5", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "results" / "engine" / "gpu_check.json").read_text())
+    assert rc == 1 and result["steps"]["tier"]["error"] == "not started: 5 s left of --total 5", result["steps"]
+    assert [(t["target"], t["status"]) for t in result["targets"]] == [("GPU test tier", "FAILED")]

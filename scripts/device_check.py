@@ -4,14 +4,16 @@
     make device-check DRY_RUN=1                          # every step at toy size on the CPU, into a temporary folder
     python -m scripts.device_check --only serving --budget serving=300   # one step again, with more time
 
-Steps, one after the other, each a subprocess with its own time budget in seconds (killed with its children
-when the budget runs out; the next step runs all the same; nothing starts past --total):
+Steps, one after the other, each a subprocess with its own time budget in seconds, plus what the steps before
+it left unused (killed with its children when that runs out; the next step runs all the same; nothing runs
+past --total):
   env      the device: nvidia-smi's name and memory, jax.devices(), the framework versions
   race     bench_gpu: jaxgpt's default train step against nanoGPT's model.py + torch.compile, B 12 and 32, T 1024
   decode   bench_gpu's decoding row: cached greedy decoding against HF ``generate`` (gpt2-small, float32)
-  serving  bench_serving_gpu: the Engine against transformers' continuous batching (``generate_batch``'s
-           manager), a ~1B LLaMA in bf16, 64 ragged requests, and a float32 token check on 8 requests
   tier     ``make test-gpu``: the parity suite on the GPU
+  serving  bench_serving_gpu: the Engine against transformers' continuous batching (``generate_batch``'s
+           manager), a ~1B LLaMA in bf16, 64 ragged requests, and a float32 token check on 8 requests; last,
+           as the step whose time is least known (the engine compiles about 15 shapes of the 1B model)
 Output, under $OUT when it is set (the device tool brings back only that folder), else the repository (the
 dry run: a temporary folder): results/engine/gpu_check.{md,json} (the targets and the steps),
 gpu_check_<step>.{md,json} (each step's tables) and gpu_check_logs/<step>.log; on stdout one
@@ -40,10 +42,10 @@ from pathlib import Path
 
 from scripts.harness import ROOT, SHARED, report
 
-STEPS = ("env", "race", "decode", "serving", "tier")
+STEPS = ("env", "race", "decode", "tier", "serving")
 # Device seconds a step; the sum stays under the device tool's 600 s a command. The race's workers took 133 s
-# and decoding's 67 s on an H200 (results/engine/gpu.json); serving compiles about 15 engine shapes.
-BUDGETS = {"env": 15, "race": 150, "decode": 80, "serving": 185, "tier": 150}
+# and decoding's 67 s on an H200 (results/engine/gpu.json).
+BUDGETS = {"env": 15, "race": 150, "decode": 80, "tier": 150, "serving": 185}
 TOTAL = 585
 DRY_BUDGET = 120  # each step of the dry run (the slow-tier test holds the whole run to its own limit)
 MIN_STEP = 10  # a step with less time left than this is not started
@@ -253,14 +255,16 @@ def main(argv=None) -> int:
         print(f"{tag}: MISSING nanoGPT's model.py (looked in {', '.join(looked)}): the race runs jaxgpt alone; "
               "set NANOGPT_DIR or copy it to .gpu/nanogpt/", flush=True)
     started, deadline = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.perf_counter() + a.total
-    ran, rows, env = {}, [], {}
+    ran, rows, env, due = {}, [], {}, time.perf_counter()
     for step in steps:
         log = engine / "gpu_check_logs" / f"{step}.log"
-        left = deadline - time.perf_counter()
-        if left < MIN_STEP:
-            ran[step] = {"rc": None, "wall_s": 0.0, "error": f"not started: {left:.0f} s left of --total {a.total:.0f}"}
+        due += budgets[step]  # this step's budget and what the steps before it left unused
+        now = time.perf_counter()
+        if deadline - now < MIN_STEP:
+            ran[step] = {"rc": None, "wall_s": 0.0,
+                         "error": f"not started: {deadline - now:.0f} s left of --total {a.total:.0f}"}
         else:
-            budget = min(budgets[step], left)
+            budget = max(1.0, min(due, deadline) - now)
             ran[step] = {**run_step(*command(step, ctx), budget, log), "budget_s": round(budget)}
             ran[step]["log_text"] = log.read_text(errors="replace")
         if step == "env":
