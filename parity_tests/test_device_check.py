@@ -97,3 +97,27 @@ def test_no_step_starts_past_the_total(tmp_path):
     result = json.loads((tmp_path / "results" / "engine" / "gpu_check.json").read_text())
     assert rc == 1 and result["steps"]["tier"]["error"] == "not started: 5 s left of --total 5", result["steps"]
     assert [(t["target"], t["status"]) for t in result["targets"]] == [("GPU test tier", "FAILED")]
+
+
+def test_a_terminated_driver_ends_its_running_step(tmp_path):
+    """SIGTERM to the driver (the device tool's limit, a person's kill) ends the step it is running, whose
+    session is its own, instead of leaving it on the GPU."""
+    script = ("import sys; from scripts import device_check as d; d.command = lambda step, ctx: ([sys.executable, "
+              "'-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(60)'], {}); "
+              f"sys.exit(d.main(['--only', 'env', '--out', {str(tmp_path)!r}]))")
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    log = tmp_path / "results" / "engine" / "gpu_check_logs" / "env.log"
+    for _ in range(200):  # until the step has started and said its pid
+        if log.is_file() and log.read_text().strip():
+            break
+        time.sleep(0.05)
+    step = int(log.read_text())
+    driver.terminate()
+    assert driver.wait(timeout=30) == 143
+    for _ in range(50):
+        try:
+            os.kill(step, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the step {step} outlived its terminated driver")

@@ -193,6 +193,19 @@ def tier_counts(log: str) -> dict:
 
 # ---------------------------------------------------------------- the driver
 
+def end_session(p: subprocess.Popen) -> None:
+    """End the session ``p`` leads (``p`` and every process it started): SIGTERM, then SIGKILL after 10 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(timeout=10)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_step(argv: list[str], env: dict, budget: float, log: Path) -> dict:
     """Run ``argv`` from the repository root in a session of its own, its output in ``log``; past ``budget``
     seconds the whole session (the step's worker processes too) is ended."""
@@ -207,16 +220,11 @@ def run_step(argv: list[str], env: dict, budget: float, log: Path) -> dict:
         try:
             rc, error = p.wait(timeout=budget), None
         except subprocess.TimeoutExpired:
-            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(p.pid, sig)
-                    p.wait(timeout=grace)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            end_session(p)
             rc, error = None, f"timed out after its budget of {budget:.0f} s (ended with its children)"
+        except BaseException:  # interrupted (Ctrl-C, the driver's SIGTERM): the step's session must not outlive it
+            end_session(p)
+            raise
     out = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1)}
     if error is None and rc != 0:
         tail = [x for x in log.read_text(errors="replace").splitlines() if x.strip()][-3:]
@@ -245,6 +253,15 @@ def main(argv=None) -> int:
     unknown = sorted(set(steps + list(budgets)) - set(STEPS))
     if unknown:
         ap.error(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(STEPS)}")
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed driver ends its running step
+    try:
+        return run(a, steps, budgets)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(a: argparse.Namespace, steps: list[str], budgets: dict) -> int:
+    """``steps`` one after the other (main's arguments ``a``), their files and summary lines; the exit status."""
     root = Path(a.out or os.environ.get("OUT") or (tempfile.mkdtemp(prefix="device-check-") if a.dry_run else ROOT))
     engine = root / "results" / "engine"
     (engine / "gpu_check_logs").mkdir(parents=True, exist_ok=True)
@@ -272,16 +289,15 @@ def main(argv=None) -> int:
                      if x.startswith("RESULT ")]
             env = found[-1] if found else {"error": ran[step].get("error", "no RESULT line")}
         rows += targets(step, ctx, ran[step])
+        ran[step].pop("log_text", None)
         state = "ok" if "error" not in ran[step] else ran[step]["error"]
         print(f"{tag} step {step}: {state} ({ran[step]['wall_s']:.0f} s of {ran[step].get('budget_s', 0)} s)",
               flush=True)
-    for r in ran.values():
-        r.pop("log_text", None)
-    device = env.get("nvidia_smi") or next(iter(env.get("jax_devices", [])), "?")
-    jax_dev = ", ".join(env.get("jax_devices", [])) or env.get("error", "env step not run")
-    result = {"started": started, "dry_run": a.dry_run, "env": env, "steps": ran, "targets": rows}
-    (engine / "gpu_check.json").write_text(json.dumps(result, indent=1))
-    (engine / "gpu_check.md").write_text(render(result, device, jax_dev))
+        device = env.get("nvidia_smi") or next(iter(env.get("jax_devices", [])), "?")
+        jax_dev = ", ".join(env.get("jax_devices", [])) or env.get("error", "env step not run")
+        result = {"started": started, "dry_run": a.dry_run, "env": env, "steps": ran, "targets": rows}
+        (engine / "gpu_check.json").write_text(json.dumps(result, indent=1))  # after each step: a run cut off
+        (engine / "gpu_check.md").write_text(render(result, device, jax_dev))  # later still leaves these
     print(f"{tag} device: {device}; jax: {jax_dev}")
     for r in rows:
         print(f"{tag} {r['target']}: {r['value']} (target {r['goal']}): {r['status']}"
