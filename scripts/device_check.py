@@ -145,8 +145,9 @@ def targets(step: str, ctx: dict, ran: dict) -> list[dict]:
                    mine.get("error") or ref.get("error") or _why(ran, res.get("error", "no row")))
             ratio = statistics.median(ref["ms"]) / statistics.median(mine["ms"]) \
                 if mine.get("ms") and ref.get("ms") else None
-            ms = f"jaxgpt {statistics.median(mine['ms']):.1f} ms, nanoGPT {statistics.median(ref['ms']):.1f} ms" \
-                if ratio else why
+            alone = f"jaxgpt {statistics.median(mine['ms']):.1f} ms" if mine.get("ms") else ""
+            ms = f"{alone}, nanoGPT {statistics.median(ref['ms']):.1f} ms" if ratio else \
+                f"{alone} alone; {why}" if alone else why
             rows.append(target(f"train B {b}" + (" (toy B 2)" if dry else ""),
                                ">= 1.0x nanoGPT + torch.compile tokens/s", ratio, 1.0, ms))
         return rows
