@@ -13,6 +13,9 @@
 #   make test-gpu      the parity suite on a GPU with default settings (no precision flag), in GPU_PYTHON's
 #                      environment (a CUDA jax, torch, transformers; run from the repo root); tests marked
 #                      cpu_only are skipped there. CI stays on the CPU: the README records GPU runs
+#   make device-check  issue 56's targets on a lent GPU in one command of <= 10 min (scripts/device_check.py: the train
+#                      race, decoding, serving, the GPU tier; results under $$OUT, else results/engine/gpu_check*);
+#                      DRY_RUN=1: every step at toy size on the CPU, into a temporary folder (the slow tier runs it)
 #   make lint          ruff over the code (pyproject.toml's [tool.ruff]; CI runs it)
 #   make parity-margins   regenerate docs/parity-margins.md (float32 errors against a float64 reference)
 #   make experiments   the seeds' experiments (results/, about an hour on 2 CPU cores; needs torch too);
@@ -42,11 +45,12 @@ EXPERIMENTS_ARGS ?=
 # JAX fail test_gpu_policy instead of passing on the CPU); each xdist worker takes memory as it needs it.
 GPU_PYTHON ?= python3
 GPU_WORKERS ?= 4
+GPU_BACKEND ?= gpu
 GPU_TESTS := $(addprefix parity_tests/,test_gpu_policy.py test_norms.py test_mlp.py test_positions.py test_attention.py \
 	test_block.py test_decoder.py test_bert.py test_encdec.py test_attnres.py test_moe.py test_attention_backends.py \
 	test_precision.py)
 
-.PHONY: demo test test-kernels test-slow test-experiments test-all test-gpu lint parity-margins experiments clean
+.PHONY: demo test test-kernels test-slow test-experiments test-all test-gpu device-check lint parity-margins experiments clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -94,8 +98,14 @@ lint: $(VENV)/.test
 	$(BIN)/ruff check jaxgpt torch_ref parity_tests scripts examples
 
 test-gpu:
-	JAXGPT_EXPECT_BACKEND=gpu JAXGPT_TEST_XLA_OPT=default XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PYTHON) -m pytest \
+	JAXGPT_EXPECT_BACKEND=$(GPU_BACKEND) JAXGPT_TEST_XLA_OPT=default XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. $(GPU_PYTHON) -m pytest \
 		-n $(GPU_WORKERS) --dist loadscope -m "not ($(SLOW_TIERS))" --durations 10 $(GPU_TESTS) $(PYTEST_ARGS)
+
+# The device's python3 (jax, torch, transformers installed; no venv); the dry run uses this clone's venv.
+DEVICE_PYTHON ?= $(if $(DRY_RUN),$(BIN)/python,python3)
+DEVICE_CHECK_ARGS ?=
+device-check:
+	PYTHONPATH=. $(DEVICE_PYTHON) -m scripts.device_check $(if $(DRY_RUN),--dry-run) $(DEVICE_CHECK_ARGS)
 
 # MARGIN_SEEDS="$$(seq 0 19)": the worst over 20 draws of the random weights (as committed); 0: the suite's own.
 parity-margins: $(VENV)/.test

@@ -179,6 +179,8 @@ def worker_jax_decode(spec: dict) -> dict:
     from jaxgpt.models import init_params
 
     config = get_preset(spec["preset"])
+    if spec.get("shape") == "quick":  # a smoke run's tiny GPT-2
+        config = config.replace(**SHAPES["quick"], vocab_size=512)
     params = init_params(config, jax.random.PRNGKey(0))
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, (1, spec["prompt"]), dtype=np.int32)
     run = lambda: jax.block_until_ready(generate(config, params, prompt, spec["new"]))
@@ -193,8 +195,9 @@ def worker_hf_decode(spec: dict) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config()).to(device).eval()
-    prompt = torch.randint(50257, (1, spec["prompt"]), device=device)
+    tiny = dict(n_embd=64, n_layer=2, n_head=2, vocab_size=512) if spec.get("shape") == "quick" else {}
+    model = GPT2LMHeadModel(GPT2Config(**tiny)).to(device).eval()
+    prompt = torch.randint(model.config.vocab_size, (1, spec["prompt"]), device=device)
     kw = dict(max_new_tokens=spec["new"], min_new_tokens=spec["new"], do_sample=False, pad_token_id=0)
 
     def run():
@@ -255,7 +258,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nanogpt", help="folder holding nanoGPT's model.py (../shared/reference/nanogpt)")
     ap.add_argument("--steps", type=int, default=20, help="steps per timed round (3 rounds)")
-    ap.add_argument("--batches", default="12,32", help="batch sizes raced (the first is nanoGPT bench.py's)")
+    ap.add_argument("--batches", default="12,32", help="batch sizes raced (the first is nanoGPT bench.py's; '': none, "
+                    "decoding only)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help='an extra jaxgpt arm: {"config": {ModelConfig overrides}, "xla_flags": "...", '
                          '"patch": "f32-head-grad" | "no-gpu-options"}')
@@ -279,15 +283,15 @@ def main(argv=None) -> int:
                     else (v if v or k not in results else results[k])
         return _write(args.out, results, shape, t)
     batches = [int(b) for b in args.batches.split(",") if b]
-    if args.quick:  # tiny batches: the first of --batches, or 2 and 4
-        batches = [2] if args.batches == "2" else [2, 4]
+    if args.quick and args.batches == ap.get_default("batches"):  # tiny batches unless given
+        batches = [2, 4]
     steps = 2 if args.quick else args.steps
     variants = {}
     for v in args.variant:
         name, _, spec = v.partition("=")
         variants[name] = json.loads(spec)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    peak = run_worker("jax-peak", {"n": 256 if args.quick else 8192})
+    peak = run_worker("jax-peak", {"n": 256 if args.quick else 8192}) if batches else {}  # the MFU's denominator
     results = {"started": started, "peak": peak, "train": {}, "decode": {}, "memory": {}}
     for b in batches:
         base = dict(shape=shape, batch=b, seq_len=t, steps=steps)
@@ -303,6 +307,7 @@ def main(argv=None) -> int:
         for r in arms.values():
             r["tokens"] = b * t
         results["train"][b] = arms
+        _write(args.out, results, shape, t, echo=False)  # what a run cut off later still leaves
     if args.medium and not args.quick:
         for b in (8, 16):
             base = dict(shape="gpt2-medium", batch=b, seq_len=t, steps=3)
@@ -310,18 +315,20 @@ def main(argv=None) -> int:
                 "jaxgpt": run_worker("jax-train", base),
                 "nanogpt-compile": run_worker("nanogpt-train", {**base, "nanogpt": args.nanogpt}) if args.nanogpt else {}}
     if not args.no_decode:
-        spec = {"preset": "gpt2-small", "prompt": 8, "new": 16 if args.quick else 256}
+        spec = {"preset": "gpt2-small", "prompt": 8, "new": 16 if args.quick else 256,
+                "shape": "quick" if args.quick else "gpt2-small"}
         results["decode"] = {"jaxgpt": run_worker("jax-decode", spec), "hf": run_worker("hf-decode", spec)}
     return _write(args.out, results, shape, t)
 
 
-def _write(out: str, results: dict, shape: str, t: int) -> int:
+def _write(out: str, results: dict, shape: str, t: int, echo: bool = True) -> int:
     text = render(results, shape, t)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     out.write_text(text)
-    print(text)
+    if echo:
+        print(text)
     return 0
 
 
@@ -354,7 +361,9 @@ def render(results: dict, shape: str, t: int) -> str:
     if results["decode"]:
         j, h = results["decode"]["jaxgpt"], results["decode"]["hf"]
         ratio = f"{j['tok_s'] / h['tok_s']:.1f}x" if j.get("tok_s") and h.get("tok_s") else "–"
-        lines += ["## Decoding (gpt2-small, float32, batch 1, 8 + 256 tokens, greedy)", "",
+        what = "a 2-layer 64-wide GPT-2, float32, batch 1, 8 + 16" if shape == "quick" else \
+            "gpt2-small, float32, batch 1, 8 + 256"
+        lines += [f"## Decoding ({what} tokens, greedy)", "",
                   f"- jaxgpt generate: {j.get('tok_s', 0):,.0f} tok/s; HF generate: {h.get('tok_s', 0):,.0f} tok/s; {ratio}", ""]
     return "\n".join(lines)
 

@@ -83,13 +83,20 @@ def _stats(starts, firsts, ends, counts, wall) -> dict:
 
 
 # ---------------------------------------------------------------- workers
-def run_hf_one(path, prompts, outs, warm=True):
+def torch_model(path, device: str = "cpu", dtype: str = "float32"):
+    """The saved HF model in ``dtype`` on ``device`` ('cpu', 'cuda'), for inference."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
 
     torch.set_grad_enabled(False)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def run_hf_one(path, prompts, outs, warm=True, device="cpu", dtype="float32"):
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    model = torch_model(path, device, dtype)
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -106,7 +113,7 @@ def run_hf_one(path, prompts, outs, warm=True):
         t0 = time.perf_counter()
         for p, n in zip(prompts, outs):
             clock = Clock()
-            out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+            out = model.generate(torch.tensor([p], device=device), max_new_tokens=n, do_sample=False, eos_token_id=None,
                                  pad_token_id=0, streamer=clock)
             tokens.append(out[0, len(p):].tolist())
             firsts.append(clock.times[1])  # times[0] is the prompt
@@ -114,26 +121,26 @@ def run_hf_one(path, prompts, outs, warm=True):
         return tokens, [t0] * len(prompts), firsts, ends, time.perf_counter() - t0
 
     if warm:  # allocator and kernels
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2, do_sample=False, pad_token_id=0)
     settle()
     tokens, starts, firsts, ends, wall = once()
     return tokens, _stats(starts, firsts, ends, [len(t) for t in tokens], wall)
 
 
-def run_hf_batch(path, prompts, outs, warm=True):
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def run_hf_batch(path, prompts, outs, warm=True, device="cpu", dtype="float32", max_batch_tokens=None):
+    """``max_batch_tokens``: tokens a step (None: transformers solves it from the free memory)."""
+    from transformers import GenerationConfig
 
-    torch.set_grad_enabled(False)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()  # the manager switches to paged attention
+    model = torch_model(path, device, dtype)  # the manager switches to paged attention
     gc = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
 
     # The same KV capacity as the engine's default (one full context per request). transformers' own CPU
     # default is 60% of RAM, zeroed inside the timed run when the manager starts (~14 GiB here: 5-40 s).
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    page, ctx = ContinuousBatchingConfig().page_size, model.config.max_position_embeddings
-    cbc = ContinuousBatchingConfig(num_blocks=len(prompts) * -(-ctx // page))
+    default = ContinuousBatchingConfig()  # its page is 'block_size' before transformers 5.2x, 'page_size' after
+    page, ctx = getattr(default, "page_size", None) or default.block_size, model.config.max_position_embeddings
+    cbc = ContinuousBatchingConfig(num_blocks=len(prompts) * -(-ctx // page), max_batch_tokens=max_batch_tokens)
 
     def once(prompts):
         manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
@@ -163,11 +170,12 @@ def run_hf_batch(path, prompts, outs, warm=True):
     return once(prompts)
 
 
-def _engine(path, max_seqs):
+def _engine(path, max_seqs, dtype="float32"):
     from jaxgpt.convert.hf import load_hf
     from jaxgpt.inference.engine import Engine
 
-    config, params = load_hf(path)
+    config, params = load_hf(path, None if dtype == "float32" else dtype)  # on JAX's default device
+    config = config.replace(dtype=dtype, param_dtype=dtype)
     return Engine(config, params, max_seqs=max_seqs, page_size=16, max_tokens_per_step=512)
 
 
@@ -189,10 +197,10 @@ def drain(engine, prompts, params) -> tuple[list[list[int]], float, list[float],
     return [toks[i] for i in ids], t0, [firsts[i] for i in ids], [ends[i] for i in ids]
 
 
-def run_engine(path, prompts, outs, warm=True):
+def run_engine(path, prompts, outs, warm=True, dtype="float32"):
     from jaxgpt.inference.sampling import SamplingParams
 
-    engine = _engine(path, len(prompts))
+    engine = _engine(path, len(prompts), dtype)
 
     def once(prompts):
         tokens, t0, firsts, ends = drain(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in outs])
