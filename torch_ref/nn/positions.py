@@ -29,8 +29,12 @@ def rope_cos_sin(positions, head_dim: int, base: float = 10000.0):
     return torch.cos(angles), torch.sin(angles)
 
 
-def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half"):
-    """Rotate x: (B, T, H, D) by positions: (T,) or (B, T). Same layouts as jaxgpt.apply_rope."""
+def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", rotary_dim: int | None = None):
+    """Rotate x: (B, T, H, D) by positions: (T,) or (B, T). Same layouts and partial ``rotary_dim`` as
+    jaxgpt.apply_rope."""
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        rotated = apply_rope(x[..., :rotary_dim], positions, base=base, layout=layout)
+        return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
     d = x.shape[-1]
     cos, sin = rope_cos_sin(positions, d, base)
     cos, sin = cos[..., None, :], sin[..., None, :]
