@@ -20,7 +20,14 @@ def test_qwen3(tmp_path):
     assert config.qk_norm == "head" and config.head_dim == 16 and config.kv_heads == 2
 
 
-PRESETS_OF = {"qwen3-0.6b": "Qwen3ForCausalLM"}
+@pytest.mark.slow
+def test_olmo2(tmp_path):
+    hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SIZES, num_key_value_heads=2, pad_token_id=0))
+    config, _ = check_family(perturb(hf), tmp_path, "OLMo 2")
+    assert config.qk_norm == "full" and config.norm_placement == "post_sublayer" and config.pad_token_id == 0
+
+
+PRESETS_OF = {"qwen3-0.6b": "Qwen3ForCausalLM", "olmo2-1b": "Olmo2ForCausalLM"}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS_OF))
