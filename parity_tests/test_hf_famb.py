@@ -3,10 +3,14 @@ load_hf, save_hf back into transformers, parity --grads, generate and the paged 
 transformers' greedy tokens): Qwen3 (q/k RMSNorm per head), OLMo 2 (q/k RMSNorm over the projection,
 norms after each sublayer), GPT-NeoX / Pythia (fused per-head q/k/v, partial rotary, parallel
 residual, LayerNorm with biases) and Phi-3 (fused qkv_proj and gate_up_proj)."""
+import numpy as np
 import pytest
+from safetensors import safe_open
 
-from conftest import require_module
-from hf_family import check_family, perturb
+from conftest import assert_close, require_module
+from hf_family import check_family, hf_logits, perturb
+from jaxgpt import build
+from jaxgpt.convert import load_hf, save_hf
 
 transformers = require_module("transformers", allow_module_level=True)  # CI=true: missing is a failure
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -27,7 +31,34 @@ def test_olmo2(tmp_path):
     assert config.qk_norm == "full" and config.norm_placement == "post_sublayer" and config.pad_token_id == 0
 
 
-PRESETS_OF = {"qwen3-0.6b": "Qwen3ForCausalLM", "olmo2-1b": "Olmo2ForCausalLM"}
+def _neox(parallel: bool):
+    sizes = {k: v for k, v in SIZES.items() if k != "hidden_size"}
+    return perturb(transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        **sizes, hidden_size=64, rotary_pct=0.25, rotary_emb_base=1000.0, use_parallel_residual=parallel)))
+
+
+@pytest.mark.slow
+def test_gpt_neox(tmp_path):
+    config, _ = check_family(_neox(parallel=True), tmp_path, "GPT-NeoX")
+    assert config.rotary_dim == 4 and config.parallel_residual and config.rope_base == 1000.0
+
+
+def test_gpt_neox_sequential_residual(tmp_path):
+    """use_parallel_residual=False: load_hf's logits and save_hf's weights, bit for bit (the rest of the
+    path is test_gpt_neox's)."""
+    hf = _neox(parallel=False)
+    hf.save_pretrained(tmp_path / "hf")
+    config, params = load_hf(tmp_path / "hf")
+    assert not config.parallel_residual
+    ids = np.random.default_rng(0).integers(0, 64, (2, 11))
+    assert_close(build(config).apply({"params": params}, ids), hf_logits(hf, ids), "load_hf GPT-NeoX sequential")
+    save_hf(tmp_path / "ours", config, params)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as a, \
+            safe_open(str(tmp_path / "ours" / "model.safetensors"), "np") as b:
+        assert set(a.keys()) == set(b.keys()) and all(np.array_equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+
+
+PRESETS_OF = {"qwen3-0.6b": "Qwen3ForCausalLM", "olmo2-1b": "Olmo2ForCausalLM", "pythia-160m": "GPTNeoXForCausalLM"}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS_OF))
