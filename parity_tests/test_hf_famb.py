@@ -10,7 +10,7 @@ from safetensors import safe_open
 from conftest import assert_close, require_module
 from hf_family import check_family, hf_logits, perturb
 from jaxgpt import build
-from jaxgpt.convert import load_hf, save_hf
+from jaxgpt.convert import from_hf, gpt_neox, llama, load_hf, olmo2, phi3, qwen3, save_hf, to_hf
 
 transformers = require_module("transformers", allow_module_level=True)  # CI=true: missing is a failure
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -58,23 +58,55 @@ def test_gpt_neox_sequential_residual(tmp_path):
         assert set(a.keys()) == set(b.keys()) and all(np.array_equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
 
 
-PRESETS_OF = {"qwen3-0.6b": "Qwen3ForCausalLM", "olmo2-1b": "Olmo2ForCausalLM", "pythia-160m": "GPTNeoXForCausalLM"}
+@pytest.mark.slow
+def test_phi3(tmp_path):
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **SIZES, num_key_value_heads=2, pad_token_id=0, rope_parameters={
+            "rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}))
+    config, _ = check_family(perturb(hf), tmp_path, "Phi3")
+    assert config.rotary_dim == 4 and config.kv_heads == 2 and config.rope_base == 1000.0
+
+
+def _models():
+    """One tiny transformers model per family (random weights, unit scale)."""
+    kv = dict(num_key_value_heads=2)
+    return {"Qwen3": transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZES, **kv, head_dim=16)),
+            "OLMo2": transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SIZES, **kv, pad_token_id=0)),
+            "GPT-NeoX": _neox(parallel=True),
+            "Phi3": transformers.Phi3ForCausalLM(transformers.Phi3Config(
+                **SIZES, **kv, pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                 "partial_rotary_factor": 0.5}))}
+
+
+def test_live_models_round_trip_bit_for_bit():
+    """from_hf of a live model, then to_hf: the same state dict, bit for bit (fused tensors re-fused)."""
+    import torch
+
+    for name, hf in _models().items():
+        config, params = from_hf(perturb(hf))
+        back = to_hf(config, params)
+        assert type(back) is type(hf), name
+        want, got = hf.state_dict(), back.state_dict()
+        assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), name
+
+
+PRESETS_OF = {"qwen3-0.6b": qwen3, "olmo2-1b": olmo2, "pythia-160m": gpt_neox, "phi3-mini": phi3}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS_OF))
 def test_presets_have_the_checkpoints_shapes(name):
-    """save_hf's config of each preset builds (on the meta device, no memory) an HF model of the named
-    architecture with exactly the preset's parameter count."""
+    """Each preset's HF config builds (on the meta device, no memory) an HF model of its family with exactly
+    the preset's parameter count; save_hf picks that family (phi3-mini's full rotary exports as LLaMA)."""
     import torch
 
     from jaxgpt import PRESETS
     from jaxgpt.convert.hf import _family_of
     from jaxgpt.models import abstract_params, count_params
 
-    config = PRESETS[name]
-    d = _family_of(config).config_to_hf(config)
+    config, family = PRESETS[name], PRESETS_OF[name]
+    assert _family_of(config) is (llama if family is phi3 else family)
+    d = family.config_to_hf(config)
     arch = d.pop("architectures")[0]
-    assert arch == PRESETS_OF[name]
     kwargs = {k: v for k, v in d.items() if k not in ("model_type", "dtype", "torch_dtype")}
     with torch.device("meta"):
         hf = getattr(transformers, arch)(transformers.AutoConfig.for_model(d["model_type"], **kwargs))

@@ -17,19 +17,19 @@ import jax
 import numpy as np
 
 from jaxgpt.config import BertConfig, ModelConfig
-from jaxgpt.convert import bert, gpt2, gpt_neox, llama, mixtral, olmo2, qwen2_moe, qwen3
+from jaxgpt.convert import bert, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3
 from jaxgpt.convert.hf_files import write_tokenizer
 from jaxgpt.convert.rule import params_to_state_dict, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert, "mixtral": mixtral,
             "qwen2_moe": qwen2_moe, "qwen3": qwen3, "olmo2": olmo2,
-            "gpt_neox": gpt_neox}
+            "gpt_neox": gpt_neox, "phi3": phi3}
 ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS,
          "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS, "qwen3": qwen3.ARCHS, "olmo2": olmo2.ARCHS,
-         "gpt_neox": gpt_neox.ARCHS}
+         "gpt_neox": gpt_neox.ARCHS, "phi3": phi3.ARCHS}
 # Decoder families that claim a config (``claims(config)``) before the LLaMA / GPT-2 defaults, on export
-CLAIMING = (qwen3, olmo2, gpt_neox)
+CLAIMING = (qwen3, olmo2, gpt_neox, phi3)
 SUPPORTED = tuple(a for archs in ARCHS.values() for a in archs)
 _DTYPES = ("float32", "bfloat16", "float16")  # what params may be loaded as and exported in
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
