@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
-                                   check_options, equals, inert, load_ref, maps_to, must_be, refuse, rename,
+                                   check_options, inert, load_ref, maps_to, must_be, refuse, rename,
                                    rename_layers)
 
 ARCHS = ("GPTNeoXForCausalLM",)
@@ -29,12 +29,11 @@ ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh
 _ACT_OUT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
-def _rope(d: Mapping[str, Any]) -> dict:
-    """The RoPE parameters: rope_scaling (which transformers prefers) or rope_parameters (transformers >= 5),
-    over the older rotary_pct / rotary_emb_base."""
+def rope_params(d: Mapping[str, Any], theta: float, factor: float) -> dict:
+    """The RoPE parameters (rope_type, rope_theta, partial_rotary_factor): rope_scaling (which transformers
+    prefers) or rope_parameters (transformers >= 5), over ``theta`` and ``factor`` (older top-level keys)."""
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    return {"rope_type": "default", "rope_theta": d.get("rotary_emb_base", 10000.0),
-            "partial_rotary_factor": d.get("rotary_pct", 0.25), **params}
+    return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor, **params}
 
 
 def _default_rope(v, d) -> bool:
@@ -42,16 +41,15 @@ def _default_rope(v, d) -> bool:
                      and set(v) <= {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
 
 
-_ROPE = Option(_default_rope, "default RoPE (no scaling)")
+DEFAULT_ROPE = Option(_default_rope, "default RoPE (no scaling)")
 OPTIONS: dict[str, Option] = {
     **{k: MAPPED for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "attention_dropout", "hidden_dropout", "max_position_embeddings",
                            "layer_norm_eps", "tie_word_embeddings", "use_parallel_residual", "attention_bias",
                            "rotary_pct", "rotary_emb_base")},
-    "rope_parameters": _ROPE, "rope_scaling": _ROPE,
+    "rope_parameters": DEFAULT_ROPE, "rope_scaling": DEFAULT_ROPE,
     "hidden_act": Option(lambda v, d: v in ACTS, f"one of {sorted(ACTS)}"),
     "classifier_dropout": inert("GPTNeoXForSequenceClassification / TokenClassification's head only"),
-    "is_decoder": equals(False, True),
 }
 FIELDS: dict[str, Field] = {
     "vocab_size": maps_to("vocab_size"), "d_model": maps_to("hidden_size"), "n_layer": maps_to("num_hidden_layers"),
@@ -91,7 +89,7 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     """An HF GPT-NeoX config dict -> ModelConfig; every unsupported option named at once."""
     check_options(d, OPTIONS, "GPT-NeoX")
     width, heads = d.get("hidden_size", 6144), d.get("num_attention_heads", 64)
-    rope = _rope(d)
+    rope = rope_params(d, d.get("rotary_emb_base", 10000.0), d.get("rotary_pct", 0.25))
     rotary = int(width // heads * rope["partial_rotary_factor"])
     bias = d.get("attention_bias", True)
     return ModelConfig(

@@ -100,8 +100,8 @@ def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False):
 
     Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
     one tensor at a time through ``safetensors.safe_open(..., framework="np")``. Families:
-    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral (*ForCausalLM) and BERT (BertModel,
-    BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
+    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3, OLMo 2, GPT-NeoX,
+    Phi-3 (*ForCausalLM) and BERT (BertModel, BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
     not reproduce exactly, is a ValueError naming it. ``dtype=None`` upcasts bf16/fp16 checkpoints
     to float32 (exact); ``dtype='bfloat16'`` (or any NumPy dtype) gives params in that dtype.
     """
@@ -239,8 +239,9 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
 
 # Live transformers models ---------------------------------------------------------------------
 def from_hf(hf_model, dtype=None) -> tuple[Any, dict]:
-    """A transformers model (GPT2LMHeadModel, GPT2Model, LlamaForCausalLM, Qwen2ForCausalLM,
-    MistralForCausalLM, BertModel, BertForSequenceClassification) -> (jaxgpt config, params)."""
+    """A transformers model (GPT2LMHeadModel, GPT2Model, BertModel, BertForSequenceClassification, or a
+    causal LM of the families in ``SUPPORTED``: LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3, OLMo 2,
+    GPT-NeoX, Phi-3) -> (jaxgpt config, params)."""
     arch = type(hf_model).__name__
     if arch not in SUPPORTED:
         raise ValueError(f"from_hf supports {list(SUPPORTED)}, got {arch}")

@@ -17,7 +17,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
 from jaxgpt.convert.common import (MAPPED, Field, Option, check_fields, check_options, equals, inert, load_ref,
                                    maps_to, must_be, refuse, rename, split_packed)
-from jaxgpt.convert.gpt_neox import _ROPE, _rope
+from jaxgpt.convert.gpt_neox import DEFAULT_ROPE, rope_params
 
 ARCHS = ("Phi3ForCausalLM",)
 # Phi3Config's defaults, for config dicts that leave a key out.
@@ -28,7 +28,7 @@ OPTIONS: dict[str, Option] = {
                            "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
                            "tie_word_embeddings", "attention_dropout", "initializer_range", "rope_theta",
                            "partial_rotary_factor", "pad_token_id")},
-    "rope_parameters": _ROPE, "rope_scaling": _ROPE, "hidden_act": equals("silu"),
+    "rope_parameters": DEFAULT_ROPE, "rope_scaling": DEFAULT_ROPE, "hidden_act": equals("silu"),
     "resid_pdrop": equals(0.0, 0), "embd_pdrop": inert("not read by transformers' Phi3 (no embedding dropout)"),
     "original_max_position_embeddings": inert("read by 'longrope' scaling only, which is refused"),
     "sliding_window": llama._WINDOW,
@@ -50,7 +50,7 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     """An HF Phi-3 config dict -> ModelConfig; every unsupported option named at once."""
     check_options(d, OPTIONS, "Phi3")
     d = {**DEFAULTS, **d}
-    rope = _rope({"rotary_pct": d.get("partial_rotary_factor", 1.0), "rotary_emb_base": d.get("rope_theta", 1e4), **d})
+    rope = rope_params(d, d.get("rope_theta", 10000.0), d.get("partial_rotary_factor", 1.0))
     kept = {k: v for k, v in d.items() if k in llama.OPTIONS["llama"] and k not in ("rope_scaling", "rope_theta")}
     base = llama.config_from_hf({**kept, "model_type": "llama", "rope_parameters": {"rope_theta": rope["rope_theta"]}},
                                 "LlamaForCausalLM")
