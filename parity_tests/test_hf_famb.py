@@ -19,9 +19,10 @@ SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_lay
 
 @pytest.mark.slow
 def test_qwen3(tmp_path):
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZES, num_key_value_heads=2, head_dim=16))
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SIZES, num_key_value_heads=2, head_dim=16,
+                                                                attention_bias=True))
     config, _ = check_family(perturb(hf), tmp_path, "Qwen3")
-    assert config.qk_norm == "head" and config.head_dim == 16 and config.kv_heads == 2
+    assert config.qk_norm == "head" and config.head_dim == 16 and config.kv_heads == 2 and config.o_bias
 
 
 @pytest.mark.slow
@@ -31,10 +32,9 @@ def test_olmo2(tmp_path):
     assert config.qk_norm == "full" and config.norm_placement == "post_sublayer" and config.pad_token_id == 0
 
 
-def _neox(parallel: bool):
-    sizes = {k: v for k, v in SIZES.items() if k != "hidden_size"}
+def _neox(parallel: bool, **kw):
     return perturb(transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-        **sizes, hidden_size=64, rotary_pct=0.25, rotary_emb_base=1000.0, use_parallel_residual=parallel)))
+        **SIZES, rotary_pct=0.5, rotary_emb_base=1000.0, use_parallel_residual=parallel, **kw)))
 
 
 @pytest.mark.slow
@@ -44,12 +44,12 @@ def test_gpt_neox(tmp_path):
 
 
 def test_gpt_neox_sequential_residual(tmp_path):
-    """use_parallel_residual=False: load_hf's logits and save_hf's weights, bit for bit (the rest of the
-    path is test_gpt_neox's)."""
-    hf = _neox(parallel=False)
+    """use_parallel_residual=False (with no attention biases and a tied head): load_hf's logits and save_hf's
+    weights, bit for bit (the rest of the path is test_gpt_neox's)."""
+    hf = _neox(parallel=False, attention_bias=False, tie_word_embeddings=True)
     hf.save_pretrained(tmp_path / "hf")
     config, params = load_hf(tmp_path / "hf")
-    assert not config.parallel_residual
+    assert not config.parallel_residual and not config.qkv_bias and config.tie_embeddings
     ids = np.random.default_rng(0).integers(0, 64, (2, 11))
     assert_close(build(config).apply({"params": params}, ids), hf_logits(hf, ids), "load_hf GPT-NeoX sequential")
     save_hf(tmp_path / "ours", config, params)
