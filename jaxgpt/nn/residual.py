@@ -1,5 +1,6 @@
 """One sublayer's residual connection: where its norm sits (``ModelConfig.norm_placement``) and what it
-reads (``ModelConfig.parallel_residual``). Framework-neutral: torch_ref/nn/residual.py is the same code."""
+reads (``ModelConfig.parallel_residual``). No framework code: ``f``, ``norm`` and ``drop`` are the caller's
+modules (torch_ref/nn/residual.py is its twin)."""
 from __future__ import annotations
 
 
