@@ -9,9 +9,9 @@ import torch
 
 from conftest import assert_close, require_module
 from jaxgpt import PRESETS, build
-from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig, MoEConfig,
-                           RopeScaling)
-from jaxgpt.convert import bert, from_hf, gpt2, llama, mixtral, qwen2_moe, to_hf
+from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, QK_NORMS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig,
+                           MoEConfig, RopeScaling)
+from jaxgpt.convert import bert, from_hf, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3, to_hf
 from jaxgpt.convert.common import check_options
 from jaxgpt.models import abstract_params
 
@@ -22,12 +22,18 @@ LLAMA = PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48)
 BERT = PRESETS["bert-base"].replace(encoder=PRESETS["bert-base"].encoder.replace(**TINY, d_ff=64))
 MIXTRAL = LLAMA.replace(moe=MoEConfig(n_experts=4))
 QWEN2_MOE = LLAMA.replace(qkv_bias=True, moe=MoEConfig(n_experts=4, d_ff=16, norm_topk=False, shared_d_ff=24))
+QWEN3 = LLAMA.replace(qk_norm="head", d_head=16)
+OLMO2 = LLAMA.replace(qk_norm="full", norm_placement="post_sublayer")
+NEOX = PRESETS["pythia-160m"].replace(**TINY, rotary_dim=2)
+PHI3 = LLAMA.replace(rotary_dim=4)
 FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LLAMA),
-            "mixtral": (mixtral, mixtral.FIELDS, MIXTRAL), "qwen2_moe": (qwen2_moe, qwen2_moe.FIELDS, QWEN2_MOE)}
+            "mixtral": (mixtral, mixtral.FIELDS, MIXTRAL), "qwen2_moe": (qwen2_moe, qwen2_moe.FIELDS, QWEN2_MOE),
+            "qwen3": (qwen3, qwen3.FIELDS, QWEN3), "olmo2": (olmo2, olmo2.FIELDS, OLMO2),
+            "gpt_neox": (gpt_neox, gpt_neox.FIELDS, NEOX), "phi3": (phi3, phi3.FIELDS, PHI3)}
 # Candidate values for a field, to find one its family's rule refuses.
 CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMENTS, "rope_layout": ROPE_LAYOUTS,
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
-              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "valid_vocab": (None, 40), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
+              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "valid_vocab": (None, 40), "qk_norm": QK_NORMS, "rotary_dim": (None, 4), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
               "rope_scaling": (None, RopeScaling("linear", factor=2.0))}
 
 
@@ -37,6 +43,8 @@ def _params(config):
 
 @pytest.mark.parametrize("table,cls", [(gpt2.FIELDS, ModelConfig), (llama.FIELDS, ModelConfig),
                                        (mixtral.FIELDS, ModelConfig), (qwen2_moe.FIELDS, ModelConfig),
+                                       (qwen3.FIELDS, ModelConfig), (olmo2.FIELDS, ModelConfig),
+                                       (gpt_neox.FIELDS, ModelConfig), (phi3.FIELDS, ModelConfig),
                                        (bert._ENCODER, ModelConfig), (bert.FIELDS, BertConfig)])
 def test_every_config_field_has_an_export_rule(table, cls):
     """A new config field must be given a rule per family (maps to / must be / unused)."""
@@ -139,6 +147,13 @@ def _hf_dict(config_cls, **kw):
     ("Qwen2Config", llama, {"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 64},
      ">= max_position_embeddings"),
     ("MistralConfig", llama, {"sliding_window": 16, "max_position_embeddings": 64}, ">= max_position_embeddings"),
+    ("GPTNeoXConfig", gpt_neox, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "default RoPE"),
+    ("GPTNeoXConfig", gpt_neox, {"hidden_act": "gelu_fast"}, "one of"),
+    ("Phi3Config", phi3, {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                           "long_factor": [1.0] * 4}}, "default RoPE"),
+    ("Phi3Config", phi3, {"resid_pdrop": 0.1}, "0.0"),
+    ("Qwen3Config", qwen3, {"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 64},
+     ">= max_position_embeddings"),
     ("BertConfig", bert, {"position_embedding_type": "relative_key"}, "'absolute'"),
     ("BertConfig", bert, {"hidden_act": "silu"}, "one of"),
     ("BertConfig", bert, {"is_decoder": True}, "False"),

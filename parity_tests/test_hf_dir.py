@@ -206,8 +206,8 @@ def edited(src, dst, **changes):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]},
-     r"model_type='gpt_neox' \(architectures=\['GPTNeoXForCausalLM'\]\) is not supported"),
+    ({"model_type": "bloom", "architectures": ["BloomForCausalLM"]},
+     r"model_type='bloom' \(architectures=\['BloomForCausalLM'\]\) is not supported"),
     ({"architectures": ["LlamaForSequenceClassification"]},
      r"architecture 'LlamaForSequenceClassification' is not supported for model_type='llama'"),
     ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0}},

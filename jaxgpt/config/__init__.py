@@ -9,7 +9,7 @@
 from jaxgpt.config.base import _Config
 from jaxgpt.config.mesh import AXES, mesh_devices, parse_mesh
 from jaxgpt.config.model import (ACT_IMPLS, ATTENTION_IMPLS, ATTNRES_VARIANTS, DTYPES, FLOAT32_EPS, MATMUL_PRECISIONS, MLPS,
-                                 NORM_IMPLS, NORMS, PLACEMENTS, POOLERS, POS, REMATS, RESIDUALS, ROPE_LAYOUTS, BertConfig,
+                                 NORM_IMPLS, NORMS, PLACEMENTS, POOLERS, POS, QK_NORMS, REMATS, RESIDUALS, ROPE_LAYOUTS, BertConfig,
                                  EncDecConfig, ModelConfig, check_sampling, config_from_dict)
 from jaxgpt.config.moe import MOE_IMPLS, MoEConfig
 from jaxgpt.config.overrides import apply_sets, parse_value
@@ -18,7 +18,7 @@ from jaxgpt.config.rope import ROPE_TYPES, RopeScaling
 from jaxgpt.config.train import DECAY, INIT_DEFAULTS, ON_NONFINITE, SCHEDULES, TOKENIZERS, TrainConfig, init_warmup
 
 __all__ = ["ACT_IMPLS", "ATTENTION_IMPLS", "ATTNRES_VARIANTS", "AXES", "DECAY", "DTYPES", "FLOAT32_EPS", "INIT_DEFAULTS",
-           "MATMUL_PRECISIONS", "MLPS", "NORM_IMPLS", "NORMS", "ON_NONFINITE", "PLACEMENTS", "POOLERS", "POS", "PRESETS",
+           "MATMUL_PRECISIONS", "MLPS", "NORM_IMPLS", "NORMS", "ON_NONFINITE", "PLACEMENTS", "POOLERS", "POS", "PRESETS", "QK_NORMS",
            "REMATS", "RESIDUALS", "ROPE_LAYOUTS", "ROPE_TYPES", "RopeScaling", "TRAIN_DEFAULTS",
            "SCHEDULES", "TOKENIZERS", "BertConfig", "EncDecConfig", "ModelConfig", "MoEConfig", "MOE_IMPLS", "TrainConfig", "_Config",
            "apply_sets", "check_sampling", "config_from_dict", "get_preset", "init_warmup", "mesh_devices",

@@ -15,7 +15,11 @@ from jaxgpt.config.rope import RopeScaling
 POS = ("none", "sinusoidal", "learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("relu", "gelu", "gelu_tanh", "swiglu")
-PLACEMENTS = ("pre", "post")
+# 'post_sublayer': x + norm(f(x)), the norm on the sublayer's output inside the residual (OLMo 2)
+PLACEMENTS = ("pre", "post", "post_sublayer")
+# An RMSNorm on the projected queries and keys before RoPE: 'head' over each head's D (Qwen3),
+# 'full' over the whole projection, H*D and H_kv*D (OLMo 2); None: none.
+QK_NORMS = (None, "head", "full")
 ROPE_LAYOUTS = ("half", "interleaved")
 RESIDUALS = ("standard", "full_attnres", "block_attnres")
 ATTNRES_VARIANTS = ("seed", "paper")
@@ -49,7 +53,7 @@ FLOAT32_EPS = 1.1920928955078125e-07
 _CHOICES = (("pos", POS), ("rope_layout", ROPE_LAYOUTS), ("norm", NORMS), ("mlp", MLPS), ("norm_placement", PLACEMENTS),
             ("residual", RESIDUALS), ("attnres_variant", ATTNRES_VARIANTS), ("remat", REMATS),
             ("attention_impl", ATTENTION_IMPLS), ("norm_impl", NORM_IMPLS), ("act_impl", ACT_IMPLS),
-            ("matmul_precision", MATMUL_PRECISIONS), ("dtype", DTYPES), ("param_dtype", DTYPES))
+            ("matmul_precision", MATMUL_PRECISIONS), ("dtype", DTYPES), ("param_dtype", DTYPES), ("qk_norm", QK_NORMS))
 
 
 
@@ -90,6 +94,7 @@ class ModelConfig(_Config):
     rope_base: float = 10000.0
     rope_layout: str = "half"  # 'half' = HF LLaMA rotate_half, 'interleaved' = adjacent pairs (seed 000)
     rope_scaling: RopeScaling | None = None  # RoPE scaling variant (jaxgpt/config/rope.py); None: plain RoPE
+    rotary_dim: int | None = None  # RoPE rotates only the first rotary_dim dims of each head (GPT-NeoX); None: all
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only
@@ -98,6 +103,8 @@ class ModelConfig(_Config):
     qkv_bias: bool = False
     o_bias: bool = False
     norm_placement: str = "pre"
+    parallel_residual: bool = False  # x + attn(attn_norm(x)) + mlp(mlp_norm(x)): both read the layer's input (GPT-NeoX)
+    qk_norm: str | None = None  # one of QK_NORMS; eps norm_eps, params attn.q_norm / attn.k_norm
     final_norm: bool = True
     dropout: float = 0.0  # embedding and residual-branch dropout
     attn_dropout: float | None = 0.0  # None: the same as dropout (nanoGPT's and GPT-2's single dropout)
@@ -161,6 +168,7 @@ class ModelConfig(_Config):
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.pos == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        self._validate_variants()
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.rope_base <= 1:
@@ -182,6 +190,16 @@ class ModelConfig(_Config):
             via = "" if self.attn_dropout is not None else f" (attn_dropout=None takes dropout={self.dropout})"
             raise ValueError(f"attention_impl={self.attention_impl!r} has no attention dropout, but attention "
                              f"dropout is {self.attention_dropout}{via}; set attn_dropout=0.0 or attention_impl='xla'")
+
+    def _validate_variants(self) -> None:
+        if self.rotary_dim is not None:
+            _positive("rotary_dim", self.rotary_dim)
+            if self.pos != "rope" or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+                raise ValueError(f"rotary_dim={self.rotary_dim} needs pos='rope' (got {self.pos!r}) and an even "
+                                 f"width <= head_dim={self.head_dim} (None: rotate the whole head)")
+        if self.parallel_residual and (self.norm_placement != "pre" or self.residual != "standard"):
+            raise ValueError(f"parallel_residual=True needs norm_placement='pre' and residual='standard', got "
+                             f"{self.norm_placement!r} and {self.residual!r}")
 
     def _validate_moe(self) -> None:
         moe = self.moe

@@ -60,6 +60,7 @@ _ENCODER: dict[str, Field] = {
     "lm_head_bias": unused("no language-model head"),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
     "moe": unused("BertConfig itself refuses encoder.moe (no MoE encoder)"),
+    "rotary_dim": unused("pos must be 'learned'"), "parallel_residual": must_be(False), "qk_norm": must_be(None),
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 FIELDS: dict[str, Field] = {

@@ -62,6 +62,7 @@ FIELDS: dict[str, Field] = {
     "qkv_bias": must_be(True), "o_bias": must_be(True), "norm_placement": must_be("pre"),
     "final_norm": must_be(True), "scale_out_init": must_be(True), "embed_scale": must_be(False),
     "lm_head_bias": must_be(False), "moe": must_be(None),
+    "rotary_dim": unused("pos must be 'learned'"), "parallel_residual": must_be(False), "qk_norm": must_be(None),
     "residual": must_be("standard"), **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 

@@ -17,15 +17,19 @@ import jax
 import numpy as np
 
 from jaxgpt.config import BertConfig, ModelConfig
-from jaxgpt.convert import bert, gpt2, llama, mixtral, qwen2_moe
+from jaxgpt.convert import bert, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3
 from jaxgpt.convert.hf_files import write_tokenizer
 from jaxgpt.convert.rule import params_to_state_dict, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert, "mixtral": mixtral,
-            "qwen2_moe": qwen2_moe}
+            "qwen2_moe": qwen2_moe, "qwen3": qwen3, "olmo2": olmo2,
+            "gpt_neox": gpt_neox, "phi3": phi3}
 ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS,
-         "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS}
+         "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS, "qwen3": qwen3.ARCHS, "olmo2": olmo2.ARCHS,
+         "gpt_neox": gpt_neox.ARCHS, "phi3": phi3.ARCHS}
+# Decoder families that claim a config (``claims(config)``) before the LLaMA / GPT-2 defaults, on export
+CLAIMING = (qwen3, olmo2, gpt_neox, phi3)
 SUPPORTED = tuple(a for archs in ARCHS.values() for a in archs)
 _DTYPES = ("float32", "bfloat16", "float16")  # what params may be loaded as and exported in
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -96,8 +100,8 @@ def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False):
 
     Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
     one tensor at a time through ``safetensors.safe_open(..., framework="np")``. Families:
-    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral (*ForCausalLM) and BERT (BertModel,
-    BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
+    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3, OLMo 2, GPT-NeoX,
+    Phi-3 (*ForCausalLM) and BERT (BertModel, BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
     not reproduce exactly, is a ValueError naming it. ``dtype=None`` upcasts bf16/fp16 checkpoints
     to float32 (exact); ``dtype='bfloat16'`` (or any NumPy dtype) gives params in that dtype.
     """
@@ -138,6 +142,9 @@ def _family_of(config) -> Any:
                          f"{type(config).__name__}")
     if config.moe is not None:  # a shared expert is Qwen2-MoE's; Mixtral has none
         return qwen2_moe if config.moe.shared_d_ff else mixtral
+    for family in CLAIMING:
+        if family.claims(config):
+            return family
     if config.pos == "rope":
         return llama
     if config.pos == "learned":
@@ -232,8 +239,9 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
 
 # Live transformers models ---------------------------------------------------------------------
 def from_hf(hf_model, dtype=None) -> tuple[Any, dict]:
-    """A transformers model (GPT2LMHeadModel, GPT2Model, LlamaForCausalLM, Qwen2ForCausalLM,
-    MistralForCausalLM, BertModel, BertForSequenceClassification) -> (jaxgpt config, params)."""
+    """A transformers model (GPT2LMHeadModel, GPT2Model, BertModel, BertForSequenceClassification, or a
+    causal LM of the families in ``SUPPORTED``: LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3, OLMo 2,
+    GPT-NeoX, Phi-3) -> (jaxgpt config, params)."""
     arch = type(hf_model).__name__
     if arch not in SUPPORTED:
         raise ValueError(f"from_hf supports {list(SUPPORTED)}, got {arch}")
@@ -251,9 +259,9 @@ def to_hf(config, params: Mapping, *, attn_implementation: str = "eager"):
 
     d, sd = export_hf(config, params)
     arch = d.pop("architectures")[0]
-    if d["model_type"] in ("mixtral", "qwen2_moe"):
-        # transformers 5 fuses the experts in memory (gate_up_proj) and converts the saved per-expert
-        # layout only while loading a directory: go through one.
+    if d["model_type"] in ("mixtral", "qwen2_moe", "gpt_neox"):
+        # transformers 5 fuses the experts in memory (gate_up_proj) and renames GPT-NeoX's embed_out to
+        # lm_head, converting the saved layout only while loading a directory: go through one.
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -107,11 +107,14 @@ FIELDS: dict[str, Field] = {
     "norm_placement": must_be("pre"), "final_norm": must_be(True), "dropout": must_be(0.0),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
     "lm_head_bias": must_be(False), "moe": must_be(None),
+    "rotary_dim": Field(lambda v, c: v is None or v == c.head_dim, "None or head_dim (RoPE on the whole head)"),
+    "parallel_residual": must_be(False), "qk_norm": must_be(None),
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 
 RULES = [
     (r"model\.embed_tokens\.weight", "tok_embed.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qk]_norm)\.weight", r"layers.\1.attn.\2.scale"),  # Qwen3, OLMo 2
     (r"model\.layers\.(\d+)\.self_attn\.(\w+)\.(\w+)", r"layers.\1.attn.\2.\3"),
     (r"model\.layers\.(\d+)\.mlp\.(\w+)\.(\w+)", r"layers.\1.mlp.\2.\3"),
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attn_norm.scale"),
@@ -170,13 +173,19 @@ def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
     return config.rope_scaling.to_hf(config.rope_base)
 
 
-def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+# torch_ref layer keys -> HF LLaMA's (q_norm / k_norm: Qwen3's and OLMo 2's); OLMo 2 renames the layer norms
+NORMS = {"attn_norm.scale": "input_layernorm.weight", "mlp_norm.scale": "post_attention_layernorm.weight",
+         "attn.q_norm.scale": "attn.q_norm.weight", "attn.k_norm.scale": "attn.k_norm.weight"}
+
+
+def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray], norms: Mapping[str, str] = NORMS
+                 ) -> dict[str, np.ndarray]:
     top = {"tok_embed.weight": "model.embed_tokens.weight", "norm.scale": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}
 
     def layer(i, rest, a):
-        rest = (rest.replace("attn_norm.scale", "input_layernorm.weight")
-                .replace("mlp_norm.scale", "post_attention_layernorm.weight").replace("attn.", "self_attn."))
-        return f"model.layers.{i}.{rest}", a
+        for old, new in norms.items():
+            rest = rest.replace(old, new)
+        return f"model.layers.{i}.{rest.replace('attn.', 'self_attn.')}", a
 
     return rename_layers(ref, top, layer)

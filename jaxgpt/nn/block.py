@@ -1,5 +1,5 @@
 """Transformer block: self-attention (+ optional cross-attention) and a feed-forward network,
-each wrapped in a residual with the norm placed before (Pre-LN) or after (Post-LN) the add."""
+each wrapped in a residual (nn/residual.py: the norm before, after or inside the add; parallel)."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -10,10 +10,12 @@ from jaxgpt.nn.mlp import make_mlp
 from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.residual import residual as add_residual
 
 
 class Block(nn.Module):
-    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  x: (B, T, d_model).
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Post-sublayer: x + norm(f(x)).  x: (B, T, d_model).
+    Parallel (config.parallel_residual): x + attn(attn_norm(x)) + mlp(mlp_norm(x)).
 
     Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp (a MoE when ``sparse``).
     """
@@ -32,14 +34,12 @@ class Block(nn.Module):
         cfg = self.config
         if self.cross and context is None:
             raise ValueError("this Block has cross-attention: pass context=(B, S, d_model)")
-        pre = cfg.norm_placement == "pre"
         drop = nn.Dropout(cfg.dropout)
+        layer_in = x
 
-        def residual(x, f, norm_name):
-            norm = norm_from_config(cfg, norm_name)
-            if pre:
-                return x + drop(f(norm(x)), deterministic=deterministic)
-            return norm(x + drop(f(x), deterministic=deterministic))
+        def residual(x, f, norm_name, src=None):
+            return add_residual(cfg.norm_placement, x, f, norm_from_config(cfg, norm_name),
+                                lambda y: drop(y, deterministic=deterministic), src)
 
         out = {}
 
@@ -54,5 +54,6 @@ class Block(nn.Module):
             cross = attention_from_config(cfg, "cross_attn", rope=False)
             x = residual(x, lambda h: cross(h, context, mask=context_mask, deterministic=deterministic)[0],
                          "cross_norm")
-        x = residual(x, MoE(cfg, name="mlp") if self.sparse else make_mlp(cfg, "mlp"), "mlp_norm")
+        mlp = MoE(cfg, name="mlp") if self.sparse else make_mlp(cfg, "mlp")
+        x = residual(x, mlp, "mlp_norm", layer_in if cfg.parallel_residual else None)
         return x, out["cache"], out["weights"]

@@ -39,14 +39,20 @@ def rope_cos_sin(positions, head_dim: int, base: float = 10000.0, scaling=None):
     return jnp.cos(angles) * np.float32(attn), jnp.sin(angles) * np.float32(attn)
 
 
-def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", scaling=None):
+def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", scaling=None,
+               rotary_dim: int | None = None):
     """Rotate queries or keys by their absolute positions.
 
     x: (B, T, H, D); positions: (T,) or (B, T) integer positions (any offset, e.g. a cache index).
     layout 'half' pairs dimension i with i + D/2 (HF LLaMA's rotate_half); 'interleaved' pairs
     2i with 2i+1 (the complex-number form of seed 000 and Meta's LLaMA). ``scaling``: a RopeScaling
-    (jaxgpt/config/rope.py) or None for plain RoPE. Returns x's shape/dtype.
+    (jaxgpt/config/rope.py) or None for plain RoPE. ``rotary_dim`` (partial rotary, GPT-NeoX / Phi):
+    only the first rotary_dim dims rotate, as a head of that width (its own frequencies and layout),
+    the rest pass through. Returns x's shape/dtype.
     """
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        rotated = apply_rope(x[..., :rotary_dim], positions, base=base, layout=layout, scaling=scaling)
+        return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
     d = x.shape[-1]
     cos, sin = rope_cos_sin(positions, d, base, scaling)  # (T, D/2) or (B, T, D/2)
     cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads

@@ -15,6 +15,7 @@ from torch import nn
 from jaxgpt.core import validate
 from torch_ref.nn.mlp import linear
 from torch_ref.nn.positions import apply_rope
+from torch_ref.nn.qk_norm import qk_norm, qk_norms
 
 
 @dataclass
@@ -85,19 +86,22 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_head: int, n_kv_head: int | None = None, qkv_bias: bool = False,
                  o_bias: bool = False, rope: bool = False, rope_base: float = 10000.0,
                  rope_layout: str = "half", attn_dropout: float = 0.0, init_std: float = 0.02,
-                 out_init_std: float = 0.02, head_dim: int | None = None, rope_scaling=None):
+                 out_init_std: float = 0.02, head_dim: int | None = None, rotary_dim: int | None = None,
+                 qk_norm: str | None = None, norm_eps: float = 1e-6, rope_scaling=None):
         super().__init__()
         if head_dim is None and d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head} (or set head_dim)")
         self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
         self.head_dim = head_dim or d_model // n_head
-        self.rope, self.rope_base, self.rope_layout = rope, rope_base, rope_layout
+        self.rope, self.rope_base, self.rope_layout, self.rotary_dim = rope, rope_base, rope_layout, rotary_dim
         self.rope_scaling = rope_scaling  # a jaxgpt RopeScaling (framework-free); None: plain RoPE
         self.attn_dropout = attn_dropout
         self.q_proj = linear(d_model, n_head * self.head_dim, qkv_bias, init_std)
         self.k_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
         self.v_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
         self.o_proj = linear(n_head * self.head_dim, d_model, o_bias, out_init_std)
+        self.qk_norm = qk_norm
+        self.q_norm, self.k_norm = qk_norms(qk_norm, n_head, self.n_kv_head, self.head_dim, norm_eps)
 
     def forward(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
                 return_weights=False, segment_ids=None):
@@ -111,13 +115,15 @@ class Attention(nn.Module):
         k = self.k_proj(src).view(b, src.shape[1], h_kv, d)
         v = self.v_proj(src).view(b, src.shape[1], h_kv, d)
 
+        q, k = qk_norm(self.qk_norm, q, k, self.q_norm, self.k_norm)
         offset = 0 if cache is None else cache.index
         if self.rope:
             if context is not None:
                 raise ValueError("RoPE applies to self-attention only")
             if positions is None:
                 positions = offset + torch.arange(t, device=x.device)
-            rope = dict(base=self.rope_base, layout=self.rope_layout, scaling=self.rope_scaling)
+            rope = dict(base=self.rope_base, layout=self.rope_layout, scaling=self.rope_scaling,
+                        rotary_dim=self.rotary_dim)
             q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
 
         kv_layout = "tokens"
@@ -156,4 +162,6 @@ def attention_from_config(config, rope: bool | None = None) -> Attention:
                      qkv_bias=config.qkv_bias, o_bias=config.o_bias,
                      rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
                      rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,
-                     init_std=config.init_std, out_init_std=config.out_init_std, head_dim=config.d_head)
+                     init_std=config.init_std, out_init_std=config.out_init_std, head_dim=config.d_head,
+                     rotary_dim=config.rotary_dim, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
+                     rope_scaling=config.rope_scaling)

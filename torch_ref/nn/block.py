@@ -8,10 +8,12 @@ from torch_ref.nn.attention import attention_from_config
 from torch_ref.nn.mlp import make_mlp
 from torch_ref.nn.moe import MoE
 from torch_ref.nn.norms import make_norm
+from torch_ref.nn.residual import residual
 
 
 class Block(nn.Module):
-    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  x: (B, T, d_model)."""
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Post-sublayer: x + norm(f(x)).  x: (B, T, d_model).
+    Parallel (config.parallel_residual): x + attn(attn_norm(x)) + mlp(mlp_norm(x))."""
 
     def __init__(self, config: ModelConfig, causal: bool = True, cross: bool = False, sparse: bool = False):
         super().__init__()
@@ -24,17 +26,15 @@ class Block(nn.Module):
         self.mlp_norm, self.mlp = norm(), MoE(cfg) if sparse else make_mlp(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x, f, norm):
-        if self.config.norm_placement == "pre":
-            return x + self.drop(f(norm(x)))
-        return norm(x + self.drop(f(x)))
+    def _residual(self, x, f, norm, src=None):
+        return residual(self.config.norm_placement, x, f, norm, self.drop, src)
 
     def forward(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
                 return_weights=False, segment_ids=None):
         """Returns (x, new cache or None, self-attention weights or None)."""
         if self.cross and context is None:
             raise ValueError("this Block has cross-attention: pass context=(B, S, d_model)")
-        out = {}
+        out, layer_in = {}, x
 
         def self_attn(h):
             y, out["cache"], out["weights"] = self.attn(h, mask=mask, is_causal=self.causal, positions=positions,
@@ -45,5 +45,5 @@ class Block(nn.Module):
         x = self._residual(x, self_attn, self.attn_norm)
         if self.cross:
             x = self._residual(x, lambda h: self.cross_attn(h, context, mask=context_mask)[0], self.cross_norm)
-        x = self._residual(x, self.mlp, self.mlp_norm)
+        x = self._residual(x, self.mlp, self.mlp_norm, layer_in if self.config.parallel_residual else None)
         return x, out["cache"], out["weights"]

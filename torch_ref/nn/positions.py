@@ -33,8 +33,13 @@ def rope_cos_sin(positions, head_dim: int, base: float = 10000.0, scaling=None):
     return torch.cos(angles) * attn, torch.sin(angles) * attn
 
 
-def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", scaling=None):
-    """Rotate x: (B, T, H, D) by positions: (T,) or (B, T). Same layouts and ``scaling`` as jaxgpt.apply_rope."""
+def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", scaling=None,
+               rotary_dim: int | None = None):
+    """Rotate x: (B, T, H, D) by positions: (T,) or (B, T). Same layouts, ``scaling`` and partial
+    ``rotary_dim`` as jaxgpt.apply_rope."""
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        rotated = apply_rope(x[..., :rotary_dim], positions, base=base, layout=layout, scaling=scaling)
+        return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
     d = x.shape[-1]
     cos, sin = rope_cos_sin(positions, d, base, scaling)
     cos, sin = cos[..., None, :], sin[..., None, :]
