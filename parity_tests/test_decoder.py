@@ -10,7 +10,7 @@ import torch
 from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module, float64_torch,
                       load_into, random_params, seed_classes, torch_grads)
 from jaxgpt import PRESETS, build
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, RopeScaling
 from jaxgpt.convert import (abstract_params, from_hf, from_nanogpt, from_seed_gpt, from_seed_minigpt,
                             load_safetensors, save_safetensors, to_hf)
 from jaxgpt.inference.generate import generate
@@ -27,6 +27,10 @@ VARIANTS = {
     "gpt2": PRESETS["gpt2-small"].replace(**TINY, dropout=0.0, attn_dropout=0.0),
     "llama-gqa": PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48),
     "llama-mqa-tied": PRESETS["llama-tiny"].replace(**TINY, n_kv_head=1, d_ff=48, tie_embeddings=True),
+    # Model-level wiring of the newer layer options (each layer's own parity: test_rope_scaling, test_block_variants).
+    "llama3-rope-qknorm": PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48, qk_norm="head", rope_scaling=RopeScaling(
+        "llama3", factor=8.0, original_max_position_embeddings=8, low_freq_factor=1.0, high_freq_factor=4.0)),
+    "neox-parallel-partial": PRESETS["pythia-160m"].replace(**TINY, d_ff=64, rotary_dim=4),
 }
 
 
