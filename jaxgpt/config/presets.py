@@ -1,4 +1,4 @@
-"""Named configurations: the seeds' models, GPT-2, LLaMA and BERT sizes (values, no framework)."""
+"""Named configurations: the seeds' models, GPT-2, LLaMA, Gemma and BERT sizes (values, no framework)."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,7 +17,12 @@ def _llama(vocab_size: int, d_model: int, n_layer: int, n_head: int, n_kv_head: 
            **kw: Any) -> ModelConfig:
     return ModelConfig(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
                        d_ff=d_ff, max_len=max_len, pos="rope", rope_layout="half", norm="rmsnorm", norm_eps=1e-6,
-                       mlp="swiglu", **kw)
+                       **{"mlp": "swiglu", **kw})
+
+
+def _gemma(d_model: int, n_layer: int, n_head: int, n_kv_head: int, d_ff: int, **kw: Any) -> ModelConfig:
+    return _llama(256000, d_model, n_layer, n_head, n_kv_head, d_ff, 8192, d_head=256, mlp="geglu_tanh",
+                  norm_unit_offset=True, embed_scale=True, tie_embeddings=True, pad_token_id=0, **kw)
 
 
 # Seed 000's MiniGPT: sinusoidal positions, RMSNorm (eps 1e-6), Pre-LN, SwiGLU, untied head.
@@ -52,6 +57,10 @@ PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
     "llama-tiny": _llama(512, 256, 4, 8, 2, 688, 512),
     "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 2048),
     "llama-1b": _llama(128256, 2048, 16, 32, 8, 8192, 8192, rope_base=500000.0, tie_embeddings=True),
+    # Gemma 2B / Gemma 2 2B shapes (HF google/gemma-2b, google/gemma-2-2b). gemma2-2b attends over the whole
+    # context in every layer: HF's sliding layers (window 4096) match it only up to 4,096 tokens.
+    "gemma-2b": _gemma(2048, 18, 8, 1, 16384),
+    "gemma2-2b": _gemma(2304, 26, 8, 4, 9216, norm_placement="sandwich", attn_softcap=50.0, logit_softcap=30.0),
     "seed-attnres-standard": _SEED_ATTNRES,
     "seed-attnres-full": _SEED_ATTNRES.replace(residual="full_attnres"),
     "seed-attnres-block": _SEED_ATTNRES.replace(residual="block_attnres", attnres_blocks=3),

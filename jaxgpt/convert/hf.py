@@ -17,15 +17,15 @@ import jax
 import numpy as np
 
 from jaxgpt.config import BertConfig, ModelConfig
-from jaxgpt.convert import bert, gpt2, llama, mixtral, qwen2_moe
+from jaxgpt.convert import bert, gemma, gpt2, llama, mixtral, qwen2_moe
 from jaxgpt.convert.hf_files import write_tokenizer
 from jaxgpt.convert.rule import params_to_state_dict, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert, "mixtral": mixtral,
-            "qwen2_moe": qwen2_moe}
+            "qwen2_moe": qwen2_moe, "gemma": gemma, "gemma2": gemma}
 ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS,
-         "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS}
+         "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS, **{k: (v,) for k, v in gemma.ARCHS.items()}}
 SUPPORTED = tuple(a for archs in ARCHS.values() for a in archs)
 _DTYPES = ("float32", "bfloat16", "float16")  # what params may be loaded as and exported in
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -96,7 +96,7 @@ def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False):
 
     Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
     one tensor at a time through ``safetensors.safe_open(..., framework="np")``. Families:
-    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral (*ForCausalLM) and BERT (BertModel,
+    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral, Gemma, Gemma 2 (*ForCausalLM) and BERT (BertModel,
     BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
     not reproduce exactly, is a ValueError naming it. ``dtype=None`` upcasts bf16/fp16 checkpoints
     to float32 (exact); ``dtype='bfloat16'`` (or any NumPy dtype) gives params in that dtype.
@@ -138,6 +138,8 @@ def _family_of(config) -> Any:
                          f"{type(config).__name__}")
     if config.moe is not None:  # a shared expert is Qwen2-MoE's; Mixtral has none
         return qwen2_moe if config.moe.shared_d_ff else mixtral
+    if config.norm_unit_offset:  # (1 + w) norms: Gemma's alone
+        return gemma
     if config.pos == "rope":
         return llama
     if config.pos == "learned":

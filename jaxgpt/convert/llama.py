@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields, check_options, equals,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, GEMMA_ONLY, MAPPED, UNPADDED, Field, Option, check_fields, check_options, equals,
                                    inert, load_ref, maps_to, must_be, padding_row, refuse, rename, rename_layers, unused)
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -93,7 +93,7 @@ FIELDS: dict[str, Field] = {
     "norm_placement": must_be("pre"), "final_norm": must_be(True), "dropout": must_be(0.0),
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
     "lm_head_bias": must_be(False), "moe": must_be(None),
-    **ATTNRES_UNUSED, **ENGINE_UNUSED,
+    **ATTNRES_UNUSED, **ENGINE_UNUSED, **GEMMA_ONLY,
 }
 
 RULES = [

@@ -13,9 +13,11 @@ from jaxgpt.nn.precision import module_scope
 
 
 class Block(nn.Module):
-    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  x: (B, T, d_model).
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Sandwich: x + post_norm(f(norm(x))) (Gemma 2).
+    x: (B, T, d_model).
 
-    Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp (a MoE when ``sparse``).
+    Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp (a MoE when ``sparse``);
+    sandwich adds attn_post_norm, [cross_post_norm], mlp_post_norm.
     """
 
     config: ModelConfig
@@ -37,6 +39,9 @@ class Block(nn.Module):
 
         def residual(x, f, norm_name):
             norm = norm_from_config(cfg, norm_name)
+            if cfg.norm_placement == "sandwich":
+                post = norm_from_config(cfg, norm_name.replace("_norm", "_post_norm"))
+                return x + drop(post(f(norm(x))), deterministic=deterministic)
             if pre:
                 return x + drop(f(norm(x)), deterministic=deterministic)
             return norm(x + drop(f(x), deterministic=deterministic))

@@ -7,24 +7,31 @@ from jaxgpt.config import ModelConfig
 from torch_ref.nn.attention import attention_from_config
 from torch_ref.nn.mlp import make_mlp
 from torch_ref.nn.moe import MoE
-from torch_ref.nn.norms import make_norm
+from torch_ref.nn.norms import norm_from_config
 
 
 class Block(nn.Module):
-    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  x: (B, T, d_model)."""
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Sandwich: x + post_norm(f(norm(x))) (Gemma 2).
+    x: (B, T, d_model)."""
 
     def __init__(self, config: ModelConfig, causal: bool = True, cross: bool = False, sparse: bool = False):
         super().__init__()
         cfg = self.config = config
         self.causal, self.cross = causal, cross
-        norm = lambda: make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+        norm = lambda: norm_from_config(cfg)
         self.attn_norm, self.attn = norm(), attention_from_config(cfg)
         if cross:
             self.cross_norm, self.cross_attn = norm(), attention_from_config(cfg, rope=False)
         self.mlp_norm, self.mlp = norm(), MoE(cfg) if sparse else make_mlp(cfg)
+        if cfg.norm_placement == "sandwich":  # a norm after each sublayer too
+            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
+            if cross:
+                self.cross_post_norm = norm()
         self.drop = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x, f, norm):
+    def _residual(self, x, f, norm, post=None):
+        if post is not None:
+            return x + self.drop(post(f(norm(x))))
         if self.config.norm_placement == "pre":
             return x + self.drop(f(norm(x)))
         return norm(x + self.drop(f(x)))
@@ -42,8 +49,10 @@ class Block(nn.Module):
                                                         segment_ids=segment_ids)
             return y
 
-        x = self._residual(x, self_attn, self.attn_norm)
+        post = (lambda name: getattr(self, name + "_post_norm", None))
+        x = self._residual(x, self_attn, self.attn_norm, post("attn"))
         if self.cross:
-            x = self._residual(x, lambda h: self.cross_attn(h, context, mask=context_mask)[0], self.cross_norm)
-        x = self._residual(x, self.mlp, self.mlp_norm)
+            x = self._residual(x, lambda h: self.cross_attn(h, context, mask=context_mask)[0], self.cross_norm,
+                               post("cross"))
+        x = self._residual(x, self.mlp, self.mlp_norm, post("mlp"))
         return x, out["cache"], out["weights"]
