@@ -28,7 +28,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
                                    check_options, equals, load_ref, maps_to, must_be, padding_row, refuse, rename,
-                                   rename_layers, unused)
+                                   rename_layers)
 
 ARCHS = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 NAMES = {"gemma": "Gemma", "gemma2": "Gemma2"}

@@ -122,7 +122,8 @@ class Engine(Scheduler):
                          spec_max_batch=spec_max_batch)
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
-        self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype)
+        self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype,
+                                                 self.config.attn_softcap)
         self.eos_ids = set(int(i) for i in eos_ids)
         self.decode = decode
         self._detoks: dict[str, Detokenizer] = {}  # per request with stop strings
@@ -151,7 +152,7 @@ class Engine(Scheduler):
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0, spec_rounds=0, spec_off_steps=0)
         params, head = self._device_params(config, params, resolve_head_kernel(head_kernel, config))
         return dict(config=config, params=params, head=head, pools=pools,
-                    kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype))
+                    kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype, config.attn_softcap))
 
     @staticmethod
     def _device_params(config, params, head_kernel: str):

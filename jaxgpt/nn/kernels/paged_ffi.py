@@ -83,8 +83,9 @@ def _fallback_warning(why: str) -> None:
                   f"in-place paged kernel cannot run, because {why}", stacklevel=4)
 
 
-def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
-    """'auto' -> 'ffi' where the CPU kernel runs (CPU backend, float32 compute and pages, built),
+def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, attn_softcap: float | None = None) -> str:
+    """'auto' -> 'ffi' where the CPU kernel runs (CPU backend, float32 compute and pages, built, no
+    ``attn_softcap``: the kernel has no score soft-capping),
     else 'gather', with one warning per reason (a fallback is never silent); an explicit 'ffi' that
     cannot run is an error. No accelerator has an in-place kernel yet (issue 37): there 'auto' warns."""
     if kernel not in PAGED_KERNELS:
@@ -92,7 +93,9 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype) -> str:
     if kernel == "gather":
         return kernel
     why = None
-    if jax.default_backend() != "cpu":
+    if attn_softcap is not None:
+        why = f"it has no attention soft-capping (attn_softcap={attn_softcap})"
+    elif jax.default_backend() != "cpu":
         why = f"it is a CPU kernel and this backend is {jax.default_backend()!r}"
     elif compute_dtype != "float32" or np.dtype(pool_dtype) != np.float32:
         why = f"it reads float32 pages in a float32 model (dtype={compute_dtype}, pages {np.dtype(pool_dtype)})"

@@ -1,0 +1,43 @@
+"""HF Gemma and Gemma 2 (issue 53): ``hf_family.check_family`` on one tiny model of each, built from
+transformers' config classes (random weights perturbed to unit scale, eager attention).
+
+Gemma 2's model has every Gemma 2 feature on: (1 + w) norms, a norm before and after each sublayer,
+query_pre_attn_scalar apart from head_dim, both soft-caps set low enough to bite (logits reach the
+caps), alternating sliding/full layer types with a window covering the context, and an untied head
+(the other model ties it)."""
+import pytest
+
+from conftest import require_module
+from hf_family import check_family, perturb
+from jaxgpt.nn.kernels import panel_ffi
+
+transformers = require_module("transformers", allow_module_level=True)
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=32, attn_implementation="eager")
+
+
+def test_gemma_everywhere(tmp_path):
+    hf = perturb(transformers.GemmaForCausalLM(transformers.GemmaConfig(**SIZES)))
+    config, _ = check_family(hf, tmp_path, "Gemma")
+    assert config.norm_unit_offset and config.embed_scale and config.mlp == "geglu_tanh"
+    assert config.tie_embeddings and config.norm_placement == "pre"
+
+
+def test_gemma2_everywhere(tmp_path):
+    hf = perturb(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **SIZES, query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=3.0,
+        sliding_window=32, tie_word_embeddings=False)))
+    engine = dict(head_kernel="panel") if panel_ffi.available() else {}  # the packed head caps its logits too
+    config, _ = check_family(hf, tmp_path, "Gemma 2", engine_kw=engine)
+    assert config.norm_placement == "sandwich" and config.attn_scale == 12 ** -0.5
+    assert (config.attn_softcap, config.logit_softcap) == (1.5, 3.0)
+
+
+def test_gemma2_shorter_sliding_window_is_refused(tmp_path):
+    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**SIZES, "sliding_window": 8}))
+    hf.save_pretrained(tmp_path)
+    from jaxgpt.convert import load_hf
+
+    with pytest.raises(ValueError, match=r"HF Gemma2 config not supported exactly by jaxgpt: .*sliding_window=8 "
+                                         r"\(supported: None or >= max_position_embeddings"):
+        load_hf(tmp_path)
