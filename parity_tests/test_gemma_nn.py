@@ -82,7 +82,7 @@ def test_softcapped_attention_matches_gemma2_eager_attention(impl):
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     q, k, v = _qkv(2, 10, 10)
-    t = lambda a: torch.from_numpy(np.asarray(a)).transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
+    t = lambda a: torch.tensor(np.asarray(a)).transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
     neg = torch.where(torch.ones(10, 10, dtype=torch.bool).tril(), 0.0, torch.finfo(torch.float32).min)
     want, _ = eager_attention_forward(SimpleNamespace(num_key_value_groups=2, training=False), t(q), t(k), t(v),
                                       neg[None, None], scaling=SCALE, softcap=CAP)
