@@ -114,8 +114,8 @@ def test_every_kernel_serving_a_softcap_matches_xla(impl):
         def f(impl, q, k, v, kw=kw):
             return jnp.sum(attend(q, k, v, impl=impl, block=4, scale=SCALE, softcap=CAP, **kw) * cot[:, :q.shape[1]])
 
-        ref, ref_g = jax.value_and_grad(f, argnums=(1, 2, 3))("xla", q, k, v)
-        val, g = jax.value_and_grad(f, argnums=(1, 2, 3))(impl, q, k, v)
+        run = jax.jit(jax.value_and_grad(f, argnums=(1, 2, 3)), static_argnums=0)
+        (ref, ref_g), (val, g) = run("xla", q, k, v), run(impl, q, k, v)
         assert_close(val, ref, f"attend {impl} softcap {name}: forward (summed)")
         assert_grads_close(dict(zip("qkv", g)), dict(zip("qkv", ref_g)), f"attend {impl} softcap {name}")
 
@@ -156,7 +156,7 @@ def test_sandwich_block_matches_torch_ref(rng):
     x = rng.standard_normal((2, 7, 32)).astype(np.float32)
     params = _unit_offset(random_params(Block(GEMMA2), x))
     assert sorted(k for k in params if "norm" in k) == ["attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"]
-    check_module("Block sandwich", Block(GEMMA2), TBlock(GEMMA2), [x], params=params, select=lambda o: o[0])
+    check_module("Block sandwich", Block(GEMMA2), TBlock(GEMMA2), [x], params=params, select=lambda o: o[0], jit=True)
 
 
 def test_softcapped_head_over_a_padded_vocabulary_matches_torch_ref():
@@ -165,7 +165,7 @@ def test_softcapped_head_over_a_padded_vocabulary_matches_torch_ref():
     params = _unit_offset(random_params(DecoderLM(GEMMA2), tokens[:1, :1]))
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 4  # logits past the cap
     check_module("DecoderLM Gemma 2", DecoderLM(GEMMA2), TDecoderLM(GEMMA2), [tokens], params=params,
-                 stacked=("layers",))
+                 stacked=("layers",), jit=True)
     logits = np.asarray(DecoderLM(GEMMA2).apply({"params": params}, tokens))
     assert (logits[..., 40:] == np.finfo(np.float32).min).all()
     assert 1.9 < np.abs(logits[..., :40]).max() < 2.0

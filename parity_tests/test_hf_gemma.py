@@ -16,6 +16,7 @@ SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_lay
              num_key_value_heads=2, head_dim=16, max_position_embeddings=32, attn_implementation="eager")
 
 
+@pytest.mark.slow  # Gemma 2's model below runs each Gemma feature too; this adds the pre-norm layout and a tied head
 def test_gemma_everywhere(tmp_path):
     hf = perturb(transformers.GemmaForCausalLM(transformers.GemmaConfig(**SIZES)))
     config, _ = check_family(hf, tmp_path, "Gemma")
