@@ -3,8 +3,8 @@ twin, conftest.check_module) and, where cheap, transformers' own code: the (1 + 
 (GemmaRMSNorm), the tanh-GELU GeGLU (GemmaMLP), attention with Gemma 2's score multiplier and soft-cap
 (Gemma 2's eager_attention_forward) on every kernel that serves it, against 'xla' too (a cache at a
 traced offset, a decode step, a paged cache, masks with an empty row), the kernels that lack the cap
-refusing it, the sandwich block, the soft-capped head over a padded vocabulary, and the embedding
-scale against Gemma's normalizer.
+refusing it, no C++ attention kernel in a soft-capped model's CPU programs, the sandwich block, the
+soft-capped head over a padded vocabulary, and the embedding scale against Gemma's normalizer.
 
 Weights: unit scale (conftest.randomize); a unit-offset norm's stored w is randomize's scale minus 1,
 so the gain 1 + w is near 1 as in a trained Gemma."""
@@ -179,3 +179,17 @@ def test_embed_scale_is_gemmas_normalizer(d):
                                   (np.float16, torch.float16)):
         ours = float(jnp.asarray(np.sqrt(d), np_dtype))  # jaxgpt.models.stack.embed_tokens
         assert ours == float(torch.tensor(d ** 0.5).to(torch_dtype)), (d, np_dtype)
+
+
+def test_softcapped_programs_hold_no_cpu_attention_kernel():
+    """Where 'auto' and the engine's paged 'ffi' would run a C++ attention kernel (the float32 train step's
+    causal kernel, the paged engine step's in-place kernel), a soft-capped model's CPU program holds none;
+    its CUDA program lowers too (test_lowering's programs, Gemma 2 sized like LLaMA's there)."""
+    from test_lowering import LLAMA, _paged, _train, custom_calls
+
+    gemma2 = LLAMA.replace(**{k: getattr(GEMMA2, k) for k in (
+        "norm_unit_offset", "mlp", "embed_scale", "norm_placement", "attn_scale", "attn_softcap", "logit_softcap")})
+    for name, traced in (("train", _train(gemma2, "float32")), ("paged", _paged(gemma2.replace(scan_layers=False)))):
+        calls = custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())
+        assert not {c for c in calls if "attention" in c}, f"{name}: {sorted(calls)}"
+        traced.lower(lowering_platforms=("cuda",))
