@@ -55,7 +55,7 @@ def test_unit_offset_rmsnorm_matches_gemma_rmsnorm_and_torch_ref(impl, rng):
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
     hf = GemmaRMSNorm(32, eps=1e-6)
-    hf.weight.data = torch.from_numpy(np.asarray(params["scale"]))
+    hf.weight.data = torch.tensor(np.asarray(params["scale"]))
     assert_close(ours.apply({"params": params}, x), hf(torch.from_numpy(x)), "RMSNorm unit offset vs GemmaRMSNorm")
 
 

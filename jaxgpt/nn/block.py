@@ -13,8 +13,7 @@ from jaxgpt.nn.precision import module_scope
 
 
 class Block(nn.Module):
-    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Sandwich: x + post_norm(f(norm(x))) (Gemma 2).
-    x: (B, T, d_model).
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Sandwich: x + post(f(norm(x))).  x: (B, T, d_model).
 
     Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp (a MoE when ``sparse``);
     sandwich adds attn_post_norm, [cross_post_norm], mlp_post_norm.

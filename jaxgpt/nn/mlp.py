@@ -178,10 +178,7 @@ def make_mlp(config, name: str = "mlp") -> nn.Module:
                   init_std=config.init_std, out_init_std=config.out_init_std, dtype=config.dtype,
                   param_dtype=config.param_dtype, matvec=not config.scan_layers,
                   matmul_precision=config.matmul_precision, name=name)
-    if config.mlp == "swiglu":
-        return SwiGLU(**common)
-    if config.mlp == "geglu_tanh":
-        from jaxgpt.nn.geglu import GeGLU  # a subclass of SwiGLU: imported here, not at the top
-
-        return GeGLU(**common)
+    if config.mlp in ("swiglu", "geglu_tanh"):
+        from jaxgpt.nn.geglu import GeGLU  # SwiGLU's subclass: imported here, not at the top
+        return (GeGLU if config.mlp == "geglu_tanh" else SwiGLU)(**common)
     return MLP(activation=config.mlp, act_impl=config.act_impl, **common)

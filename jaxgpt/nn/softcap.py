@@ -10,9 +10,8 @@ def softcap(x, cap: float | None):
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def softcap_grad(capped, cap: float | None):
+def softcap_grad(capped, cap: float):
     """d softcap / dx from the capped values: 1 - (capped / cap)^2 (0 where capped is -inf: a masked score)."""
-    if cap is None:
-        return 1.0
-    t = jnp.where(jnp.isfinite(capped), capped / cap, 0.0)
-    return jnp.where(jnp.isfinite(capped), 1.0 - t * t, 0.0)
+    finite = jnp.isfinite(capped)
+    t = jnp.where(finite, capped / cap, 0.0)
+    return jnp.where(finite, 1.0 - t * t, 0.0)

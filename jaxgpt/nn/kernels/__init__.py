@@ -73,7 +73,8 @@ def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, p
     """
     if dropout_rate > 0.0:
         return "xla"
-    if plain and softcap is None and tq > 1 and q is not None and jax.default_backend() == "gpu" and cudnn_unsupported(q) is None:
+    if plain and softcap is None and tq > 1 and q is not None and jax.default_backend() == "gpu" and \
+            cudnn_unsupported(q) is None:
         return "cudnn"
     return "blocked" if tq > 1 and tk > block else "xla"
 

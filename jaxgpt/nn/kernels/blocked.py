@@ -128,7 +128,8 @@ def _flash_bwd_body(cfg, res, dout):
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
             ds = p * (dp - lax.dynamic_slice_in_dim(delta, i * cfg.bq, cfg.bq, 3)[..., None]) * cfg.scale
-            ds = ds * softcap_grad(s, cfg.softcap)  # through the cap's tanh (1 without one)
+            if cfg.softcap is not None:  # through the cap's tanh
+                ds = ds * softcap_grad(s, cfg.softcap)
             dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
             dqi = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kj.dtype), kj, preferred_element_type=jnp.float32)
             dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, i * cfg.bq, cfg.bq, 3) + dqi,
