@@ -34,7 +34,7 @@ transformers = require_module("transformers", allow_module_level=True)
 SCALE, CAP = 0.3, 1.5  # a multiplier apart from head_dim ** -0.5; a cap the unit-scale scores reach
 GEMMA2 = ModelConfig(vocab_size=48, valid_vocab=40, d_model=32, n_head=4, n_kv_head=2, d_head=8, d_ff=48, n_layer=2,
                      max_len=32, pos="rope", norm_unit_offset=True, mlp="geglu_tanh", embed_scale=True,
-                     norm_placement="sandwich", attn_scale=SCALE, attn_softcap=CAP, logit_softcap=2.0)
+                     norm_placement="sandwich", attn_scale=SCALE, attn_softcap=CAP, logit_softcap=1.0)
 
 
 def _unit_offset(params):
@@ -160,15 +160,15 @@ def test_sandwich_block_matches_torch_ref(rng):
 
 
 def test_softcapped_head_over_a_padded_vocabulary_matches_torch_ref():
-    """DecoderLM: logits capped at logit_softcap (reached), padded ids still the float32 minimum."""
+    """DecoderLM: logits capped at logit_softcap (reached: uncapped they reach about 4), padded ids still the
+    float32 minimum (the float64 twin's is another number: the tokens' logits are compared)."""
     tokens = np.random.default_rng(6).integers(0, 40, (2, 9)).astype(np.int32)
     params = _unit_offset(random_params(DecoderLM(GEMMA2), tokens[:1, :1]))
-    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 4  # logits past the cap
     check_module("DecoderLM Gemma 2", DecoderLM(GEMMA2), TDecoderLM(GEMMA2), [tokens], params=params,
-                 stacked=("layers",), jit=True)
+                 stacked=("layers",), jit=True, select=lambda logits: logits[..., :40])  # the tokens' logits
     logits = np.asarray(DecoderLM(GEMMA2).apply({"params": params}, tokens))
     assert (logits[..., 40:] == np.finfo(np.float32).min).all()
-    assert 1.9 < np.abs(logits[..., :40]).max() < 2.0
+    assert 0.99 < np.abs(logits[..., :40]).max() < 1.0
 
 
 @pytest.mark.parametrize("d", [2048, 2304, 3072, 3584, 4608])
