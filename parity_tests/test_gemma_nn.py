@@ -24,7 +24,7 @@ from jaxgpt.nn import norms
 from jaxgpt.nn.block import Block
 from jaxgpt.nn.geglu import GeGLU
 from jaxgpt.nn.kernels import attend, paged, paged_ffi
-from jaxgpt.nn.kernels import norm_ffi
+from jaxgpt.nn.kernels import causal_ffi, norm_ffi
 from torch_ref.models.decoder import DecoderLM as TDecoderLM
 from torch_ref.nn import norms as tnorms
 from torch_ref.nn.block import Block as TBlock
@@ -120,8 +120,9 @@ def test_every_kernel_serving_a_softcap_matches_xla(impl):
         assert_grads_close(dict(zip("qkv", g)), dict(zip("qkv", ref_g)), f"attend {impl} softcap {name}")
 
 
-def test_paged_attention_with_a_softcap_reads_the_gathered_pages():
-    """kv_layout 'pages' (the engine's 'ffi' cache): with a cap, the pages gathered and a kernel with the cap."""
+def test_paged_attention_with_a_multiplier_and_a_softcap():
+    """kv_layout 'pages' (the engine's 'ffi' cache): with a cap, the pages gathered and a kernel with the cap;
+    without one, the C++ paged kernel (on the CPU, where built) with the multiplier."""
     r = np.random.default_rng(4)
     k_pool, v_pool = (jnp.asarray(r.standard_normal((6, 2, 4, 8)), jnp.float32) for _ in range(2))
     table, q_pos = jnp.asarray([[3, 1, 5], [0, 2, 4]]), jnp.asarray([[9], [5]])
@@ -130,8 +131,24 @@ def test_paged_attention_with_a_softcap_reads_the_gathered_pages():
     k, v, mask = paged.gather(k_pool, v_pool, table, q_pos)
     want = attend(q, k, v, impl="xla", kv_layout="rows", mask=mask, scale=SCALE, softcap=CAP)
     assert_close(got, want, "paged attention softcap vs xla over the gathered pages")
-    assert np.abs(np.asarray(want) - np.asarray(attend(q, k, v, impl="xla", kv_layout="rows", mask=mask,
-                                                       scale=SCALE))).max() > 1e-2  # the cap bites
+    uncapped = attend(q, k, v, impl="xla", kv_layout="rows", mask=mask, scale=SCALE)
+    assert np.abs(np.asarray(want) - np.asarray(uncapped)).max() > 1e-2  # the cap bites
+    got = attend(q, k_pool, v_pool, kv_layout="pages", pages=(table, q_pos), scale=SCALE)  # the C++ kernel on the CPU
+    assert_close(got, uncapped, "paged attention attn_scale vs xla over the gathered pages")
+
+
+@pytest.mark.parametrize("impl", ["ffi", "auto"])
+def test_attn_scale_reaches_the_cpu_kernels(impl):
+    """Gemma 2's multiplier without a cap, where the C++ kernels run (the causal kernel for the train case,
+    the cache kernel for the decode step; the others take ``scale`` as jax.nn does), against 'xla'."""
+    if impl == "ffi" and not causal_ffi.available():
+        pytest.skip("the C++ attention kernel is not built here")
+    for name, q, k, v, kw in _cases():
+        if name == "prefill" and impl == "ffi":
+            continue  # a masked prefill: 'ffi' runs what 'auto' picks, the case below covers it
+        want = attend(q, k, v, impl="xla", scale=SCALE, **kw)
+        assert np.abs(np.asarray(want) - np.asarray(attend(q, k, v, impl="xla", **kw))).max() > 1e-2
+        assert_close(attend(q, k, v, impl=impl, block=4, scale=SCALE, **kw), want, f"attend {impl} attn_scale {name}")
 
 
 @pytest.mark.parametrize("impl", ["jax", "cudnn", "ffi"])
