@@ -4,7 +4,7 @@ transformers' config classes (random weights perturbed to unit scale, eager atte
 Gemma 2's model has every Gemma 2 feature on: (1 + w) norms, a norm before and after each sublayer,
 query_pre_attn_scalar apart from head_dim, both soft-caps set low enough to bite (logits reach the
 caps), alternating sliding/full layer types with a window covering the context, and an untied head
-(the other model ties it)."""
+(the other model ties it). The presets are checked against the published config.json files."""
 import pytest
 
 from conftest import require_module
@@ -42,3 +42,38 @@ def test_gemma2_shorter_sliding_window_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"HF Gemma2 config not supported exactly by jaxgpt: .*sliding_window=8 "
                                          r"\(supported: None or >= max_position_embeddings"):
         load_hf(tmp_path)
+
+
+# config.json of google/gemma-2b and google/gemma-2-2b (as published; weights not needed)
+HUB = {
+    "gemma-2b": dict(architectures=["GemmaForCausalLM"], model_type="gemma", attention_bias=False,
+                     attention_dropout=0.0, bos_token_id=2, eos_token_id=1, pad_token_id=0, head_dim=256,
+                     hidden_act="gelu", hidden_size=2048, initializer_range=0.02, intermediate_size=16384,
+                     max_position_embeddings=8192, num_attention_heads=8, num_hidden_layers=18,
+                     num_key_value_heads=1, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=10000.0,
+                     torch_dtype="bfloat16", use_cache=True, vocab_size=256000),
+    "gemma2-2b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", attention_bias=False,
+                      attention_dropout=0.0, attn_logit_softcapping=50.0, bos_token_id=2, cache_implementation="hybrid",
+                      eos_token_id=[1, 107], final_logit_softcapping=30.0, head_dim=256,
+                      hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", hidden_size=2304,
+                      initializer_range=0.02, intermediate_size=9216, max_position_embeddings=8192,
+                      num_attention_heads=8, num_hidden_layers=26, num_key_value_heads=4, pad_token_id=0,
+                      query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+                      torch_dtype="float32", use_cache=True, vocab_size=256000),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB))
+def test_presets_are_the_published_configs(name):
+    """The presets' shapes are the published models'; Gemma 2's 4,096-token window is refused by name, and
+    with a window covering the context the config is the preset's."""
+    from jaxgpt import PRESETS
+    from jaxgpt.convert import gemma
+
+    d = HUB[name]
+    if name == "gemma2-2b":
+        with pytest.raises(ValueError, match=r"sliding_window=4096 \(supported: None or >= max_position_embeddings"):
+            gemma.config_from_hf(d, d["architectures"][0])
+        d = {**d, "sliding_window": 8192}
+    config, preset = gemma.config_from_hf(d, d["architectures"][0]), PRESETS[name]
+    assert config.replace(d_head=config.head_dim) == preset.replace(d_head=preset.head_dim)

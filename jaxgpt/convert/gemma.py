@@ -27,7 +27,7 @@ import numpy as np
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
 from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
-                                   check_options, equals, load_ref, maps_to, must_be, padding_row, refuse, rename,
+                                   check_options, equals, inert, load_ref, maps_to, must_be, padding_row, refuse, rename,
                                    rename_layers)
 
 ARCHS = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
@@ -43,7 +43,8 @@ OPTIONS: dict[str, dict[str, Option]] = {
     "gemma": {**_COMMON, "hidden_act": equals(*_TANH), "hidden_activation": equals(None, "gelu_pytorch_tanh")},
     "gemma2": {**_COMMON, "hidden_activation": equals("gelu_pytorch_tanh"), "hidden_act": equals(None, *_TANH),
                "query_pre_attn_scalar": MAPPED, "attn_logit_softcapping": MAPPED, "final_logit_softcapping": MAPPED,
-               "sliding_window": llama._WINDOW, "layer_types": llama._LAYER_TYPES},
+               "sliding_window": llama._WINDOW, "layer_types": llama._LAYER_TYPES,
+               "cache_implementation": inert("the KV cache class transformers' generate uses")},
 }
 
 
