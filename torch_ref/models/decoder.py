@@ -11,6 +11,7 @@ from jaxgpt.config import ModelConfig
 from torch_ref.nn.attention import KVCache
 from torch_ref.nn.block import Block
 from torch_ref.nn.norms import norm_from_config
+from torch_ref.nn.softcap import softcap
 from torch_ref.models.stack import add_embeddings, check_tokens, embed_tokens
 
 
@@ -78,8 +79,7 @@ class DecoderLM(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         logits = x @ self.tok_embed.weight.T if cfg.tie_embeddings else self.lm_head(x)
-        if cfg.logit_softcap is not None:  # as HF Gemma 2: divide, tanh, multiply
-            logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
+        logits = softcap(logits, cfg.logit_softcap)
         if cfg.valid_vocab is not None:  # padded ids: the float32 minimum, as jaxgpt's mask_padded_vocab
             padded = torch.arange(logits.shape[-1], device=logits.device) >= cfg.valid_vocab
             logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)

@@ -15,6 +15,7 @@ from torch import nn
 from jaxgpt.core import validate
 from torch_ref.nn.mlp import linear
 from torch_ref.nn.positions import apply_rope
+from torch_ref.nn.softcap import softcap as capped
 
 
 @dataclass
@@ -70,8 +71,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
     scale = d ** -0.5 if scale is None else scale
     kr, vr = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
     scores = (qh.float() @ kr.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
-    if softcap is not None:  # as HF Gemma 2: divide, tanh, multiply, then the mask
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = capped(scores, softcap)  # before the mask, as HF Gemma 2
     if allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
     weights = torch.softmax(scores, dim=-1)
