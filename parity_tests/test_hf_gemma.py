@@ -28,7 +28,8 @@ def test_gemma2_everywhere(tmp_path):
     hf = perturb(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         **SIZES, query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=3.0,
         sliding_window=32, tie_word_embeddings=False)))
-    engine = dict(head_kernel="panel") if panel_ffi.available() else {}  # the packed head caps its logits too
+    # the packed head caps its logits too; the pages are gathered ('auto' would say so in a warning)
+    engine = dict(paged_kernel="gather", **(dict(head_kernel="panel") if panel_ffi.available() else {}))
     config, _ = check_family(hf, tmp_path, "Gemma 2", engine_kw=engine)
     assert config.norm_placement == "sandwich" and config.attn_scale == 12 ** -0.5
     assert (config.attn_softcap, config.logit_softcap) == (1.5, 3.0)
