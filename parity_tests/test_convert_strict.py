@@ -11,7 +11,7 @@ from conftest import assert_close, require_module
 from jaxgpt import PRESETS, build
 from jaxgpt.config import (MLPS, NORMS, PLACEMENTS, POS, QK_NORMS, RESIDUALS, ROPE_LAYOUTS, BertConfig, ModelConfig,
                            MoEConfig, RopeScaling)
-from jaxgpt.convert import bert, from_hf, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3, to_hf
+from jaxgpt.convert import bert, from_hf, gemma, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3, to_hf
 from jaxgpt.convert.common import check_options
 from jaxgpt.models import abstract_params
 
@@ -26,15 +26,19 @@ QWEN3 = LLAMA.replace(qk_norm="head", d_head=16)
 OLMO2 = LLAMA.replace(qk_norm="full", norm_placement="post_sublayer")
 NEOX = PRESETS["pythia-160m"].replace(**TINY, rotary_dim=2)
 PHI3 = LLAMA.replace(rotary_dim=4)
+GEMMA = PRESETS["gemma-2b"].replace(**TINY, n_kv_head=1, d_head=8, d_ff=48)
+GEMMA2 = PRESETS["gemma2-2b"].replace(**TINY, n_kv_head=2, d_head=8, d_ff=48, attn_scale=0.25)
 FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LLAMA),
             "mixtral": (mixtral, mixtral.FIELDS, MIXTRAL), "qwen2_moe": (qwen2_moe, qwen2_moe.FIELDS, QWEN2_MOE),
             "qwen3": (qwen3, qwen3.FIELDS, QWEN3), "olmo2": (olmo2, olmo2.FIELDS, OLMO2),
-            "gpt_neox": (gpt_neox, gpt_neox.FIELDS, NEOX), "phi3": (phi3, phi3.FIELDS, PHI3)}
+            "gpt_neox": (gpt_neox, gpt_neox.FIELDS, NEOX), "phi3": (phi3, phi3.FIELDS, PHI3),
+            "gemma2": (gemma, gemma.FIELDS, GEMMA2)}
 # Candidate values for a field, to find one its family's rule refuses.
 CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMENTS, "rope_layout": ROPE_LAYOUTS,
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
               "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "valid_vocab": (None, 40), "qk_norm": QK_NORMS, "rotary_dim": (None, 4), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
-              "rope_scaling": (None, RopeScaling("linear", factor=2.0))}
+              "rope_scaling": (None, RopeScaling("linear", factor=2.0)),
+              "attn_scale": (None, 0.3), "attn_softcap": (None, 50.0), "logit_softcap": (None, 30.0)}
 
 
 def _params(config):
@@ -45,6 +49,7 @@ def _params(config):
                                        (mixtral.FIELDS, ModelConfig), (qwen2_moe.FIELDS, ModelConfig),
                                        (qwen3.FIELDS, ModelConfig), (olmo2.FIELDS, ModelConfig),
                                        (gpt_neox.FIELDS, ModelConfig), (phi3.FIELDS, ModelConfig),
+                                       (gemma.FIELDS, ModelConfig),
                                        (bert._ENCODER, ModelConfig), (bert.FIELDS, BertConfig)])
 def test_every_config_field_has_an_export_rule(table, cls):
     """A new config field must be given a rule per family (maps to / must be / unused)."""
@@ -86,6 +91,17 @@ def test_exporters_refuse_each_field_they_cannot_express(family):
         if config is not None:
             with pytest.raises(ValueError, match=rf"cannot export this config as HF \S+ exactly: .*\b{name}="):
                 module.config_to_hf(config)
+
+
+def test_gemma_exporter_refuses_gemma2_fields_in_a_gemma_config():
+    """Without norm_placement='sandwich' the export is Gemma 1, which has neither soft-cap nor another
+    score multiplier: each is named (the table's '-> ' rules, which the test above leaves out)."""
+    gemma.config_to_hf(GEMMA)
+    assert gemma.config_to_hf(GEMMA.replace(attn_scale=GEMMA.head_dim ** -0.5))["model_type"] == "gemma"
+    config = GEMMA.replace(attn_scale=0.3, attn_softcap=50.0, logit_softcap=30.0)
+    with pytest.raises(ValueError, match=r"cannot export this config as HF Gemma exactly: attn_scale=0.3 .*"
+                                         r"attn_softcap=50.0 .*logit_softcap=30.0"):
+        to_hf(config, _params(config))
 
 
 def test_bert_exporter_refuses_each_field_it_cannot_express():
@@ -154,6 +170,9 @@ def _hf_dict(config_cls, **kw):
     ("Phi3Config", phi3, {"resid_pdrop": 0.1}, "0.0"),
     ("Qwen3Config", qwen3, {"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 64},
      ">= max_position_embeddings"),
+    ("Gemma2Config", gemma, {"sliding_window": 16, "max_position_embeddings": 64}, ">= max_position_embeddings"),
+    ("Gemma2Config", gemma, {"hidden_activation": "gelu"}, "'gelu_pytorch_tanh'"),
+    ("GemmaConfig", gemma, {"use_bidirectional_attention": True}, "None or False"),
     ("BertConfig", bert, {"position_embedding_type": "relative_key"}, "'absolute'"),
     ("BertConfig", bert, {"hidden_act": "silu"}, "one of"),
     ("BertConfig", bert, {"is_decoder": True}, "False"),

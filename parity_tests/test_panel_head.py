@@ -153,7 +153,9 @@ def test_the_measurement_times_both_paths(monkeypatch):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=True), dict(lm_head_bias=True),
-                                dict(vocab_size=128, valid_vocab=100)], ids=["untied", "tied", "bias", "padded"])
+                                dict(vocab_size=128, valid_vocab=100),
+                                dict(vocab_size=128, valid_vocab=100, logit_softcap=1.0)],
+                         ids=["untied", "tied", "bias", "padded", "softcap"])
 def test_hidden_states_projected_by_the_packed_head_are_the_models_logits(kw):
     """``DecoderLM(hidden=True)`` + ``packed_head.project`` against the model's own head, on every position
     of a batch (1e-5: another summation order over d)."""

@@ -14,9 +14,11 @@ from jaxgpt.config.rope import RopeScaling
 
 POS = ("none", "sinusoidal", "learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("relu", "gelu", "gelu_tanh", "swiglu")
-# 'post_sublayer': x + norm(f(x)), the norm on the sublayer's output inside the residual (OLMo 2)
-PLACEMENTS = ("pre", "post", "post_sublayer")
+MLPS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu_tanh")  # geglu_tanh: SwiGLU with tanh-GELU (Gemma)
+GATED_MLPS = ("swiglu", "geglu_tanh")  # gate_proj / up_proj / down_proj
+# 'post_sublayer': x + norm(f(x)), the norm on the sublayer's output inside the residual (OLMo 2);
+# 'sandwich': x + post_norm(f(norm(x))) (Gemma 2)
+PLACEMENTS = ("pre", "post", "post_sublayer", "sandwich")
 # An RMSNorm on the projected queries and keys before RoPE: 'head' over each head's D (Qwen3),
 # 'full' over the whole projection, H*D and H_kv*D (OLMo 2); None: none.
 QK_NORMS = (None, "head", "full")
@@ -41,6 +43,8 @@ NORM_IMPLS = ("auto", "xla", "ffi")
 # The exact GELU (engine knob, same math): 'xla', 'ffi' the C++ CPU kernel (jaxgpt.nn.kernels.gelu_ffi),
 # 'auto' the kernel on the CPU in float32 where it is built, else 'xla'. Other activations run XLA's.
 ACT_IMPLS = ("auto", "xla", "ffi")
+# The kernels without attention soft-capping (attn_softcap): 'auto' avoids them; an explicit choice is refused.
+SOFTCAP_REFUSED = ("jax", "cudnn", "ffi")
 # float32 matmul precision (engine knob; jaxgpt/nn/precision.py): 'auto' full float32 for float32 compute
 # (a GPU's default is TF32, which torch keeps off), the backend default for bf16/fp16 compute;
 # 'default' the backend's default (TF32 on NVIDIA GPUs), 'high', 'highest' jax.lax.Precision's.
@@ -88,7 +92,7 @@ class ModelConfig(_Config):
     n_head: int = 4
     n_kv_head: int | None = None
     d_head: int | None = None  # width of each head; None: d_model // n_head (Gemma and Qwen3 set it apart)
-    d_ff: int | None = None  # None: 4 * d_model (swiglu: 2/3 of that, rounded up to a multiple of 8)
+    d_ff: int | None = None  # None: 4 * d_model (gated MLPs: 2/3 of that, rounded up to a multiple of 8)
     max_len: int = 256  # context window; sizes learned/sinusoidal tables and KV caches
     pos: str = "sinusoidal"
     rope_base: float = 10000.0
@@ -98,6 +102,7 @@ class ModelConfig(_Config):
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only
+    norm_unit_offset: bool = False  # the norms scale by (1 + scale), scale initialised to 0 (Gemma's RMSNorm)
     mlp: str = "swiglu"
     mlp_bias: bool = False
     qkv_bias: bool = False
@@ -112,7 +117,10 @@ class ModelConfig(_Config):
     lm_head_bias: bool = False  # bias on the untied output projection (seed 004's decoder-only models)
     init_std: float = 0.02
     scale_out_init: bool = False  # GPT-2: o_proj/down_proj/fc_out std = init_std / sqrt(2 n_layer)
-    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (seed 004 encoder-decoder)
+    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (seed 004 encoder-decoder, Gemma)
+    attn_scale: float | None = None  # attention-score multiplier; None: head_dim ** -0.5 (Gemma 2 sets it apart)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2); None: off
+    logit_softcap: float | None = None  # final logits -> cap * tanh(logits / cap) (Gemma 2); None: off
     # Attention Residuals (seed 002 / arXiv 2603.15031): depth-wise softmax mixing of earlier outputs.
     residual: str = "standard"
     attnres_variant: str = "seed"  # 'seed': the seed's code exactly; 'paper': the published formulation
@@ -184,6 +192,13 @@ class ModelConfig(_Config):
             raise ValueError("lm_head_bias=True needs an untied lm_head (tie_embeddings=False)")
         if self.moe is not None:
             self._validate_moe()
+        for name in ("attn_scale", "attn_softcap", "logit_softcap"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
+        if self.attn_softcap is not None and self.attention_impl in SOFTCAP_REFUSED:
+            # jax.nn's attention and the C++ kernels have no score soft-capping: refused, never dropped
+            raise ValueError(f"attention_impl={self.attention_impl!r} has no attention soft-capping (attn_softcap="
+                             f"{self.attn_softcap}); use 'auto', 'xla' or 'blocked'")
         if self.attention_impl not in ("xla", "auto") and self.attention_dropout > 0:  # 'auto' picks 'xla' then
             # Only the einsum kernel can drop attention weights; no other kernel reproduces its draws,
             # so the pair is refused here rather than silently training with another kernel.
@@ -249,7 +264,7 @@ class ModelConfig(_Config):
     def ffn_dim(self) -> int:
         if self.d_ff is not None:
             return self.d_ff
-        if self.mlp == "swiglu":  # keep the parameter count of a 4x two-matrix MLP
+        if self.mlp in GATED_MLPS:  # keep the parameter count of a 4x two-matrix MLP
             return -(-(8 * self.d_model // 3) // 8) * 8
         return 4 * self.d_model
 

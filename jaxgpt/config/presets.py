@@ -1,4 +1,4 @@
-"""Named configurations: the seeds' models, GPT-2, LLaMA and BERT sizes (values, no framework)."""
+"""Named configurations: the seeds' models, GPT-2, LLaMA, Gemma and BERT sizes (values, no framework)."""
 from __future__ import annotations
 
 from typing import Any
@@ -27,6 +27,11 @@ def _llama3(d_model: int, n_layer: int, n_head: int, d_ff: int, factor: float, t
                           original_max_position_embeddings=8192)
     return _llama(128256, d_model, n_layer, n_head, 8, d_ff, 131072, rope_base=500000.0, rope_scaling=scaling,
                   norm_eps=1e-5, tie_embeddings=tie)
+
+
+def _gemma(d_model: int, n_layer: int, n_head: int, n_kv_head: int, d_ff: int, **kw: Any) -> ModelConfig:
+    return _llama(256000, d_model, n_layer, n_head, n_kv_head, d_ff, 8192, d_head=256, mlp="geglu_tanh",
+                  norm_unit_offset=True, embed_scale=True, tie_embeddings=True, pad_token_id=0, **kw)
 
 
 # Seed 000's MiniGPT: sinusoidal positions, RMSNorm (eps 1e-6), Pre-LN, SwiGLU, untied head.
@@ -74,6 +79,10 @@ PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
                                pos="rope", rotary_dim=16, norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True,
                                qkv_bias=True, o_bias=True, parallel_residual=True),
     "phi3-mini": _llama(32064, 3072, 32, 32, 32, 8192, 4096).replace(norm_eps=1e-5),
+    # Gemma 2B / Gemma 2 2B shapes (HF google/gemma-2b, google/gemma-2-2b). gemma2-2b attends over the whole
+    # context in every layer: HF's sliding layers (window 4096) match it only up to 4,096 tokens.
+    "gemma-2b": _gemma(2048, 18, 8, 1, 16384),
+    "gemma2-2b": _gemma(2304, 26, 8, 4, 9216, norm_placement="sandwich", attn_softcap=50.0, logit_softcap=30.0),
     "seed-attnres-standard": _SEED_ATTNRES,
     "seed-attnres-full": _SEED_ATTNRES.replace(residual="full_attnres"),
     "seed-attnres-block": _SEED_ATTNRES.replace(residual="block_attnres", attnres_blocks=3),

@@ -15,7 +15,7 @@ import re
 from typing import Any, Mapping
 
 from jaxgpt.config import BertConfig, ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Field, Option, check_fields, check_options, equals, inert,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, GEMMA_ONLY, MAPPED, Field, Option, check_fields, check_options, equals, inert,
                                    load_ref, maps_to, must_be, one_of, padding_row, refuse, unused)
 from jaxgpt.models import abstract_params
 
@@ -61,7 +61,7 @@ _ENCODER: dict[str, Field] = {
     "scale_out_init": must_be(False), "embed_scale": must_be(False), "residual": must_be("standard"),
     "moe": unused("BertConfig itself refuses encoder.moe (no MoE encoder)"),
     "rotary_dim": unused("pos must be 'learned'"), "parallel_residual": must_be(False), "qk_norm": must_be(None),
-    **ATTNRES_UNUSED, **ENGINE_UNUSED,
+    **ATTNRES_UNUSED, **ENGINE_UNUSED, **GEMMA_ONLY,
 }
 FIELDS: dict[str, Field] = {
     "encoder": Field(lambda v, c: True, "see encoder.*"), "n_classes": maps_to("num_labels"),

@@ -162,6 +162,9 @@ def unused(why: str) -> Field:
 UNPADDED = Field(lambda v, c: v is None, "None (save_hf / to_hf cut a padded table to its valid_vocab rows first)")
 ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
                   ("attnres_variant", "attnres_blocks", "attnres_eps", "attnres_key_gain")}
+# Gemma's fields (convert/gemma.py): every other family must leave them off.
+GEMMA_ONLY = {"norm_unit_offset": must_be(False), "attn_scale": must_be(None), "attn_softcap": must_be(None),
+              "logit_softcap": must_be(None)}
 # How jaxgpt compiles the layer stack: the same weights and logits whatever their values.
 ENGINE_UNUSED = {name: unused("engine knob (how jaxgpt compiles and computes), not part of the exported weights") for name in
                  ("scan_layers", "scan_unroll", "remat", "attention_impl", "attention_block", "norm_impl", "act_impl", "matmul_precision",

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, Option, check_fields, check_options, equals, inert,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, GEMMA_ONLY, MAPPED, Option, check_fields, check_options, equals, inert,
                                    load_ref, maps_to, must_be, one_of, refuse, rename, rename_layers, split_packed, UNPADDED, unused,
                                    Field)
 
@@ -63,7 +63,7 @@ FIELDS: dict[str, Field] = {
     "final_norm": must_be(True), "scale_out_init": must_be(True), "embed_scale": must_be(False),
     "lm_head_bias": must_be(False), "moe": must_be(None),
     "rotary_dim": unused("pos must be 'learned'"), "parallel_residual": must_be(False), "qk_norm": must_be(None),
-    "residual": must_be("standard"), **ATTNRES_UNUSED, **ENGINE_UNUSED,
+    "residual": must_be("standard"), **ATTNRES_UNUSED, **ENGINE_UNUSED, **GEMMA_ONLY,
 }
 
 RULES = [(r"(?:transformer\.)?" + pattern, repl) for pattern, repl in [

@@ -17,17 +17,17 @@ import jax
 import numpy as np
 
 from jaxgpt.config import BertConfig, ModelConfig
-from jaxgpt.convert import bert, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3
+from jaxgpt.convert import bert, gemma, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3
 from jaxgpt.convert.hf_files import write_tokenizer
 from jaxgpt.convert.rule import params_to_state_dict, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert, "mixtral": mixtral,
             "qwen2_moe": qwen2_moe, "qwen3": qwen3, "olmo2": olmo2,
-            "gpt_neox": gpt_neox, "phi3": phi3}
+            "gpt_neox": gpt_neox, "phi3": phi3, "gemma": gemma, "gemma2": gemma}
 ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS,
          "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS, "qwen3": qwen3.ARCHS, "olmo2": olmo2.ARCHS,
-         "gpt_neox": gpt_neox.ARCHS, "phi3": phi3.ARCHS}
+         "gpt_neox": gpt_neox.ARCHS, "phi3": phi3.ARCHS, **{k: (v,) for k, v in gemma.ARCHS.items()}}
 # Decoder families that claim a config (``claims(config)``) before the LLaMA / GPT-2 defaults, on export
 CLAIMING = (qwen3, olmo2, gpt_neox, phi3)
 SUPPORTED = tuple(a for archs in ARCHS.values() for a in archs)
@@ -101,7 +101,8 @@ def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False):
     Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
     one tensor at a time through ``safetensors.safe_open(..., framework="np")``. Families:
     GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3, OLMo 2, GPT-NeoX,
-    Phi-3 (*ForCausalLM) and BERT (BertModel, BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
+    Phi-3, Gemma, Gemma 2 (*ForCausalLM) and BERT (BertModel, BertForSequenceClassification); any other
+    model_type / architecture, and any option jaxgpt does
     not reproduce exactly, is a ValueError naming it. ``dtype=None`` upcasts bf16/fp16 checkpoints
     to float32 (exact); ``dtype='bfloat16'`` (or any NumPy dtype) gives params in that dtype.
     """
@@ -142,6 +143,8 @@ def _family_of(config) -> Any:
                          f"{type(config).__name__}")
     if config.moe is not None:  # a shared expert is Qwen2-MoE's; Mixtral has none
         return qwen2_moe if config.moe.shared_d_ff else mixtral
+    if config.norm_unit_offset:  # (1 + w) norms: Gemma's alone
+        return gemma
     for family in CLAIMING:
         if family.claims(config):
             return family

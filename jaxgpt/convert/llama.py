@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ROPE_TYPES, ModelConfig, RopeScaling
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields, check_options, equals,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, GEMMA_ONLY, MAPPED, UNPADDED, Field, Option, check_fields, check_options, equals,
                                    inert, load_ref, maps_to, must_be, padding_row, refuse, rename, rename_layers, unused)
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -109,7 +109,7 @@ FIELDS: dict[str, Field] = {
     "lm_head_bias": must_be(False), "moe": must_be(None),
     "rotary_dim": Field(lambda v, c: v is None or v == c.head_dim, "None or head_dim (RoPE on the whole head)"),
     "parallel_residual": must_be(False), "qk_norm": must_be(None),
-    **ATTNRES_UNUSED, **ENGINE_UNUSED,
+    **ATTNRES_UNUSED, **ENGINE_UNUSED, **GEMMA_ONLY,
 }
 
 RULES = [

@@ -125,7 +125,8 @@ class Engine(Scheduler):
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
         self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype,
-                                                 self.config.head_dim, page_size)
+                                                 self.config.head_dim, page_size,
+                                                 self.config.attn_softcap)
         self.eos_ids = set(int(i) for i in eos_ids)
         self.decode = decode
         self._detoks: dict[str, Detokenizer] = {}  # per request with stop strings
@@ -155,7 +156,7 @@ class Engine(Scheduler):
         params, head = self._device_params(config, params, resolve_head_kernel(head_kernel, config))
         return dict(config=config, params=params, head=head, pools=pools,
                     kernel=resolve_paged_kernel(paged_kernel, config.dtype, pools[0][0].dtype, config.head_dim,
-                                                            self.page_size))
+                                                            self.page_size, config.attn_softcap))
 
     @staticmethod
     def _device_params(config, params, head_kernel: str):

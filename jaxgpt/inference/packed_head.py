@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.inference.sampling import argmax
+from jaxgpt.nn.head import final_logits
 from jaxgpt.nn.kernels import panel_ffi, policy
 
 HEAD_KERNELS = ("auto", "panel", "xla")
@@ -66,6 +67,10 @@ def project(config, head: dict, h):
     kernel = lambda x, panels, bias: panel_ffi.panel_matmul(x, panels, n, bias, valid)
     logits, top = policy.on_cpu(kernel, lambda x, panels, bias: _unpacked(x, panels, n, bias, valid),
                                 h.reshape(-1, d).astype(jnp.float32), head["panels"], head["bias"])
+    if config.logit_softcap is not None:  # the model's final_logits: capped, padded ids re-masked, argmax again
+        # (tanh is monotone, but two logits it rounds to one capped value tie: argmax takes the first, as the model's)
+        logits = final_logits(config, logits)
+        top = argmax(logits)
     return logits.reshape(*lead, n), top.reshape(lead)
 
 

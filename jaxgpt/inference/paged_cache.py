@@ -206,17 +206,25 @@ def _fallback_warning(why: str) -> None:
                   f"in-place paged kernel cannot run, because {why}", stacklevel=4)
 
 
-def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: int = 64, page_size: int = 16) -> str:
+def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: int = 64, page_size: int = 16,
+                         attn_softcap: float | None = None) -> str:
     """The paged kernel an engine on this machine runs (kernels/paged_dispatch.py picks each
     platform's kernel for 'auto' when the program is lowered). 'auto' stays 'auto', with one warning
     per reason where this machine's platform gathers (a fallback is never silent): on the CPU the
     C++ kernel needs float32 pages in a float32 model and a compiler; on a GPU the Pallas kernel
     needs power-of-two head_dim and page_size; a TPU gathers. An explicit 'ffi' or 'pallas' that
-    cannot run here is an error; 'pallas' on the CPU runs in Pallas' interpret mode (tests)."""
+    cannot run here is an error; 'pallas' on the CPU runs in Pallas' interpret mode (tests). No
+    in-place kernel has score soft-capping: with ``attn_softcap`` 'auto' gathers."""
     if kernel not in PAGED_KERNELS:
         raise ValueError(f"paged_kernel={kernel!r} is not one of {PAGED_KERNELS}")
     if kernel == "gather":
         return kernel
+    if attn_softcap is not None:
+        why = f"it has no attention soft-capping (attn_softcap={attn_softcap})"
+        if kernel != "auto":
+            raise ValueError(f"paged_kernel={kernel!r} cannot run: {why}; use 'gather' or 'auto'")
+        _fallback_warning(why)
+        return "gather"
     backend = jax.default_backend()  # the machine the engine runs its programs on
     ffi_why = None
     if backend != "cpu":

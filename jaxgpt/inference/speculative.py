@@ -73,7 +73,7 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
     pages = next_pow2(-(-(t0 + max_new_tokens + k) // page_size))
     table = np.arange(1, pages + 1, dtype=np.int32)[None]  # (1, P)
     pools, dpools = init_pools(tc, pages + 1, page_size), init_pools(dc, pages + 1, page_size)
-    kernels = [resolve_paged_kernel("auto", c.dtype, pl[0][0].dtype, c.head_dim, page_size)
+    kernels = [resolve_paged_kernel("auto", c.dtype, pl[0][0].dtype, c.head_dim, page_size, c.attn_softcap)
                for c, pl in ((tc, pools), (dc, dpools))]
     # Both prefill all but the last prompt token; every round then starts from one pending token.
     if t0 > 1:

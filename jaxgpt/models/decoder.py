@@ -17,7 +17,7 @@ from jaxgpt.nn import checks
 from jaxgpt.core import validate
 from jaxgpt.nn.attention import KVCache
 from jaxgpt.config import ModelConfig
-from jaxgpt.nn.head import logits_matmul
+from jaxgpt.nn.head import final_logits, logits_matmul, mask_padded
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope
@@ -75,10 +75,7 @@ def mask_padded_vocab(config: ModelConfig, logits):
     """logits (..., vocab_size) float32 with the padded ids (>= config.valid_vocab) at the float32 minimum:
     softmax gives them exactly 0 (so the loss, samplers and the engine never pick them) and the where
     passes them no gradient. The minimum, not -inf: no inf - inf = NaN in a softmax or a KL term."""
-    if config.valid_vocab is None:
-        return logits
-    padded = jnp.arange(logits.shape[-1]) >= config.valid_vocab  # (vocab,)
-    return jnp.where(padded, jnp.finfo(logits.dtype).min, logits)
+    return mask_padded(logits, config.valid_vocab)
 
 
 
@@ -155,7 +152,7 @@ class DecoderLM(nn.Module):
         else:
             logits = dense(cfg.vocab_size, cfg.lm_head_bias, cfg.init_std, "lm_head", dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                            f32_out=True)(x)
-        logits = mask_padded_vocab(cfg, logits)
+        logits = final_logits(cfg, logits)  # soft-capped (logit_softcap), padded ids masked
         if cache is None and not return_weights and not return_depth_weights:
             return logits
         return DecoderOutput(logits, cache, weights, depth)

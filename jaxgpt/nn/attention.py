@@ -138,6 +138,8 @@ class Attention(nn.Module):
     param_dtype: str = "float32"
     matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel (layers not scanned)
     matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
+    scale: float | None = None  # score multiplier (ModelConfig.attn_scale); None: head_dim ** -0.5
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (attn_softcap)
 
     @nn.compact
     @module_scope
@@ -190,7 +192,7 @@ class Attention(nn.Module):
         out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,
                      q_offset=offset, return_weights=return_weights, kv_layout=kv_layout, pages=pages,
                      dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
-                     segment_ids=segment_ids)
+                     segment_ids=segment_ids, scale=self.scale, softcap=self.softcap)
         out, weights = out if return_weights else (out, None)
         y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
         return y, cache, weights
@@ -207,4 +209,5 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         norm_impl=config.norm_impl, attn_dropout=config.attention_dropout, init_std=config.init_std,
         out_init_std=config.out_init_std, attention_impl=config.attention_impl, attention_block=config.attention_block,
         dtype=config.dtype, param_dtype=config.param_dtype, matvec=not config.scan_layers,
-        matmul_precision=config.matmul_precision, name=name)
+        matmul_precision=config.matmul_precision, scale=config.attn_scale,
+        softcap=config.attn_softcap, name=name)

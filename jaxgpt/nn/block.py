@@ -14,10 +14,12 @@ from jaxgpt.nn.residual import residual as add_residual
 
 
 class Block(nn.Module):
-    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Post-sublayer: x + norm(f(x)).  x: (B, T, d_model).
-    Parallel (config.parallel_residual): x + attn(attn_norm(x)) + mlp(mlp_norm(x)).
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Post-sublayer: x + norm(f(x)).
+    Sandwich: x + post(f(norm(x))).  Parallel (config.parallel_residual): x + attn(attn_norm(x)) +
+    mlp(mlp_norm(x)).  x: (B, T, d_model).
 
-    Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp (a MoE when ``sparse``).
+    Submodules: attn_norm, attn, [cross_norm, cross_attn], mlp_norm, mlp (a MoE when ``sparse``);
+    sandwich adds attn_post_norm, [cross_post_norm], mlp_post_norm.
     """
 
     config: ModelConfig
@@ -38,8 +40,10 @@ class Block(nn.Module):
         layer_in = x
 
         def residual(x, f, norm_name, src=None):
+            post = norm_from_config(cfg, norm_name.replace("_norm", "_post_norm")) \
+                if cfg.norm_placement == "sandwich" else None
             return add_residual(cfg.norm_placement, x, f, norm_from_config(cfg, norm_name),
-                                lambda y: drop(y, deterministic=deterministic), src)
+                                lambda y: drop(y, deterministic=deterministic), src, post)
 
         out = {}
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxgpt.nn import precision
+from jaxgpt.nn.softcap import softcap
 
 
 def _dims(w_rows: bool):
@@ -62,3 +63,19 @@ def head_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
     if lhs.ndim == 2 and rhs.ndim == 2 and dimension_numbers == _dims(False) and precision is None:
         return logits_matmul(lhs, rhs)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=jnp.float32)
+
+
+def final_logits(config, logits):
+    """The head's float32 logits (..., V) as the model gives them: soft-capped to ``config.logit_softcap``
+    (Gemma 2: cap * tanh(logits / cap)), then the padded ids (>= config.valid_vocab) at the float32
+    minimum (no probability, no gradient). Every logits path runs it: DecoderLM's head and the
+    engine's packed panel head (inference/packed_head.py)."""
+    return mask_padded(softcap(logits, config.logit_softcap), config.valid_vocab)
+
+
+def mask_padded(logits, valid_vocab: int | None):
+    """logits (..., V) with the ids >= valid_vocab at the float32 minimum (None: unchanged)."""
+    if valid_vocab is None:
+        return logits
+    padded = jnp.arange(logits.shape[-1]) >= valid_vocab  # (vocab,)
+    return jnp.where(padded, jnp.finfo(logits.dtype).min, logits)

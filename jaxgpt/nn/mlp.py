@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -160,6 +161,7 @@ class SwiGLU(nn.Module):
     param_dtype: str = "float32"
     matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel
     matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
+    gate_act: ClassVar[Callable] = staticmethod(jax.nn.silu)  # the gate's activation (geglu.GeGLU: tanh-GELU)
 
     @nn.compact
     @module_scope
@@ -167,7 +169,7 @@ class SwiGLU(nn.Module):
         dt = dict(dtype=self.dtype, param_dtype=self.param_dtype, matvec=self.matvec)
         gate = dense(self.d_ff, self.use_bias, self.init_std, "gate_proj", **dt)(x)  # (..., d_ff)
         up = dense(self.d_ff, self.use_bias, self.init_std, "up_proj", **dt)(x)
-        return dense(self.d_model, self.use_bias, self.out_init_std, "down_proj", **dt)(jax.nn.silu(gate) * up)
+        return dense(self.d_model, self.use_bias, self.out_init_std, "down_proj", **dt)(self.gate_act(gate) * up)
 
 
 def make_mlp(config, name: str = "mlp") -> nn.Module:
@@ -176,6 +178,7 @@ def make_mlp(config, name: str = "mlp") -> nn.Module:
                   init_std=config.init_std, out_init_std=config.out_init_std, dtype=config.dtype,
                   param_dtype=config.param_dtype, matvec=not config.scan_layers,
                   matmul_precision=config.matmul_precision, name=name)
-    if config.mlp == "swiglu":
-        return SwiGLU(**common)
+    if config.mlp in ("swiglu", "geglu_tanh"):
+        from jaxgpt.nn.geglu import GeGLU  # SwiGLU's subclass: imported here, not at the top
+        return (GeGLU if config.mlp == "geglu_tanh" else SwiGLU)(**common)
     return MLP(activation=config.mlp, act_impl=config.act_impl, **common)

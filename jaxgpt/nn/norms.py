@@ -47,13 +47,18 @@ class LayerNorm(nn.Module):
     dtype: str | None = None  # output dtype (None: x.dtype)
     param_dtype: str = "float32"
     impl: str = "auto"  # NORM_IMPLS
+    # Gemma's RMSNorm: the stored ``scale`` w (initialised to 0) scales by (1 + w), added in float32
+    unit_offset: bool = False
     center: ClassVar[bool] = True  # subtract the mean first (RMSNorm: no)
 
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
         h = x.astype(jnp.float32)
-        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(jnp.float32)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        scale = self.param("scale", init, (d,), self.param_dtype).astype(jnp.float32)
+        if self.unit_offset:
+            scale = 1.0 + scale
         bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(jnp.float32) \
             if self.use_bias else None
         eps, center = self.eps, self.center
@@ -83,16 +88,18 @@ def jax_rsqrt(x):
 
 
 def make_norm(kind: str, eps: float, use_bias: bool = True, name: str | None = None, *,
-              dtype: str | None = None, param_dtype: str = "float32", impl: str = "auto") -> nn.Module:
-    """The norm a config names: 'layernorm' or 'rmsnorm'."""
+              dtype: str | None = None, param_dtype: str = "float32", impl: str = "auto",
+              unit_offset: bool = False) -> nn.Module:
+    """The norm a config names: 'layernorm' or 'rmsnorm' (``unit_offset``: scale by 1 + scale)."""
+    kw = dict(eps=eps, dtype=dtype, param_dtype=param_dtype, impl=impl, unit_offset=unit_offset, name=name)
     if kind == "layernorm":
-        return LayerNorm(eps=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, impl=impl, name=name)
+        return LayerNorm(use_bias=use_bias, **kw)
     if kind == "rmsnorm":
-        return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, impl=impl, name=name)
+        return RMSNorm(**kw)
     raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
 
 
 def norm_from_config(config, name: str) -> nn.Module:
     """The norm a ModelConfig names, with its precision policy (output in the compute dtype)."""
     return make_norm(config.norm, config.norm_eps, config.norm_bias, name=name, dtype=config.dtype,
-                     param_dtype=config.param_dtype, impl=config.norm_impl)
+                     param_dtype=config.param_dtype, impl=config.norm_impl, unit_offset=config.norm_unit_offset)

@@ -11,7 +11,7 @@ from jaxgpt.core import validate
 from jaxgpt.config import BertConfig
 from torch_ref.nn.block import Block
 from torch_ref.models.stack import add_embeddings, check_tokens, embed_tokens
-from torch_ref.nn.norms import make_norm
+from torch_ref.nn.norms import norm_from_config
 
 
 class BertOutput(NamedTuple):
@@ -41,7 +41,7 @@ class BertClassifier(nn.Module):
         if config.type_vocab_size > 0:
             self.type_embed = nn.Embedding(config.type_vocab_size, enc.d_model)
             nn.init.normal_(self.type_embed.weight, std=enc.init_std)
-        norm = lambda: make_norm(enc.norm, enc.d_model, enc.norm_eps, enc.norm_bias)
+        norm = lambda: norm_from_config(enc)
         self.embed_norm = norm() if config.embed_norm else None
         self.drop = nn.Dropout(enc.dropout)
         self.layers = nn.ModuleList(Block(enc, causal=False) for _ in range(enc.n_layer))

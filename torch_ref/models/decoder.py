@@ -10,7 +10,8 @@ from torch import nn
 from jaxgpt.config import ModelConfig
 from torch_ref.nn.attention import KVCache
 from torch_ref.nn.block import Block
-from torch_ref.nn.norms import make_norm
+from torch_ref.nn.norms import norm_from_config
+from torch_ref.nn.softcap import softcap
 from torch_ref.models.stack import add_embeddings, check_tokens, embed_tokens
 
 
@@ -40,7 +41,7 @@ class DecoderLM(nn.Module):
             from torch_ref.nn.attnres import AttnResLayers
 
             self.layers = AttnResLayers(cfg)
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.final_norm else None
+        self.norm = norm_from_config(cfg) if cfg.final_norm else None
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
             nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
@@ -78,6 +79,7 @@ class DecoderLM(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         logits = x @ self.tok_embed.weight.T if cfg.tie_embeddings else self.lm_head(x)
+        logits = softcap(logits, cfg.logit_softcap)
         if cfg.valid_vocab is not None:  # padded ids: the float32 minimum, as jaxgpt's mask_padded_vocab
             padded = torch.arange(logits.shape[-1], device=logits.device) >= cfg.valid_vocab
             logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)

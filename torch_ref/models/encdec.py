@@ -9,7 +9,7 @@ from jaxgpt.config import EncDecConfig, ModelConfig
 from torch_ref.nn.block import Block
 from torch_ref.models.bert import key_mask
 from torch_ref.models.stack import add_embeddings, check_tokens, embed_tokens
-from torch_ref.nn.norms import make_norm
+from torch_ref.nn.norms import norm_from_config
 
 
 class Stack(nn.Module):
@@ -21,7 +21,7 @@ class Stack(nn.Module):
         self.cross = cross
         add_embeddings(self, cfg)
         self.layers = nn.ModuleList(Block(cfg, causal=cross, cross=cross) for _ in range(cfg.n_layer))
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias) if cfg.final_norm else None
+        self.norm = norm_from_config(cfg) if cfg.final_norm else None
 
     def forward(self, ids, memory=None, memory_mask=None, self_mask=None):
         """ids: (B, T) int; memory: (B, S, d); masks: (B, 1, 1, S|T) bool. Returns (B, T, d)."""

@@ -16,6 +16,7 @@ from jaxgpt.core import validate
 from torch_ref.nn.mlp import linear
 from torch_ref.nn.positions import apply_rope
 from torch_ref.nn.qk_norm import qk_norm, qk_norms
+from torch_ref.nn.softcap import softcap as capped
 
 
 @dataclass
@@ -40,10 +41,11 @@ def causal_mask(q_len: int, k_len: int, q_offset: int = 0, device=None) -> torch
 
 
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
-                                 return_weights=False, kv_layout="tokens", dropout_rate=0.0):
+                                 return_weights=False, kv_layout="tokens", dropout_rate=0.0, softcap=None):
     """Same contract as jaxgpt.nn.attention.scaled_dot_product_attention (q: (B, Tq, H, D);
     k, v: (B, Tk, H_kv, D) with kv_layout 'tokens', (B, H_kv, Tk, D) with 'heads'; mask bool,
     True = attend, other dtypes / shapes are a ValueError; rows with no visible key give zeros).
+    softcap: scores -> softcap * tanh(scores / softcap) before the mask (written out, not torch's SDPA).
     Returns out (B, Tq, H, D) [, weights (B, H, Tq, Tk)]."""
     if kv_layout not in ("tokens", "heads"):
         raise ValueError(f"kv_layout={kv_layout!r} is not one of ('tokens', 'heads')")
@@ -61,7 +63,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
         c = causal_mask(tq, tk, q_offset, q.device)
         allowed = c if allowed is None else allowed & c
 
-    if not return_weights:
+    if not return_weights and softcap is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, dropout_p=dropout_rate,
                                              scale=scale, enable_gqa=h != h_kv)
         return out.transpose(1, 2)
@@ -70,6 +72,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
     scale = d ** -0.5 if scale is None else scale
     kr, vr = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
     scores = (qh.float() @ kr.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    scores = capped(scores, softcap)  # before the mask, as HF Gemma 2
     if allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
     weights = torch.softmax(scores, dim=-1)
@@ -77,7 +80,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
         weights = weights * allowed.any(-1, keepdim=True)
     probs = F.dropout(weights, dropout_rate) if dropout_rate > 0.0 else weights
     out = (probs.to(vr.dtype) @ vr).transpose(1, 2)
-    return out, weights
+    return (out, weights) if return_weights else out
 
 
 class Attention(nn.Module):
@@ -87,7 +90,8 @@ class Attention(nn.Module):
                  o_bias: bool = False, rope: bool = False, rope_base: float = 10000.0,
                  rope_layout: str = "half", attn_dropout: float = 0.0, init_std: float = 0.02,
                  out_init_std: float = 0.02, head_dim: int | None = None, rotary_dim: int | None = None,
-                 qk_norm: str | None = None, norm_eps: float = 1e-6, rope_scaling=None):
+                 qk_norm: str | None = None, norm_eps: float = 1e-6, rope_scaling=None,
+                 scale: float | None = None, softcap: float | None = None):
         super().__init__()
         if head_dim is None and d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head} (or set head_dim)")
@@ -95,7 +99,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim or d_model // n_head
         self.rope, self.rope_base, self.rope_layout, self.rotary_dim = rope, rope_base, rope_layout, rotary_dim
         self.rope_scaling = rope_scaling  # a jaxgpt RopeScaling (framework-free); None: plain RoPE
-        self.attn_dropout = attn_dropout
+        self.attn_dropout, self.scale, self.softcap = attn_dropout, scale, softcap
         self.q_proj = linear(d_model, n_head * self.head_dim, qkv_bias, init_std)
         self.k_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
         self.v_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
@@ -151,7 +155,7 @@ class Attention(nn.Module):
         rate = self.attn_dropout if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, q_offset=offset,
                                            return_weights=return_weights, kv_layout=kv_layout,
-                                           dropout_rate=rate)
+                                           dropout_rate=rate, scale=self.scale, softcap=self.softcap)
         out, weights = out if return_weights else (out, None)
         return self.o_proj(out.reshape(b, t, self.n_head * d)), cache, weights
 
@@ -164,4 +168,5 @@ def attention_from_config(config, rope: bool | None = None) -> Attention:
                      rope_layout=config.rope_layout, attn_dropout=config.attention_dropout,
                      init_std=config.init_std, out_init_std=config.out_init_std, head_dim=config.d_head,
                      rotary_dim=config.rotary_dim, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
-                     rope_scaling=config.rope_scaling)
+                     rope_scaling=config.rope_scaling,
+                     scale=config.attn_scale, softcap=config.attn_softcap)

@@ -10,7 +10,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.core.layout import key_eps, seal_schedule
 from torch_ref.nn.attention import attention_from_config
 from torch_ref.nn.mlp import make_mlp
-from torch_ref.nn.norms import make_norm
+from torch_ref.nn.norms import norm_from_config
 
 
 class KeyNorm(nn.Module):
@@ -52,8 +52,8 @@ class AttnResLayer(nn.Module):
         self.seal = seal
         self.seed, self.full = cfg.attnres_variant == "seed", cfg.residual == "full_attnres"
         d, eps, gain = cfg.d_model, key_eps(cfg), cfg.attnres_key_gain
-        self.attn_norm, self.attn = make_norm(cfg.norm, d, cfg.norm_eps, cfg.norm_bias), attention_from_config(cfg)
-        self.mlp_norm, self.mlp = make_norm(cfg.norm, d, cfg.norm_eps, cfg.norm_bias), make_mlp(cfg)
+        self.attn_norm, self.attn = norm_from_config(cfg), attention_from_config(cfg)
+        self.mlp_norm, self.mlp = norm_from_config(cfg), make_mlp(cfg)
         self.w_attn, self.w_mlp = nn.Parameter(torch.zeros(d)), nn.Parameter(torch.zeros(d))
         if self.seed:
             self.key_norm = KeyNorm(d, eps, gain)

@@ -7,27 +7,32 @@ from jaxgpt.config import ModelConfig
 from torch_ref.nn.attention import attention_from_config
 from torch_ref.nn.mlp import make_mlp
 from torch_ref.nn.moe import MoE
-from torch_ref.nn.norms import make_norm
+from torch_ref.nn.norms import norm_from_config
 from torch_ref.nn.residual import residual
 
 
 class Block(nn.Module):
-    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Post-sublayer: x + norm(f(x)).  x: (B, T, d_model).
-    Parallel (config.parallel_residual): x + attn(attn_norm(x)) + mlp(mlp_norm(x))."""
+    """Pre-LN: x + f(norm(x)).  Post-LN: norm(x + f(x)).  Post-sublayer: x + norm(f(x)).
+    Sandwich: x + post_norm(f(norm(x))) (Gemma 2).  Parallel (config.parallel_residual):
+    x + attn(attn_norm(x)) + mlp(mlp_norm(x)).  x: (B, T, d_model)."""
 
     def __init__(self, config: ModelConfig, causal: bool = True, cross: bool = False, sparse: bool = False):
         super().__init__()
         cfg = self.config = config
         self.causal, self.cross = causal, cross
-        norm = lambda: make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_bias)
+        norm = lambda: norm_from_config(cfg)
         self.attn_norm, self.attn = norm(), attention_from_config(cfg)
         if cross:
             self.cross_norm, self.cross_attn = norm(), attention_from_config(cfg, rope=False)
         self.mlp_norm, self.mlp = norm(), MoE(cfg) if sparse else make_mlp(cfg)
+        if cfg.norm_placement == "sandwich":  # a norm after each sublayer too
+            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
+            if cross:
+                self.cross_post_norm = norm()
         self.drop = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x, f, norm, src=None):
-        return residual(self.config.norm_placement, x, f, norm, self.drop, src)
+    def _residual(self, x, f, norm, src=None, post=None):
+        return residual(self.config.norm_placement, x, f, norm, self.drop, src, post)
 
     def forward(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
                 return_weights=False, segment_ids=None):
@@ -42,8 +47,11 @@ class Block(nn.Module):
                                                         segment_ids=segment_ids)
             return y
 
-        x = self._residual(x, self_attn, self.attn_norm)
+        post = (lambda name: getattr(self, name + "_post_norm", None))
+        x = self._residual(x, self_attn, self.attn_norm, post=post("attn"))
         if self.cross:
-            x = self._residual(x, lambda h: self.cross_attn(h, context, mask=context_mask)[0], self.cross_norm)
-        x = self._residual(x, self.mlp, self.mlp_norm, layer_in if self.config.parallel_residual else None)
+            x = self._residual(x, lambda h: self.cross_attn(h, context, mask=context_mask)[0], self.cross_norm,
+                               post=post("cross"))
+        x = self._residual(x, self.mlp, self.mlp_norm, layer_in if self.config.parallel_residual else None,
+                           post("mlp"))
         return x, out["cache"], out["weights"]

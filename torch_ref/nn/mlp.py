@@ -46,8 +46,10 @@ class SwiGLU(nn.Module):
         self.up_proj = linear(d_model, d_ff, use_bias, init_std)
         self.down_proj = linear(d_ff, d_model, use_bias, out_init_std)
 
+    gate_act = staticmethod(F.silu)  # the gate's activation (geglu.GeGLU: tanh-GELU)
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gate_act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def make_mlp(config) -> nn.Module:
@@ -56,4 +58,8 @@ def make_mlp(config) -> nn.Module:
                   init_std=config.init_std, out_init_std=config.out_init_std)
     if config.mlp == "swiglu":
         return SwiGLU(**common)
+    if config.mlp == "geglu_tanh":
+        from torch_ref.nn.geglu import GeGLU  # a subclass of SwiGLU: imported here, not at the top
+
+        return GeGLU(**common)
     return MLP(activation=config.mlp, **common)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ATTENTION_IMPLS
+from jaxgpt.config.model import SOFTCAP_REFUSED
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
 from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_dispatch, paged_ffi, policy, xla
@@ -52,7 +53,8 @@ CACHE_KERNEL_MAX_TQ = 16  # it loops over the queries one by one: longer prefill
 FFI_AUTO_MAX_LEN = 1024  # 'auto' runs 'ffi' up to this length (it holds T x T scores per thread)
 
 
-def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, plain: bool = False) -> str:
+def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, plain: bool = False,
+              softcap: float | None = None) -> str:
     """The kernel attention_impl='auto' runs where 'ffi' cannot (attend runs 'ffi' first: causal
     float32 self-attention without a mask, cache or dropout, T <= FFI_AUTO_MAX_LEN, on the CPU;
     it made the 4 x 128, T 64 train step 1.15x faster). By measurement (docs/performance.md):
@@ -67,10 +69,12 @@ def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, p
       1.3x faster than 'xla'), else 'xla' (decode steps, short sequences: equal or faster). TPUs
       get this rule too: JAX's Pallas TPU kernels are not wired in (no TPU was measured).
     - Always 'xla' with attention dropout, the only kernel that has it.
+    - Never 'cudnn' with ``softcap`` (score soft-capping, Gemma 2): only 'xla' and 'blocked' have it.
     """
     if dropout_rate > 0.0:
         return "xla"
-    if plain and tq > 1 and q is not None and jax.default_backend() == "gpu" and cudnn_unsupported(q) is None:
+    if plain and softcap is None and tq > 1 and q is not None and jax.default_backend() == "gpu" and \
+            cudnn_unsupported(q) is None:
         return "cudnn"
     return "blocked" if tq > 1 and tk > block else "xla"
 
@@ -84,7 +88,7 @@ def _plain(q, mask, is_causal, q_offset, kv_layout, tk) -> bool:
 @precision.float32_full  # alone: full-precision float32 matmuls off the CPU; in a model: the model's setting
 def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_offset=0, scale=None,
            return_weights=False, kv_layout="tokens", pages=None, dropout_rate=0.0, dropout_rng=None,
-           segment_ids=None):
+           segment_ids=None, softcap=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
     kv_layout 'pages': k, v are a paged cache's pools (num_pages, H_kv, page_size, D) and ``pages``
     its paged.Pages (page_table (B, P), q_pos (B, Tq), int8 scales, kernel); the platform's kernel
@@ -99,17 +103,25 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     KV cache); a query sees only keys of its own id. 'blocked' and 'ffi' compare the ids block by
     block; 'xla', 'jax' and 'cudnn' take them as a (B, 1, T, T) mask; 'auto' never picks cuDNN for
     them (memory-linear 'blocked' on a GPU).
+    ``softcap``: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2). 'xla' and
+    'blocked' have it; 'auto' runs one of them (never a C++ kernel or cuDNN); an explicit 'jax',
+    'cudnn' or 'ffi' is refused (SOFTCAP_REFUSED), never run without the cap.
     Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r} is not one of {ATTENTION_IMPLS}")
+    if softcap is not None and impl in SOFTCAP_REFUSED:
+        raise ValueError(f"attention_impl={impl!r} has no attention soft-capping (softcap={softcap}); "
+                         "use 'auto', 'xla' or 'blocked'")
     if kv_layout == "pages":
         if mask is not None or dropout_rate > 0.0 or segment_ids is not None:
             raise ValueError("kv_layout='pages' is causal by the query positions: no mask, segment ids or dropout")
         pages = paged.Pages(*pages)
-        if not return_weights:  # each platform's in-place kernel, or the pages gathered (paged_dispatch.py)
-            return paged_dispatch.attend_pages(q, k, v, pages, scale=scale, gathered=functools.partial(
-                _gathered, pages=pages, impl=impl, block=block, scale=scale))
+        gathered = functools.partial(_gathered, pages=pages, impl=impl, block=block, scale=scale, softcap=softcap)
+        if not return_weights and softcap is None:  # each platform's in-place kernel, or the pages gathered
+            return paged_dispatch.attend_pages(q, k, v, pages, scale=scale, gathered=gathered)
+        if not return_weights:  # no in-place kernel has soft-capping: the pages gathered (the engine's 'gather')
+            return gathered(q, k, v)
         k, v, mask = _gather(k, v, pages, q.dtype)  # the weights: the xla kernel over the gathered pages
         kv_layout, is_causal = "rows", False
     b, tq, h, _ = q.shape
@@ -135,6 +147,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
         if seg is not None and (return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
             m, seg = masks.both(m, segment_mask(seg, seg)), None
         kw = dict(mask=m, is_causal=is_causal, q_offset=q_offset, scale=scale)
+        if softcap is not None:  # only 'xla' and 'blocked' take it (auto_impl and the check above)
+            kw["softcap"] = softcap
         if impl == "xla" or return_weights:
             return xla.scaled_dot_product_attention(q, k, v, return_weights=return_weights, kv_layout=layout,
                                                     dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
@@ -149,17 +163,17 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                       if fallback else None, **kw)
 
     def portable(q, k, v):  # what 'auto' runs where no C++ kernel does: cuDNN only in a CUDA program
-        pick = auto_impl(tq, tk, block, dropout_rate, q, plain)
+        pick = auto_impl(tq, tk, block, dropout_rate, q, plain, softcap)
         if pick != "cudnn":
             return run(pick, True, q, k, v)
         return policy.on_cuda(functools.partial(run, "cudnn", True),
                               functools.partial(run, auto_impl(tq, tk, block, dropout_rate), True), q, k, v)
 
-    if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and \
+    if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and softcap is None and \
             cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:  # k, v as stored: no reshape
         return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale), portable,
                              q, k, v)
-    ffi = ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None
+    ffi = softcap is None and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None
     if impl == "ffi":  # a cache, a mask, bf16: 'auto' without it
         if not ffi:
             return portable(q, k, v)
@@ -177,7 +191,7 @@ def _gather(k_pool, v_pool, pages, dtype):
     return paged.gather(k_pool, v_pool, pages.page_table, pages.q_pos, pages.k_scale, pages.v_scale, dtype)
 
 
-def _gathered(q, k_pool, v_pool, pages, **kw):
+def _gathered(q, k_pool, v_pool, *, pages, **kw):
     """Attention over a paged cache's pages gathered into kv_layout 'rows' (kernels/paged.py)."""
     k, v, mask = _gather(k_pool, v_pool, pages, q.dtype)
     return attend(q, k, v, mask=mask, kv_layout="rows", **kw)

@@ -12,6 +12,7 @@ from jax import lax
 
 from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask, keys_before, segment_mask
+from jaxgpt.nn.softcap import softcap as capped, softcap_grad
 
 class _Static(NamedTuple):
     causal: bool
@@ -22,13 +23,14 @@ class _Static(NamedTuple):
     # the matmul precision in force at the forward call (jaxgpt.nn.precision): the backward pass is
     # traced after the module call returns, outside its precision scope
     precision: str | None = None
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
 
 
 def _block_scores(cfg: _Static, qi, kj, i, j, mask, q_offset, seg=None):
     """Scaled scores of query block i against key block j, -inf where not allowed.
     qi: (B, K, G, bq, D); kj: (B, K, bk, D); mask: (B|1, K|1, G|1, Tq|1, Tk|1) or None;
     seg: segment ids of the (padded) queries and keys, ((B, Tq'), (B, Tk')), or None."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * cfg.scale
+    s = capped(jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * cfg.scale, cfg.softcap)
     allowed = None
     if seg is not None:  # (B, 1, 1, bq, bk): this block pair's part of the segment mask, never the whole
         qs = lax.dynamic_slice_in_dim(seg[0], i * cfg.bq, cfg.bq, 1)
@@ -126,6 +128,8 @@ def _flash_bwd_body(cfg, res, dout):
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
             ds = p * (dp - lax.dynamic_slice_in_dim(delta, i * cfg.bq, cfg.bq, 3)[..., None]) * cfg.scale
+            if cfg.softcap is not None:  # through the cap's tanh
+                ds = ds * softcap_grad(s, cfg.softcap)
             dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
             dqi = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(kj.dtype), kj, preferred_element_type=jnp.float32)
             dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, i * cfg.bq, cfg.bq, 3) + dqi,
@@ -158,14 +162,15 @@ def _pad_to(x, axis: int, size: int, value=0):
 
 @precision.float32_full
 def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None, kv_layout="tokens",
-                      block=128, segment_ids=None):
+                      block=128, segment_ids=None, softcap=None):
     """Flash-style attention: loops over query blocks and key/value blocks of ``block`` positions with
     an online softmax, and a custom VJP that recomputes block scores from the saved logsumexp, so
     forward and backward hold O(T * block) scores instead of O(Tq * Tk). Lengths that are not a
     multiple of ``block`` are padded internally (padded keys masked). GQA groups query heads over
     each key/value head; K/V are never repeated. Same contract as scaled_dot_product_attention,
     with k, v in kv_layout 'tokens' or 'heads'. ``segment_ids`` (B, T): packed documents in
-    self-attention (Tq == Tk), compared block pair by block pair."""
+    self-attention (Tq == Tk), compared block pair by block pair. ``softcap``: scores -> softcap *
+    tanh(scores / softcap) before the mask, in the forward and the recomputed backward."""
     if block < 1:
         raise ValueError(f"attention_block must be >= 1, got {block}")
     b, tq, h, d = q.shape
@@ -176,7 +181,7 @@ def blocked_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
     g = h // hk
     cfg = _Static(bool(is_causal), float(d ** -0.5 if scale is None else scale), min(block, tq), min(block, tk), tk,
-                  precision.current())
+                  precision.current(), None if softcap is None else float(softcap))
     tqp, tkp = -(-tq // cfg.bq) * cfg.bq, -(-tk // cfg.bk) * cfg.bk
     qg = q.reshape(b, tq, hk, g, d).transpose(0, 2, 3, 1, 4)  # (B, K, G, Tq, D); head = kv_head * G + group
     qg, k, v = _pad_to(qg, 3, tqp), _pad_to(k, 2, tkp), _pad_to(v, 2, tkp)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask
+from jaxgpt.nn.softcap import softcap as capped
 
 # How a kernel reads k and v (the queries are always (B, Tq, H, D)):
 #   'tokens' (B, Tk, H_kv, D)     as the projections make them
@@ -29,7 +30,8 @@ def kv_shape(k, kv_layout: str, batch: int) -> tuple[int, int]:
 
 @precision.float32_full
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
-                                 return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None):
+                                 return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None,
+                                 softcap=None):
     """softmax(q k^T * scale + mask) v, per head, with grouped key/value heads.
 
     q: (B, Tq, H, D). k, v in ``kv_layout`` (KV_LAYOUTS). H must be a multiple of H_kv (GQA;
@@ -37,7 +39,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
     mask: bool, broadcastable to (B, H, Tq, Tk); True means *attend*. Any other dtype or shape is a
     ValueError (a float 0/-inf mask cast to bool would invert it; a (B, T) mask would be read as (Tq, Tk)).
     is_causal: query i sees keys j <= q_offset + i (q_offset may be a traced cache index).
-    scale: defaults to 1/sqrt(D).
+    scale: defaults to 1/sqrt(D). softcap: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2).
     A query row with no visible key returns zeros (as torch's SDPA does), not the mean of v.
     Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
     """
@@ -59,6 +61,7 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
         qg = q.reshape(b, tq, h_kv, g, d)  # head = kv_head * g + group, as torch's enable_gqa
         scores = jnp.einsum(f"bqhgd,{kspec}->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
 
+    scores = capped(scores, softcap)
     allowed = None
     if mask is not None:
         m = jnp.asarray(mask)

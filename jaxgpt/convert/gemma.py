@@ -1,0 +1,160 @@
+"""Hugging Face GemmaForCausalLM and Gemma2ForCausalLM: the LLaMA layout (llama.py) with Gemma's numerics.
+
+Gemma: RMSNorm scaling by (1 + w) (``norm_unit_offset``; HF stores w, initialised to 0), a GeGLU MLP
+with the tanh GELU (``mlp='geglu_tanh'``), token embeddings times sqrt(hidden_size) (``embed_scale``),
+q/k/v/o biases from ``attention_bias``. Gemma 2 adds a norm after each sublayer
+(``norm_placement='sandwich'``), the score multiplier query_pre_attn_scalar ** -0.5 (``attn_scale``) and
+two soft-caps (``attn_softcap``, ``logit_softcap``). Its sliding layers are exact here only when the
+window covers the whole context (masks nothing); a shorter sliding_window is refused by name.
+
+HF key                                                  torch_ref key
+model.embed_tokens.weight                           <-> tok_embed.weight
+model.layers.{i}.self_attn.{q,k,v,o}_proj           <-> layers.{i}.attn.{q,k,v,o}_proj
+model.layers.{i}.mlp.{gate,up,down}_proj            <-> layers.{i}.mlp.{gate,up,down}_proj
+model.layers.{i}.input_layernorm.weight             <-> layers.{i}.attn_norm.scale
+Gemma:   post_attention_layernorm.weight            <-> mlp_norm.scale
+Gemma 2: post_attention_layernorm.weight            <-> attn_post_norm.scale
+         pre_feedforward_layernorm.weight           <-> mlp_norm.scale
+         post_feedforward_layernorm.weight          <-> mlp_post_norm.scale
+model.norm.weight, lm_head.weight                   <-> norm.scale, lm_head.weight (absent when tied)
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.convert import llama
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
+                                   check_options, equals, inert, load_ref, maps_to, must_be, padding_row, refuse, rename,
+                                   rename_layers)
+
+ARCHS = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+NAMES = {"gemma": "Gemma", "gemma2": "Gemma2"}
+_TANH = ("gelu_pytorch_tanh", "gelu")  # transformers reads a Gemma config's legacy 'gelu' as the tanh GELU
+
+_COMMON: dict[str, Option] = {
+    **{k: v for k, v in llama._COMMON.items() if k not in ("hidden_act", "pretraining_tp")},
+    "attention_bias": MAPPED,
+    "use_bidirectional_attention": equals(None, False),
+}
+OPTIONS: dict[str, dict[str, Option]] = {
+    "gemma": {**_COMMON, "hidden_act": equals(*_TANH), "hidden_activation": equals(None, "gelu_pytorch_tanh")},
+    "gemma2": {**_COMMON, "hidden_activation": equals("gelu_pytorch_tanh"), "hidden_act": equals(None, *_TANH),
+               "query_pre_attn_scalar": MAPPED, "attn_logit_softcapping": MAPPED, "final_logit_softcapping": MAPPED,
+               "sliding_window": llama._WINDOW, "layer_types": llama._LAYER_TYPES,
+               "cache_implementation": inert("the KV cache class transformers' generate uses")},
+}
+
+
+def _sandwich(c) -> bool:
+    return c.norm_placement == "sandwich"
+
+
+def _query_scalar(config) -> float | int | None:
+    """Gemma 2's query_pre_attn_scalar for ``config.attn_scale`` (head_dim when None), or None when no
+    value gives back exactly that multiplier (HF computes query_pre_attn_scalar ** -0.5)."""
+    if config.attn_scale is None:
+        return config.head_dim
+    q = config.attn_scale ** -2
+    for candidate in (round(q), q):
+        if candidate > 0 and candidate ** -0.5 == config.attn_scale:
+            return candidate
+    return None
+
+
+FIELDS: dict[str, Field] = {
+    **{k: v for k, v in llama.FIELDS.items() if k in (
+        "vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_head", "d_ff", "max_len", "rope_base",
+        "norm_eps", "attn_dropout", "tie_embeddings", "init_std", "pad_token_id", "pos", "rope_layout", "norm",
+        "norm_bias", "final_norm", "dropout", "scale_out_init", "residual", "lm_head_bias", "moe")},
+    "valid_vocab": UNPADDED,
+    "qkv_bias": maps_to("attention_bias"), "o_bias": Field(lambda v, c: v == c.qkv_bias, "qkv_bias (attention_bias)"),
+    "mlp_bias": must_be(False), "mlp": must_be("geglu_tanh"), "norm_unit_offset": must_be(True),
+    "embed_scale": must_be(True), "norm_placement": must_be("pre", "sandwich"),
+    "attn_scale": Field(lambda v, c: _query_scalar(c) is not None if _sandwich(c) else v in (None, c.head_dim ** -0.5),
+                        "-> query_pre_attn_scalar ** -0.5 (Gemma 2: an exact inverse square; Gemma: None)"),
+    "attn_softcap": Field(lambda v, c: v is None or _sandwich(c), "-> attn_logit_softcapping (Gemma 2; Gemma: None)"),
+    "logit_softcap": Field(lambda v, c: v is None or _sandwich(c), "-> final_logit_softcapping (Gemma 2; Gemma: None)"),
+    "rope_scaling": must_be(None), "rotary_dim": Field(lambda v, c: v is None or v == c.head_dim, "None or head_dim"),
+    "parallel_residual": must_be(False), "qk_norm": must_be(None),
+    **ATTNRES_UNUSED, **ENGINE_UNUSED,
+}
+
+_LAYER_KEYS = {  # torch_ref layer key -> HF, per family (the rest as llama.py's)
+    "gemma": {"attn_norm.scale": "input_layernorm.weight", "mlp_norm.scale": "post_attention_layernorm.weight"},
+    "gemma2": {"attn_norm.scale": "input_layernorm.weight", "attn_post_norm.scale": "post_attention_layernorm.weight",
+               "mlp_norm.scale": "pre_feedforward_layernorm.weight",
+               "mlp_post_norm.scale": "post_feedforward_layernorm.weight"},
+}
+
+
+def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
+    """An HF Gemma / Gemma 2 config dict -> ModelConfig; every unsupported option named at once."""
+    family = d.get("model_type", "gemma")
+    check_options(d, OPTIONS[family], NAMES[family])
+    heads = d.get("num_attention_heads", 16)
+    bias = bool(d.get("attention_bias", False))
+    config = ModelConfig(
+        vocab_size=d.get("vocab_size", 256000), max_len=llama._context(d), d_model=d.get("hidden_size", 3072),
+        n_layer=d.get("num_hidden_layers", 28), n_head=heads, n_kv_head=d.get("num_key_value_heads") or heads,
+        d_head=llama._head_dim(d), d_ff=d.get("intermediate_size", 24576), pos="rope", rope_layout="half",
+        rope_base=llama._rope(d)[1], norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), norm_unit_offset=True,
+        mlp="geglu_tanh", mlp_bias=False, qkv_bias=bias, o_bias=bias, embed_scale=True,
+        tie_embeddings=d.get("tie_word_embeddings", True), attn_dropout=d.get("attention_dropout", 0.0),
+        init_std=d.get("initializer_range", 0.02), pad_token_id=padding_row(d))
+    if family == "gemma":
+        return config
+    scalar = d.get("query_pre_attn_scalar", 256)
+    return config.replace(
+        norm_placement="sandwich", attn_scale=None if scalar == config.head_dim else scalar ** -0.5,
+        attn_softcap=d.get("attn_logit_softcapping"), logit_softcap=d.get("final_logit_softcapping"))
+
+
+def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, template=None) -> dict:
+    keys = {v: k for k, v in _LAYER_KEYS[_family(config)].items()}
+    rules = [(rf"model\.layers\.(\d+)\.{hf.replace('.', '[.]')}", rf"layers.\1.{ref}") for hf, ref in keys.items()]
+    rules += [r for r in llama.RULES if "layernorm" not in r[0]]
+
+    def skip(key: str) -> bool:  # RoPE buffers of older checkpoints; a tied head is the embedding
+        return key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.tie_embeddings)
+
+    return load_ref(config, rename(tensors, rules, skip=skip), template)
+
+
+def _family(config: ModelConfig) -> str:
+    return "gemma2" if _sandwich(config) else "gemma"
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """ModelConfig -> an HF Gemma config dict (Gemma 2 when norm_placement='sandwich'), or one ValueError
+    naming every field neither can express."""
+    family = _family(config)
+    refuse(check_fields(config, FIELDS, NAMES[family]), NAMES[family])
+    d = dict(model_type=family, architectures=[ARCHS[family]], vocab_size=config.vocab_size,
+             hidden_size=config.d_model, intermediate_size=config.ffn_dim, num_hidden_layers=config.n_layer,
+             num_attention_heads=config.n_head, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
+             max_position_embeddings=config.max_len, rms_norm_eps=config.norm_eps,
+             rope_parameters={"rope_theta": config.rope_base, "rope_type": "default"},
+             tie_word_embeddings=config.tie_embeddings, attention_bias=config.qkv_bias,
+             attention_dropout=config.attention_dropout, initializer_range=config.init_std, bos_token_id=None,
+             eos_token_id=None, pad_token_id=config.pad_token_id)
+    if family == "gemma":
+        return {**d, "hidden_act": "gelu_pytorch_tanh"}
+    # every layer attends over the whole context: a window as long as it masks nothing
+    return {**d, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _query_scalar(config),
+            "attn_logit_softcapping": config.attn_softcap, "final_logit_softcapping": config.logit_softcap,
+            "sliding_window": config.max_len, "layer_types": ["full_attention"] * config.n_layer}
+
+
+def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    top = {"tok_embed.weight": "model.embed_tokens.weight", "norm.scale": "model.norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+    norms = _LAYER_KEYS[_family(config)]
+
+    def layer(i, rest, a):
+        rest = norms.get(rest) or rest.replace("attn.", "self_attn.")
+        return f"model.layers.{i}.{rest}", a
+
+    return rename_layers(ref, top, layer)

@@ -1,0 +1,80 @@
+"""HF Gemma and Gemma 2 (issue 53): ``hf_family.check_family`` on one tiny model of each, built from
+transformers' config classes (random weights perturbed to unit scale, eager attention).
+
+Gemma 2's model has every Gemma 2 feature on: (1 + w) norms, a norm before and after each sublayer,
+query_pre_attn_scalar apart from head_dim, both soft-caps set low enough to bite (logits reach the
+caps), alternating sliding/full layer types with a window covering the context, and an untied head
+(the other model ties it). The presets are checked against the published config.json files."""
+import pytest
+
+from conftest import require_module
+from hf_family import check_family, perturb
+from jaxgpt.nn.kernels import panel_ffi
+
+transformers = require_module("transformers", allow_module_level=True)
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=32, attn_implementation="eager")
+
+
+@pytest.mark.slow  # Gemma 2's model below runs each Gemma feature too; this adds the pre-norm layout and a tied head
+def test_gemma_everywhere(tmp_path):
+    hf = perturb(transformers.GemmaForCausalLM(transformers.GemmaConfig(**SIZES)))
+    config, _ = check_family(hf, tmp_path, "Gemma")
+    assert config.norm_unit_offset and config.embed_scale and config.mlp == "geglu_tanh"
+    assert config.tie_embeddings and config.norm_placement == "pre"
+
+
+def test_gemma2_everywhere(tmp_path):
+    hf = perturb(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **SIZES, query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=3.0,
+        sliding_window=32, tie_word_embeddings=False)))
+    # the packed head caps its logits too; the pages are gathered ('auto' would say so in a warning)
+    engine = dict(paged_kernel="gather", **(dict(head_kernel="panel") if panel_ffi.available() else {}))
+    config, _ = check_family(hf, tmp_path, "Gemma 2", engine_kw=engine)
+    assert config.norm_placement == "sandwich" and config.attn_scale == 12 ** -0.5
+    assert (config.attn_softcap, config.logit_softcap) == (1.5, 3.0)
+
+
+def test_gemma2_shorter_sliding_window_is_refused(tmp_path):
+    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**SIZES, "sliding_window": 8}))
+    hf.save_pretrained(tmp_path)
+    from jaxgpt.convert import load_hf
+
+    with pytest.raises(ValueError, match=r"HF Gemma2 config not supported exactly by jaxgpt: .*sliding_window=8 "
+                                         r"\(supported: None or >= max_position_embeddings"):
+        load_hf(tmp_path)
+
+
+# config.json of google/gemma-2b and google/gemma-2-2b (as published; weights not needed)
+HUB = {
+    "gemma-2b": dict(architectures=["GemmaForCausalLM"], model_type="gemma", attention_bias=False,
+                     attention_dropout=0.0, bos_token_id=2, eos_token_id=1, pad_token_id=0, head_dim=256,
+                     hidden_act="gelu", hidden_size=2048, initializer_range=0.02, intermediate_size=16384,
+                     max_position_embeddings=8192, num_attention_heads=8, num_hidden_layers=18,
+                     num_key_value_heads=1, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=10000.0,
+                     torch_dtype="bfloat16", use_cache=True, vocab_size=256000),
+    "gemma2-2b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", attention_bias=False,
+                      attention_dropout=0.0, attn_logit_softcapping=50.0, bos_token_id=2, cache_implementation="hybrid",
+                      eos_token_id=[1, 107], final_logit_softcapping=30.0, head_dim=256,
+                      hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", hidden_size=2304,
+                      initializer_range=0.02, intermediate_size=9216, max_position_embeddings=8192,
+                      num_attention_heads=8, num_hidden_layers=26, num_key_value_heads=4, pad_token_id=0,
+                      query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+                      torch_dtype="float32", use_cache=True, vocab_size=256000),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB))
+def test_presets_are_the_published_configs(name):
+    """The presets' shapes are the published models'; Gemma 2's 4,096-token window is refused by name, and
+    with a window covering the context the config is the preset's."""
+    from jaxgpt import PRESETS
+    from jaxgpt.convert import gemma
+
+    d = HUB[name]
+    if name == "gemma2-2b":
+        with pytest.raises(ValueError, match=r"sliding_window=4096 \(supported: None or >= max_position_embeddings"):
+            gemma.config_from_hf(d, d["architectures"][0])
+        d = {**d, "sliding_window": 8192}
+    config, preset = gemma.config_from_hf(d, d["architectures"][0]), PRESETS[name]
+    assert config.replace(d_head=config.head_dim) == preset.replace(d_head=preset.head_dim)
