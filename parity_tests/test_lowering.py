@@ -32,14 +32,17 @@ from jaxgpt.nn.kernels import causal_ffi, native, norm_ffi, paged_ffi
 from jaxgpt.train.step import init_state, make_train_step
 
 PLATFORMS = ("cpu", "cuda", "tpu")
-B, T = 8, 64  # 8 x 64 rows of d_model 64: native.AUTO_MIN_SIZE floats, so 'auto' picks the norm and GELU kernels
+B, T = 4, 128  # 4 x 128 rows of d_model 64: native.AUTO_MIN_SIZE floats, so 'auto' picks the norm and GELU
+# kernels; T a multiple of tpu_flash.BLOCK, so the TPU program runs the Pallas flash kernel
 assert B * T * 64 >= native.AUTO_MIN_SIZE
 GPT2 = PRESETS["gpt2-small"].replace(vocab_size=96, d_model=64, n_layer=2, n_head=4, max_len=T, dropout=0.0)
 LLAMA = PRESETS["llama-tiny"].replace(vocab_size=96, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128,
                                       max_len=T)
 MOE = LLAMA.replace(moe=MoEConfig(n_experts=4, top_k=2, d_ff=64))
+GROUPED = LLAMA.replace(moe=MoEConfig(n_experts=4, top_k=2, d_ff=64, impl="grouped"))
 EXACT_GELU = GPT2.replace(mlp="gelu")  # the exact GELU: the one the GELU kernel computes
 CUSTOM_CALL = re.compile(r'(?:custom_call_target\s*=\s*|stablehlo\.custom_call\s+@)"?([\w$.\-]+)"?')
+KERNEL_NAME = re.compile(r'kernel_name = "(\w+)"')
 
 
 def _train(config, dtype: str, **over):
@@ -70,15 +73,22 @@ def _paged(config):
                                head, config=config, kernel=kernel)
 
 
-# name: (traced program, the CPU kernels 'auto' puts in its CPU program where they are built)
+FLASH = ("_flash_attention_kernel", "_flash_attention_dkv_kernel", "_flash_attention_dq_kernel")  # fwd, bwd
+GMM = ("kernel",)  # megablox's gmm and tgmm name their Pallas kernel 'kernel' (the dense MoE has none)
+
+# name: (traced program, the CPU kernels 'auto' puts in its CPU program where they are built, the
+# Pallas kernels (tpu_custom_call kernel_name) its TPU program holds)
 PROGRAMS = {
-    "gpt2-train-bf16": (lambda: _train(GPT2, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}),
-    "llama-train-bf16": (lambda: _train(LLAMA, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}),
-    "moe-train-bf16": (lambda: _train(MOE, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd",)}),
+    "gpt2-train-bf16": (lambda: _train(GPT2, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}, FLASH),
+    "llama-train-bf16": (lambda: _train(LLAMA, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}, FLASH),
+    "moe-train-bf16": (lambda: _train(MOE, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd",)}, FLASH),
+    "moe-grouped-train-bf16": (lambda: _train(GROUPED, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd",)}, FLASH + GMM),
     "gpt2-train-f32": (lambda: _train(EXACT_GELU, "float32"),
-                       {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}),
-    "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}),
-    "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)}),
+                       {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}, FLASH),
+    "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}, ()),
+    # no Pallas paged kernel: JAX's ragged paged attention does not lower from a CPU host (docs/performance.md)
+    "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)},
+                         ()),
 }
 
 
@@ -87,22 +97,34 @@ def custom_calls(text: str) -> set[str]:
     return set(CUSTOM_CALL.findall(text))
 
 
+def tpu_kernels(text: str) -> list[str]:
+    """The Pallas kernels (kernel_name of each tpu_custom_call) in a lowered module's text, one entry a call."""
+    return [m for line in text.splitlines() if "@tpu_custom_call" in line for m in KERNEL_NAME.findall(line)]
+
+
 @functools.cache
-def _lowered(name: str) -> dict[str, set[str]]:
+def _lowered(name: str) -> dict[str, tuple[set[str], list[str]]]:
     traced = PROGRAMS[name][0]()
-    return {p: custom_calls(traced.lower(lowering_platforms=(p,)).as_text()) for p in PLATFORMS}
+    texts = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in PLATFORMS}
+    return {p: (custom_calls(t), tpu_kernels(t)) for p, t in texts.items()}
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_program_lowers_for_every_platform_with_its_own_kernels(name):
     got = _lowered(name)
-    print(f"\n{name}: " + "; ".join(f"{p}: {sorted(calls) or 'no custom call'}" for p, calls in got.items()))
+    print(f"\n{name}: " + "; ".join(f"{p}: {sorted(calls) or 'no custom call'}" + (f" {sorted(set(ks))}" if ks else "")
+                                    for p, (calls, ks) in got.items()))
     for p in PLATFORMS[1:]:
-        cpu_only = sorted(c for c in got[p] if c.startswith("jaxgpt_"))
+        cpu_only = sorted(c for c in got[p][0] if c.startswith("jaxgpt_"))
         assert not cpu_only, f"{name} lowered for {p} holds the CPU custom calls {cpu_only}"
     for module, targets in PROGRAMS[name][1].items():  # the CPU program still runs its kernels
         if module.available():
-            assert set(targets) <= got["cpu"], f"{name} for the CPU lacks {targets}: {sorted(got['cpu'])}"
+            assert set(targets) <= got["cpu"][0], f"{name} for the CPU lacks {targets}: {sorted(got['cpu'][0])}"
+    for p in ("cpu", "cuda"):  # a Pallas TPU kernel only in the TPU program
+        assert "tpu_custom_call" not in got[p][0], f"{name} lowered for {p} holds Pallas TPU kernels {got[p][1]}"
+    want = PROGRAMS[name][2]
+    assert set(want) == set(got["tpu"][1]), f"{name} for the TPU: Pallas kernels {sorted(set(got['tpu'][1]))}, " \
+                                            f"expected {sorted(want)}"
 
 
 def test_explicit_cpu_kernel_is_refused_off_the_cpu():

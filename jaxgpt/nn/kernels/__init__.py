@@ -19,6 +19,10 @@ paged_ffi.cached_attention reads the cache in place and only up to each query's 
 the einsum reads and masks every slot (1.45x faster 1,008-token greedy decoding together with
 matvec_ffi; docs/performance.md).
 
+In a program lowered for a TPU, 'auto' and 'ffi' run JAX's Pallas TPU flash attention
+(tpu_flash.py) on self-attention over the call's own keys (causal or not, GQA, segment ids) with
+T a multiple of 128; the rule is tpu_flash.unsupported, and every other call runs the rest of 'auto'.
+
 The C++ kernels are CPU kernels: 'auto' stages each beside the portable kernel it would run
 otherwise, and the platform the program is lowered for picks one (policy.py); an explicit 'ffi'
 fails to lower for another platform.
@@ -36,7 +40,7 @@ import jax.numpy as jnp
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
-from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_ffi, policy, xla
+from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_ffi, policy, tpu_flash, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
 from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before, segment_mask
@@ -64,8 +68,9 @@ def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, p
       of memory on an 80 GB H100.
     - Every backend, for the rest: 'blocked' for training and prefill over more than one key block
       (memory linear in T; on the CPU its causal block skipping made a 6 x 384, T 256 train step
-      1.3x faster than 'xla'), else 'xla' (decode steps, short sequences: equal or faster). TPUs
-      get this rule too: JAX's Pallas TPU kernels are not wired in (no TPU was measured).
+      1.3x faster than 'xla'), else 'xla' (decode steps, short sequences: equal or faster). In a
+      program lowered for a TPU, attend runs JAX's Pallas flash attention instead on the calls
+      tpu_flash.unsupported accepts (train steps and prefill, T a multiple of 128; no TPU measured).
     - Always 'xla' with attention dropout, the only kernel that has it.
     """
     if dropout_rate > 0.0:
@@ -147,7 +152,16 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                       fallback=functools.partial(blocked.blocked_attention, block=block)
                                       if fallback else None, **kw)
 
-    def portable(q, k, v):  # what 'auto' runs where no C++ kernel does: cuDNN only in a CUDA program
+    flash = tpu_flash.unsupported(q, k, mask=mask, is_causal=is_causal, q_offset=q_offset, kv_layout=kv_layout,
+                                  scale=scale, dropout_rate=dropout_rate, return_weights=return_weights) is None
+
+    def portable(q, k, v):  # where no C++ kernel runs: Pallas flash in a TPU program, cuDNN in a CUDA one
+        if flash:
+            return policy.on_tpu(lambda q, k, v: tpu_flash.flash_attention(
+                q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids), other, q, k, v)
+        return other(q, k, v)
+
+    def other(q, k, v):
         pick = auto_impl(tq, tk, block, dropout_rate, q, plain)
         if pick != "cudnn":
             return run(pick, True, q, k, v)

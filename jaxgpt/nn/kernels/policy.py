@@ -7,6 +7,10 @@ for the CPU gets the kernel, one lowered for 'cuda', 'rocm' or 'tpu' (from this 
 it and run elsewhere) gets the pure-JAX path with the same numbers. With one lowering platform the
 choice is made while lowering, so the CPU program holds the kernel alone (no conditional).
 
+The Pallas TPU kernels go the other way (``on_tpu``): ``platform_dependent(tpu=kernel,
+default=portable)``, so only a program lowered for a TPU holds them (tpu_flash.py: attention;
+nn/moe.py: megablox's grouped matmul).
+
 An explicit choice of a CPU kernel (``norm_impl='ffi'``, ``act_impl='ffi'``, ``attention_impl='ffi'``)
 is honoured on the CPU and refused, with a message naming the knob, when the program is lowered for
 another platform (``require_cpu``): a user who asked for the kernel gets it or an error, never a
@@ -24,7 +28,7 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["cpu_kernel", "on_cpu", "on_cuda", "require_cpu"]
+__all__ = ["cpu_kernel", "on_cpu", "on_cuda", "on_tpu", "require_cpu"]
 
 
 def on_cpu(kernel: Callable, portable: Callable, *args):
@@ -38,6 +42,12 @@ def on_cuda(kernel: Callable, portable: Callable, *args):
     """``kernel(*args)`` (cuDNN) in a program lowered for CUDA, ``portable(*args)`` elsewhere. Staged
     only where cuDNN can be traced (a GPU host): JAX cannot build a cuDNN call without it."""
     return jax.lax.platform_dependent(*args, cuda=lambda *a: kernel(*a), default=lambda *a: portable(*a))
+
+
+def on_tpu(kernel: Callable, portable: Callable, *args):
+    """``kernel(*args)`` (a Pallas TPU kernel) in a program lowered for a TPU, ``portable(*args)``
+    elsewhere. Both are traced on any host; a CPU runs the kernel only in TPU interpret mode."""
+    return jax.lax.platform_dependent(*args, tpu=lambda *a: kernel(*a), default=lambda *a: portable(*a))
 
 
 _require_cpu_p = Primitive("jaxgpt_require_cpu")
