@@ -40,6 +40,7 @@ LLAMA = PRESETS["llama-tiny"].replace(vocab_size=96, d_model=64, n_layer=2, n_he
                                       max_len=T)
 MOE = LLAMA.replace(moe=MoEConfig(n_experts=4, top_k=2, d_ff=64))
 GROUPED = LLAMA.replace(moe=MoEConfig(n_experts=4, top_k=2, d_ff=64, impl="grouped"))
+PAGED_BF16 = LLAMA.replace(d_model=256, n_head=2, n_kv_head=1, dtype="bfloat16", scan_layers=False)  # head_dim 128
 EXACT_GELU = GPT2.replace(mlp="gelu")  # the exact GELU: the one the GELU kernel computes
 CUSTOM_CALL = re.compile(r'(?:custom_call_target\s*=\s*|stablehlo\.custom_call\s+@)"?([\w$.\-]+)"?')
 KERNEL_NAME = re.compile(r'kernel_name = "(\w+)"')
@@ -60,15 +61,16 @@ def _decode(config):
                                   temperature=0.0, top_k=None, top_p=None, eos_id=None)
 
 
-def _paged(config):
+def _paged(config, kernel=None):
     """The engine's step (engine.paged_forward) with the kernels the Engine resolves on this host: the
-    in-place paged attention and the packed panel head."""
+    in-place paged attention and the packed panel head. ``kernel``: the cache's paged_kernel instead
+    ('ffi': attend gets the pools in place, kv_layout 'pages')."""
     params = abstract_params(config)
     head = jax.eval_shape(functools.partial(pack_head, config), params)
     pools = jax.eval_shape(lambda: init_pools(config, 16, 8))
     rows, pages = 4, 4
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    kernel = paged_ffi.resolve_paged_kernel("auto", config.dtype, jnp.float32)
+    kernel = kernel or paged_ffi.resolve_paged_kernel("auto", config.dtype, jnp.float32)
     return paged_forward.trace(params, pools, i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows, pages), i32(rows),
                                head, config=config, kernel=kernel)
 
@@ -86,9 +88,10 @@ PROGRAMS = {
     "gpt2-train-f32": (lambda: _train(EXACT_GELU, "float32"),
                        {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}, FLASH),
     "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}, ()),
-    # no Pallas paged kernel: JAX's ragged paged attention does not lower from a CPU host (docs/performance.md)
+    # float32 pools: no Pallas paged kernel (it reads bfloat16 K/V); bfloat16 pools read in place: Pallas on a TPU
     "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)},
                          ()),
+    "paged-engine-bf16": (lambda: _paged(PAGED_BF16, kernel="ffi"), {}, ("paged_flash_attention_kernel_inline_seq_dim",)),
 }
 
 

@@ -1,6 +1,7 @@
 """The Pallas TPU kernels jaxgpt runs in a program lowered for a TPU, run here on the CPU in TPU
 interpret mode (``pltpu.force_tpu_interpret_mode``) and compared with the 'xla' path on the same
-inputs: flash attention (kernels/tpu_flash.py) and megablox's grouped matmul (kernels/tpu_gmm.py).
+inputs: flash attention (kernels/tpu_flash.py), paged attention over the engine's pools
+(kernels/tpu_paged.py) and megablox's grouped matmul (kernels/tpu_gmm.py).
 
 A CPU program never holds these kernels (policy.on_tpu keeps them for TPU programs), so each test
 makes ``policy.on_tpu`` pick the kernel branch and calls the public entry (``kernels.attend``,
@@ -17,7 +18,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxgpt.nn import moe
-from jaxgpt.nn.kernels import attend, policy, tpu_flash, tpu_gmm, xla
+from jaxgpt.nn.kernels import attend, paged, policy, tpu_flash, tpu_gmm, tpu_paged, xla
 
 pytestmark = pytest.mark.cpu_only  # TPU interpret mode and the lowering canary are checked on the CPU backend
 
@@ -133,6 +134,46 @@ def test_gmm_moe_bfloat16_within_bound(on_tpu):
     err = float(jnp.abs(y16 - y32).max())
     print(f"\ngmm bf16 max error from float32: {err:.2e} (outputs up to {float(jnp.abs(y32).max()):.2f})")
     assert err < BF16_TOL * float(jnp.abs(y32).max())
+
+
+PAGE, DP = 8, 128  # page size; the paged kernel's head_dim is a multiple of 128
+# Row 0: a 4-token prefill chunk at positions 18..21 over pages 5, 2, 9 (out of order, crossing a page
+# boundary), its last slot unused (scratch page 0); row 1: a decode step at position 3 on page 7, one
+# query and three padding; row 2: all padding. Pages 1, 3, 4, 6, 8, 10, 11 belong to no row (holes).
+PAGE_TABLE = [[5, 2, 9, 0], [7, 0, 0, 0], [0, 0, 0, 0]]
+Q_POS = [[18, 19, 20, 21], [3, -1, -1, -1], [-1, -1, -1, -1]]
+
+
+def _paged_inputs(q_dtype):
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    pools = [jax.random.normal(kk_, (12, 2, PAGE, DP)).astype(jnp.bfloat16) for kk_ in (kk, kv)]  # H_kv 2
+    q = jax.random.normal(kq, (3, 4, 4, DP)).astype(q_dtype)  # (B, T, H 4, D): two query heads a K/V head
+    return q, *pools, jnp.asarray(PAGE_TABLE, jnp.int32), jnp.asarray(Q_POS, jnp.int32)
+
+
+def test_paged_attention_reads_the_pools_in_place(on_tpu):
+    """kv_layout 'pages' through attend on bfloat16 pools, float32 queries, against the 'xla' path
+    over the gathered pages (the same bfloat16 values, float32 arithmetic: 1e-5)."""
+    q, k_pool, v_pool, table, q_pos = _paged_inputs(jnp.float32)
+    assert tpu_paged.unsupported(q, k_pool) is None
+    run = jax.jit(lambda q, k, v, t, p: attend(q, k, v, kv_layout="pages", pages=(t, p), scale=0.1))
+    got = run(q, k_pool, v_pool, table, q_pos)
+    k, v, mask = paged.gather(k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), table, q_pos)
+    want = xla.scaled_dot_product_attention(q, k, v, mask=mask, kv_layout="rows", scale=0.1)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert not np.asarray(got[2]).any() and not np.asarray(got[1, 1:]).any()  # padding: zeros
+
+
+@pytest.mark.slow
+def test_paged_attention_bfloat16_within_bound(on_tpu):
+    q, k_pool, v_pool, table, q_pos = _paged_inputs(jnp.float32)
+    k, v, mask = paged.gather(k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), table, q_pos)
+    want = xla.scaled_dot_product_attention(q, k, v, mask=mask, kv_layout="rows", scale=0.1)
+    got16 = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=(table, q_pos), scale=0.1))(
+        q.astype(jnp.bfloat16)).astype(jnp.float32)
+    err = float(jnp.abs(got16 - want).max())
+    print(f"\npaged bf16 max error from float32: {err:.2e}")
+    assert err < BF16_TOL
 
 
 def test_ragged_paged_attention_still_does_not_lower_from_a_cpu_host():

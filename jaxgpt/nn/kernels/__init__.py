@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
-from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_ffi, policy, tpu_flash, xla
+from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_ffi, policy, tpu_flash, tpu_paged, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
 from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before, segment_mask
@@ -91,9 +91,10 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
            return_weights=False, kv_layout="tokens", pages=None, dropout_rate=0.0, dropout_rng=None,
            segment_ids=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
-    kv_layout 'pages': k, v are a paged cache's float32 pools (num_pages, H_kv, page_size, D) and
-    ``pages`` its (page_table (B, P), q_pos (B, Tq)); the C++ kernel reads them in place
-    (paged_ffi.paged_attention, causal by position), or, for the weights, the pages are gathered.
+    kv_layout 'pages': k, v are a paged cache's pools (num_pages, H_kv, page_size, D) and
+    ``pages`` its (page_table (B, P), q_pos (B, Tq)); the C++ kernel reads float32 pools in place
+    (paged_ffi.paged_attention, causal by position), in a TPU program the Pallas kernel reads
+    bfloat16 ones (tpu_paged.py), or, elsewhere and for the weights, the pages are gathered.
 
     The contract of xla.scaled_dot_product_attention on every kernel: bool masks (True = attend)
     broadcastable to (B, H, Tq, Tk), validated here; causal with a possibly traced ``q_offset``;
@@ -111,9 +112,15 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if kv_layout == "pages":
         if mask is not None or dropout_rate > 0.0 or segment_ids is not None:
             raise ValueError("kv_layout='pages' is causal by the query positions: no mask, segment ids or dropout")
-        if not return_weights:  # the C++ kernel on the CPU; elsewhere the pages gathered (the engine's 'gather')
-            return policy.on_cpu(lambda q, k, v: paged_ffi.paged_attention(q, k, v, *pages, scale=scale),
-                                 lambda q, k, v: _gathered(q, k, v, pages, impl=impl, block=block, scale=scale), q, k, v)
+        if not return_weights:  # the C++ kernel on the CPU, Pallas on a TPU; elsewhere the pages gathered
+            rest = functools.partial(_gathered, pages=pages, impl=impl, block=block, scale=scale)
+            if tpu_paged.unsupported(q, k) is None:
+                rest = functools.partial(policy.on_tpu, lambda q, k, v: tpu_paged.paged_attention(
+                    q, k, v, *pages, scale=scale), rest)
+            if q.dtype != jnp.float32 or k.dtype != jnp.float32:  # the C++ kernel reads float32 only
+                return rest(q, k, v)
+            return policy.on_cpu(lambda q, k, v: paged_ffi.paged_attention(q, k, v, *pages, scale=scale), rest,
+                                 q, k, v)
         k, v, mask = paged.gather(k, v, *pages)  # the weights: the xla kernel over the gathered pages
         kv_layout, is_causal = "rows", False
     b, tq, h, _ = q.shape
