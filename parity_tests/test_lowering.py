@@ -29,6 +29,7 @@ from jaxgpt.inference.packed_head import pack_head
 from jaxgpt.inference.paged_cache import init_pools
 from jaxgpt.models import abstract_params
 from jaxgpt.nn.kernels import causal_ffi, native, norm_ffi, paged_ffi
+from jaxgpt.parallel.sharding import make_mesh
 from jaxgpt.train.step import init_state, make_train_step
 
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -138,3 +139,22 @@ def test_explicit_cpu_kernel_is_refused_off_the_cpu():
     assert "jaxgpt_norm_fwd" in custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())
     with pytest.raises(ValueError, match=r"norm_impl='ffi' runs a C\+\+ CPU kernel, but this program is lowered for tpu"):
         traced.lower(lowering_platforms=("tpu",))
+
+
+@pytest.mark.parametrize("spec", ["fsdp=2", "tensor=2"])
+def test_sharded_train_step_runs_the_tpu_kernels_per_device(spec):
+    """A GSPMD train step under a mesh (the batch split over 'fsdp', or the heads over 'tensor'): XLA
+    cannot partition a Pallas call, so in the TPU program each runs inside a shard_map (flash
+    attention on each device's rows or heads, the MoE grouped matmul replicated; policy.pallas_mesh);
+    the CPU program holds no Pallas kernel."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    mesh = make_mesh(spec, jax.devices()[:2])
+    config = GROUPED.replace(dtype="bfloat16")
+    tc = TrainConfig(batch_size=B, seq_len=T, steps=3)
+    state = jax.eval_shape(lambda: init_state(config, tc, mesh=mesh))
+    batch = {k: jax.ShapeDtypeStruct((1, B, T), jnp.int32) for k in ("x", "y")}
+    traced = make_train_step(config, tc, mesh=mesh).trace(state, batch)
+    tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert "sdy.manual_computation" in tpu and set(FLASH + GMM) == set(tpu_kernels(tpu))
+    assert "tpu_custom_call" not in custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())

@@ -16,6 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxgpt.config.mesh import AXES, BATCH_AXES
 
 from jaxgpt.nn import moe
 from jaxgpt.nn.kernels import attend, paged, policy, tpu_flash, tpu_gmm, tpu_paged, xla
@@ -97,6 +101,41 @@ def test_flash_rule_sends_other_calls_to_the_portable_path():
     assert "no mask" in tpu_flash.unsupported(q, k, **{**ok, "mask": jnp.ones((T, T), bool)})
     assert "KV cache" in tpu_flash.unsupported(q, k, **{**ok, "q_offset": 3})
     assert "weights" in tpu_flash.unsupported(q, k, **ok, return_weights=True)
+
+
+@pytest.mark.parametrize("split", ["data", "tensor"])
+def test_flash_runs_per_device_under_a_mesh(split, monkeypatch):
+    """Under a mesh (a sharded train step's ambient mesh) the kernel runs in a shard_map on each
+    device's rows ('data') or heads ('tensor'): the TPU program holds it inside a manual computation.
+    The numbers are checked with the kernel swapped for the 'xla' path (TPU interpret mode does not
+    run inside a shard_map on the CPU): this checks the split and the reassembly, not the kernel."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape([2 if a == split else 1 for a in AXES]), AXES)
+    q, k, v, _ = _qkv(4, 2)
+    seg = _segments()
+
+    def f(q, k, v, seg):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return tpu_flash.flash_attention(q, k, v, is_causal=True, scale=0.3, segment_ids=seg)
+
+    text = jax.jit(f).trace(q, k, v, seg).lower(lowering_platforms=("tpu",)).as_text()
+    assert "sdy.manual_computation" in text and "@tpu_custom_call" in text
+    shapes = []
+
+    def fake(q, k, v, s, *, is_causal, scale):  # the 'xla' path on one device's block
+        shapes.append((q.shape, k.shape, s.shape))
+        return xla.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                                mask=(s[:, :, None] == s[:, None, :])[:, None])
+
+    monkeypatch.setattr(tpu_flash, "_flash", fake)
+    spec = P(BATCH_AXES) if split == "data" else P(None, None, "tensor")
+    got = jax.jit(f)(*(jax.device_put(a, NamedSharding(mesh, spec)) for a in (q, k, v)), seg)
+    want = xla.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3,
+                                            mask=(seg[:, :, None] == seg[:, None, :])[:, None])
+    b, h, h_kv = (B // 2, 4, 2) if split == "data" else (B, 2, 1)
+    assert shapes == [((b, T, h, D), (b, T, h_kv, D), (b, T))]
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
 def _experts(dtype):

@@ -27,8 +27,9 @@ from collections.abc import Callable
 import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["cpu_kernel", "on_cpu", "on_cuda", "on_tpu", "require_cpu"]
+__all__ = ["cpu_kernel", "on_cpu", "on_cuda", "on_tpu", "pallas_mesh", "replicated", "require_cpu"]
 
 
 def on_cpu(kernel: Callable, portable: Callable, *args):
@@ -48,6 +49,46 @@ def on_tpu(kernel: Callable, portable: Callable, *args):
     """``kernel(*args)`` (a Pallas TPU kernel) in a program lowered for a TPU, ``portable(*args)``
     elsewhere. Both are traced on any host; a CPU runs the kernel only in TPU interpret mode."""
     return jax.lax.platform_dependent(*args, tpu=lambda *a: kernel(*a), default=lambda *a: portable(*a))
+
+
+def pallas_mesh():
+    """-> (mesh, axes): the ambient (abstract) mesh a Pallas call must be shard_mapped over and its
+    axes not yet manual (all of them: Mosaic refuses even a size-1 axis left to XLA), where one of
+    them is > 1; None where there is none (no mesh, or already inside a shard_map
+    over every such axis, as the data-parallel step is). XLA cannot partition a Pallas call: lowering
+    one under a mesh without a shard_map fails ("Mosaic kernels cannot be automatically partitioned").
+    A mesh with both manual and free axes > 1 is refused (ValueError), the kernels' rules check it first."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    manual = set(getattr(mesh, "manual_axes", ()))
+    big = [a for a, n in mesh.shape.items() if n > 1]
+    free = tuple(a for a in big if a not in manual)
+    if free and manual & set(big):
+        raise ValueError(f"a Pallas TPU kernel under a mesh partly inside a shard_map (manual {sorted(manual)}, "
+                         f"free {list(free)}) is not supported")
+    return (mesh, tuple(a for a in mesh.axis_names if a not in manual)) if free else None
+
+
+def replicated(kernel: Callable, *args):
+    """``kernel(*args)``, a Pallas call, under the ambient mesh (pallas_mesh): in a shard_map whose
+    every device computes the whole call on gathered operands (what XLA does with an operation it
+    cannot split, made explicit); directly where there is no mesh."""
+    found = pallas_mesh()
+    if found is None:
+        return kernel(*args)
+    mesh, free = found
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), axis_names=set(free),
+                         check_vma=False)(*args)
+
+
+def pallas_unsupported() -> str | None:
+    """Why the ambient mesh rules out a Pallas kernel (a mesh partly manual), or None."""
+    try:
+        pallas_mesh()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 _require_cpu_p = Primitive("jaxgpt_require_cpu")

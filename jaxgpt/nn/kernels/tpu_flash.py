@@ -15,7 +15,14 @@ interpret mode (``pltpu.force_tpu_interpret_mode``), which is how the tests chec
 """
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxgpt.config.mesh import BATCH_AXES
+from jaxgpt.nn.kernels import policy
 
 __all__ = ["BLOCK", "flash_attention", "unsupported"]
 
@@ -43,13 +50,33 @@ def unsupported(q, k, *, mask, is_causal, q_offset, kv_layout, scale=None, dropo
         return "its scale is a static number (got a traced one)"
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         return f"it computes in float32 or bfloat16 (got {q.dtype})"
-    return None
+    return policy.pallas_unsupported()
 
 
 def flash_attention(q, k, v, *, is_causal=False, scale=None, segment_ids=None):
     """softmax(q k^T * scale) v by the Pallas TPU kernel. q (B, T, H, D); k, v (B, T, H_kv, D);
     ``segment_ids`` (B, T) int: a query sees only keys of its own id. Returns (B, T, H, D).
-    The caller checks ``unsupported`` first."""
+    The caller checks ``unsupported`` first. Under a mesh (policy.pallas_mesh) the kernel runs in a
+    shard_map: each device on its rows (split over the batch axes where they divide B) and its heads
+    (over 'tensor' where it divides H_kv), the rest replicated."""
+    kw = dict(is_causal=is_causal, scale=scale)
+    found = policy.pallas_mesh()
+    if found is None:
+        return _flash(q, k, v, segment_ids, **kw)
+    mesh, free = found
+    batch = tuple(a for a in BATCH_AXES if a in free)
+    rows = batch if batch and q.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0 else None
+    heads = "tensor" if "tensor" in free and mesh.shape["tensor"] > 1 and k.shape[2] % mesh.shape["tensor"] == 0 \
+        else None
+    x, s = P(rows, None, heads, None), P(rows, None)  # (B, T, H, D), (B, T)
+    if segment_ids is None:
+        return jax.shard_map(lambda q, k, v: _flash(q, k, v, None, **kw), mesh=mesh, in_specs=(x,) * 3,
+                             out_specs=x, axis_names=set(free), check_vma=False)(q, k, v)
+    return jax.shard_map(lambda q, k, v, seg: _flash(q, k, v, seg, **kw), mesh=mesh, in_specs=(x, x, x, s),
+                         out_specs=x, axis_names=set(free), check_vma=False)(q, k, v, segment_ids)
+
+
+def _flash(q, k, v, segment_ids, *, is_causal, scale):
     from jax.experimental.pallas.ops.tpu import flash_attention as _fa  # Pallas: imported where used
 
     b, t, h, d = q.shape

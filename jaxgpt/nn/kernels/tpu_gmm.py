@@ -4,10 +4,14 @@
 
 gmm multiplies lhs rows [start_i, start_i + sizes[i]) by rhs[i], tiling the rows by ``tm``, the
 contraction by ``tk`` and the output columns by ``tn``; its backward pass is two more grouped
-kernels (gmm, tgmm). ``unsupported`` is the one rule for the shapes it takes. On the CPU it runs
+kernels (gmm, tgmm). ``unsupported`` is the one rule for the shapes it takes. Under a mesh each
+device runs the whole grouped matmul (policy.replicated): the pairs are sorted by expert over the
+whole batch, so a device's rows are no group of their own. On the CPU it runs
 only in TPU interpret mode, which is how the tests check its numbers.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +36,7 @@ def unsupported(lhs, rhs) -> str | None:
         return f"it multiplies float32 or bfloat16 operands of one dtype (got {lhs.dtype} and {rhs.dtype})"
     if tiling(*lhs.shape, rhs.shape[2]) is None:
         return f"its row tile must divide the {lhs.shape[0]} rows (one of {_ROW_TILES})"
-    return None
+    return policy.pallas_unsupported()
 
 
 def gmm(lhs, rhs, sizes):
@@ -47,4 +51,4 @@ def grouped_dot(lhs, rhs, sizes):
     ``unsupported`` allows it."""
     if unsupported(lhs, rhs) is not None:
         return jax.lax.ragged_dot(lhs, rhs, sizes)
-    return policy.on_tpu(gmm, jax.lax.ragged_dot, lhs, rhs, sizes)
+    return policy.on_tpu(functools.partial(policy.replicated, gmm), jax.lax.ragged_dot, lhs, rhs, sizes)

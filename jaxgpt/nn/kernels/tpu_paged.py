@@ -20,7 +20,11 @@ How the decode kernel serves a mixed step, in place:
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
+
+from jaxgpt.nn.kernels import policy
 
 __all__ = ["paged_attention", "unsupported"]
 
@@ -37,7 +41,7 @@ def unsupported(q, k_pool) -> str | None:
         return f"head_dim must be a multiple of 128 (got {d})"
     if q.shape[2] % k_pool.shape[1]:
         return f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k_pool.shape[1]})"
-    return None
+    return policy.pallas_unsupported()
 
 
 def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale=None):
@@ -59,6 +63,7 @@ def paged_attention(q, k_pool, v_pool, page_table, q_pos, *, scale=None):
     lengths = jnp.repeat(jnp.maximum(q_pos + 1, 0).reshape(-1), h_kv).astype(jnp.int32)  # (B T H_kv,)
     per_block = next(p for p in _PAGES_PER_BLOCK if page_table.shape[1] % p == 0)
     pools = [pool.reshape(1, n * h_kv, ps, d) for pool in (k_pool, v_pool)]  # a view: no copy
-    out = kernel(qs, *pools, lengths, table, pages_per_compute_block=per_block)  # (B T H_kv, Gp, D)
+    call = functools.partial(kernel, pages_per_compute_block=per_block)
+    out = policy.replicated(call, qs, *pools, lengths, table)  # (B T H_kv, Gp, D); under a mesh: per device
     out = out[:, :g].reshape(b, t, h, d)
     return jnp.where((q_pos >= 0)[:, :, None, None], out, 0.0).astype(q.dtype)
