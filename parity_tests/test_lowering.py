@@ -141,15 +141,14 @@ def test_explicit_cpu_kernel_is_refused_off_the_cpu():
         traced.lower(lowering_platforms=("tpu",))
 
 
-@pytest.mark.parametrize("spec", ["fsdp=2", "tensor=2"])
-def test_sharded_train_step_runs_the_tpu_kernels_per_device(spec):
-    """A GSPMD train step under a mesh (the batch split over 'fsdp', or the heads over 'tensor'): XLA
-    cannot partition a Pallas call, so in the TPU program each runs inside a shard_map (flash
-    attention on each device's rows or heads, the MoE grouped matmul replicated; policy.pallas_mesh);
-    the CPU program holds no Pallas kernel."""
+def test_sharded_train_step_runs_the_tpu_kernels_per_device():
+    """A GSPMD train step under a mesh (the batch split over 'fsdp'): XLA cannot partition a Pallas
+    call, so in the TPU program each runs inside a shard_map (flash attention on each device's rows,
+    the MoE grouped matmul replicated; policy.pallas_mesh); the CPU program holds no Pallas kernel.
+    A 'tensor' split of the heads: test_tpu_kernels.test_flash_runs_per_device_under_a_mesh."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices")
-    mesh = make_mesh(spec, jax.devices()[:2])
+    mesh = make_mesh("fsdp=2", jax.devices()[:2])
     config = GROUPED.replace(dtype="bfloat16")
     tc = TrainConfig(batch_size=B, seq_len=T, steps=3)
     state = jax.eval_shape(lambda: init_state(config, tc, mesh=mesh))
