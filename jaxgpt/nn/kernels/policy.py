@@ -8,8 +8,9 @@ it and run elsewhere) gets the pure-JAX path with the same numbers. With one low
 choice is made while lowering, so the CPU program holds the kernel alone (no conditional).
 
 The Pallas TPU kernels go the other way (``on_tpu``): ``platform_dependent(tpu=kernel,
-default=portable)``, so only a program lowered for a TPU holds them (tpu_flash.py: attention;
-nn/moe.py: megablox's grouped matmul).
+default=portable)``, so only a program lowered for a TPU holds them (tpu_flash.py, tpu_paged.py:
+attention; tpu_gmm.py: MoE's grouped matmul). Under a mesh they run inside a shard_map
+(``pallas_mesh``, ``replicated``): XLA cannot partition a Pallas call.
 
 An explicit choice of a CPU kernel (``norm_impl='ffi'``, ``act_impl='ffi'``, ``attention_impl='ffi'``)
 is honoured on the CPU and refused, with a message naming the knob, when the program is lowered for
@@ -52,12 +53,12 @@ def on_tpu(kernel: Callable, portable: Callable, *args):
 
 
 def pallas_mesh():
-    """-> (mesh, axes): the ambient (abstract) mesh a Pallas call must be shard_mapped over and its
+    """-> (mesh, axes): the ambient (abstract) mesh a Pallas call must be shard_mapped over, and its
     axes not yet manual (all of them: Mosaic refuses even a size-1 axis left to XLA), where one of
-    them is > 1; None where there is none (no mesh, or already inside a shard_map
-    over every such axis, as the data-parallel step is). XLA cannot partition a Pallas call: lowering
-    one under a mesh without a shard_map fails ("Mosaic kernels cannot be automatically partitioned").
-    A mesh with both manual and free axes > 1 is refused (ValueError), the kernels' rules check it first."""
+    them is > 1; None where none is (no mesh, or inside a shard_map over every axis > 1, as the
+    data-parallel step is). Lowering a Pallas call under a mesh without a shard_map fails ("Mosaic
+    kernels cannot be automatically partitioned"). A mesh with manual and free axes > 1 both is
+    refused (ValueError); the kernels' rules ask ``pallas_unsupported`` first."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
