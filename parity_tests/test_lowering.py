@@ -2,10 +2,12 @@
 
 Kernel choices are made per lowering platform (jaxgpt/nn/kernels/policy.py): a C++ CPU kernel
 (custom call ``jaxgpt_*``) may appear only in the CPU program; the CUDA and TPU programs get the
-portable paths, or their own kernels: the engine's paged attention the Pallas (Triton) kernel on
-CUDA (``__gpu$xla.gpu.triton``, kernels/gpu_paged.py), MoE experts ``ragged_dot`` ('grouped') on
-CUDA and TPU where the CPU keeps 'dense' (no ragged_dot). Each program is traced once on abstract inputs (jax.ShapeDtypeStruct, eval_shape:
-nothing is allocated) and lowered three times; the test prints the custom calls each platform got.
+portable paths, or their own kernels: on CUDA the engine's paged attention the Pallas (Triton) kernel
+(``__gpu$xla.gpu.triton``, kernels/gpu_paged.py) and MoE experts ``ragged_dot`` ('grouped', where the
+CPU keeps 'dense'); on a TPU the Pallas TPU kernels (``tpu_custom_call``: flash attention, paged
+attention over bfloat16 pools, megablox's grouped matmul for MoE). Each program is traced once on
+abstract inputs (jax.ShapeDtypeStruct, eval_shape: nothing is allocated) and lowered three times;
+the test prints the custom calls each platform got.
 
 What this host cannot show: cuDNN attention. JAX builds a cuDNN call only where cuDNN is installed
 ("cuDNN is not detected" here), so 'auto' stages cuDNN for CUDA on a GPU host only (kernels.attend,
@@ -31,19 +33,22 @@ from jaxgpt.inference.packed_head import pack_head
 from jaxgpt.inference.paged_cache import init_pools, resolve_paged_kernel
 from jaxgpt.models import abstract_params
 from jaxgpt.nn.kernels import causal_ffi, native, norm_ffi, paged_ffi
+from jaxgpt.parallel.sharding import make_mesh
 from jaxgpt.train.step import init_state, make_train_step
 
 PLATFORMS = ("cpu", "cuda", "tpu")
-B, T = 8, 64  # 8 x 64 rows of d_model 64: native.AUTO_MIN_SIZE floats, so 'auto' picks the norm and GELU kernels
+B, T = 4, 128  # 4 x 128 rows of d_model 64: native.AUTO_MIN_SIZE floats, so 'auto' picks the norm and GELU
+# kernels; T a multiple of tpu_flash.BLOCK, so the TPU program runs the Pallas flash kernel
 assert B * T * 64 >= native.AUTO_MIN_SIZE
 GPT2 = PRESETS["gpt2-small"].replace(vocab_size=96, d_model=64, n_layer=2, n_head=4, max_len=T, dropout=0.0)
 LLAMA = PRESETS["llama-tiny"].replace(vocab_size=96, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128,
                                       max_len=T)
 MOE = LLAMA.replace(moe=MoEConfig(n_experts=8, top_k=2, d_ff=64))  # Mixtral's router: 8 experts, top-2
+PAGED_BF16 = LLAMA.replace(d_model=256, n_head=2, n_kv_head=1, dtype="bfloat16", scan_layers=False)  # head_dim 128
 EXACT_GELU = GPT2.replace(mlp="gelu")  # the exact GELU: the one the GELU kernel computes
 CUSTOM_CALL = re.compile(r'(?:custom_call_target\s*=\s*|stablehlo\.custom_call\s+@)"?([\w$.\-]+)"?')
+KERNEL_NAME = re.compile(r'kernel_name = "(\w+)"')
 TRITON, RAGGED_DOT = "__gpu$xla.gpu.triton", "chlo.ragged_dot"
-
 
 def _train(config, dtype: str, **over):
     config = config.replace(dtype=dtype, **over)
@@ -73,22 +78,32 @@ def _paged(config, kv_dtype="auto", kernel="auto"):
                                head, config=config, kernel=kernel)
 
 
-# name: (traced program, the CPU kernels 'auto' puts in its CPU program where they are built)
+FLASH = ("_flash_attention_kernel", "_flash_attention_dkv_kernel", "_flash_attention_dq_kernel")  # fwd, bwd
+GMM = ("kernel",)  # megablox's gmm and tgmm name their Pallas kernel 'kernel' (the dense MoE has none)
+TPU_PAGED = ("paged_flash_attention_kernel_inline_seq_dim",)
+
+# name: (traced program, the CPU kernels 'auto' puts in its CPU program where they are built, the
+# Pallas kernels (tpu_custom_call kernel_name) its TPU program holds)
 PROGRAMS = {
-    "gpt2-train-bf16": (lambda: _train(GPT2, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}),
-    "llama-train-bf16": (lambda: _train(LLAMA, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}),
-    "moe-train-bf16": (lambda: _train(MOE, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd",)}),
+    "gpt2-train-bf16": (lambda: _train(GPT2, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}, FLASH),
+    "llama-train-bf16": (lambda: _train(LLAMA, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd", "jaxgpt_norm_bwd")}, FLASH),
+    "moe-train-bf16": (lambda: _train(MOE, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd",)}, FLASH + GMM),
     "gpt2-train-f32": (lambda: _train(EXACT_GELU, "float32"),
-                       {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}),
-    "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}),
-    "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)}),
-    "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(scan_layers=False, dtype="bfloat16"), "int8"), {}),
+                       {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}, FLASH),
+    "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}, ()),
+    # float32 pools: the TPU's Pallas paged kernel reads bfloat16 K/V only (it gathers); bfloat16 pools of
+    # head_dim 128: Pallas on a TPU; int8 pools: gathered on a TPU
+    "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)},
+                         ()),
+    "paged-engine-bf16": (lambda: _paged(PAGED_BF16), {}, TPU_PAGED),
+    "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(scan_layers=False, dtype="bfloat16"), "int8"), {}, ()),
 }
 # name: {platform: what its program must hold there (custom-call targets, or RAGGED_DOT)}, beyond no CPU call
 ACCELERATOR_KERNELS = {
     "paged-engine-f32": {"cuda": {TRITON}},
+    "paged-engine-bf16": {"cuda": {TRITON}},
     "paged-engine-bf16-int8": {"cuda": {TRITON}},
-    "moe-train-bf16": {"cuda": {RAGGED_DOT}, "tpu": {RAGGED_DOT}},
+    "moe-train-bf16": {"cuda": {RAGGED_DOT}},  # the TPU runs megablox's gmm (GMM) instead
 }
 
 
@@ -97,25 +112,38 @@ def custom_calls(text: str) -> set[str]:
     return set(CUSTOM_CALL.findall(text)) | ({RAGGED_DOT} if RAGGED_DOT in text else set())
 
 
+def tpu_kernels(text: str) -> list[str]:
+    """The Pallas kernels (kernel_name of each tpu_custom_call) in a lowered module's text, one entry a call."""
+    return [m for line in text.splitlines() if "@tpu_custom_call" in line for m in KERNEL_NAME.findall(line)]
+
+
 @functools.cache
-def _lowered(name: str) -> dict[str, set[str]]:
+def _lowered(name: str) -> dict[str, tuple[set[str], list[str]]]:
     traced = PROGRAMS[name][0]()
-    return {p: custom_calls(traced.lower(lowering_platforms=(p,)).as_text()) for p in PLATFORMS}
+    texts = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in PLATFORMS}
+    return {p: (custom_calls(t), tpu_kernels(t)) for p, t in texts.items()}
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_program_lowers_for_every_platform_with_its_own_kernels(name):
     got = _lowered(name)
-    print(f"\n{name}: " + "; ".join(f"{p}: {sorted(calls) or 'no custom call'}" for p, calls in got.items()))
+    print(f"\n{name}: " + "; ".join(f"{p}: {sorted(calls) or 'no custom call'}" + (f" {sorted(set(ks))}" if ks else "")
+                                    for p, (calls, ks) in got.items()))
     for p in PLATFORMS[1:]:
-        cpu_only = sorted(c for c in got[p] if c.startswith("jaxgpt_"))
+        cpu_only = sorted(c for c in got[p][0] if c.startswith("jaxgpt_"))
         assert not cpu_only, f"{name} lowered for {p} holds the CPU custom calls {cpu_only}"
     for module, targets in PROGRAMS[name][1].items():  # the CPU program still runs its kernels
         if module.available():
-            assert set(targets) <= got["cpu"], f"{name} for the CPU lacks {targets}: {sorted(got['cpu'])}"
+            assert set(targets) <= got["cpu"][0], f"{name} for the CPU lacks {targets}: {sorted(got['cpu'][0])}"
     for p, kernels in ACCELERATOR_KERNELS.get(name, {}).items():  # and the accelerators theirs
-        assert kernels <= got[p], f"{name} lowered for {p} lacks {sorted(kernels)}: {sorted(got[p])}"
-    assert TRITON not in got["cpu"] | got["tpu"] and RAGGED_DOT not in got["cpu"], f"{name}: {got}"
+        assert kernels <= got[p][0], f"{name} lowered for {p} lacks {sorted(kernels)}: {sorted(got[p][0])}"
+    calls = {p: got[p][0] for p in PLATFORMS}
+    assert TRITON not in calls["cpu"] | calls["tpu"] and RAGGED_DOT not in calls["cpu"], f"{name}: {calls}"
+    for p in ("cpu", "cuda"):  # a Pallas TPU kernel only in the TPU program
+        assert "tpu_custom_call" not in calls[p], f"{name} lowered for {p} holds Pallas TPU kernels {got[p][1]}"
+    want = PROGRAMS[name][2]
+    assert set(want) == set(got["tpu"][1]), f"{name} for the TPU: Pallas kernels {sorted(set(got['tpu'][1]))}, " \
+                                            f"expected {sorted(want)}"
 
 
 def test_explicit_cpu_kernel_is_refused_off_the_cpu():
@@ -141,3 +169,21 @@ def test_explicit_paged_kernels_are_refused_where_they_cannot_lower():
     with pytest.raises(ValueError, match="paged_kernel='pallas' runs a kernel for cpu, cuda only, but this program "
                                          "is lowered for tpu"):
         pallas.lower(lowering_platforms=("tpu",))
+
+
+def test_sharded_train_step_runs_the_tpu_kernels_per_device():
+    """A GSPMD train step under a mesh (the batch split over 'fsdp'): XLA cannot partition a Pallas
+    call, so in the TPU program each runs inside a shard_map (flash attention on each device's rows,
+    the MoE grouped matmul replicated; policy.pallas_mesh); the CPU program holds no Pallas kernel.
+    A 'tensor' split of the heads: test_tpu_kernels.test_flash_runs_per_device_under_a_mesh."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    mesh = make_mesh("fsdp=2", jax.devices()[:2])
+    config = MOE.replace(dtype="bfloat16")
+    tc = TrainConfig(batch_size=B, seq_len=T, steps=3)
+    state = jax.eval_shape(lambda: init_state(config, tc, mesh=mesh))
+    batch = {k: jax.ShapeDtypeStruct((1, B, T), jnp.int32) for k in ("x", "y")}
+    traced = make_train_step(config, tc, mesh=mesh).trace(state, batch)
+    tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert "sdy.manual_computation" in tpu and set(FLASH + GMM) == set(tpu_kernels(tpu))
+    assert "tpu_custom_call" not in custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())

@@ -137,7 +137,7 @@ def test_resolve_paged_kernel(monkeypatch):
     with pytest.raises(ValueError, match="'ffi' cannot run: it is a CPU kernel and this backend is 'gpu'"):
         resolve_paged_kernel("ffi", "float32", jnp.float32)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with pytest.warns(UserWarning, match="no in-place paged kernel runs on 'tpu'"):
+    with pytest.warns(UserWarning, match="it reads K and V as bfloat16: a bfloat16 pool only"):
         assert resolve_paged_kernel("auto", "float32", jnp.float32) == "auto"
     with pytest.raises(ValueError, match="'pallas' cannot run: it runs on CUDA"):
         resolve_paged_kernel("pallas", "float32", jnp.float32)

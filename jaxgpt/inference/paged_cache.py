@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.nn.kernels import gpu_paged, paged_ffi
+from jaxgpt.nn.kernels import gpu_paged, paged_ffi, tpu_paged
 from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
@@ -212,7 +212,7 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: 
     platform's kernel for 'auto' when the program is lowered). 'auto' stays 'auto', with one warning
     per reason where this machine's platform gathers (a fallback is never silent): on the CPU the
     C++ kernel needs float32 pages in a float32 model and a compiler; on a GPU the Pallas kernel
-    needs power-of-two head_dim and page_size; a TPU gathers. An explicit 'ffi' or 'pallas' that
+    needs power-of-two head_dim and page_size; on a TPU, bfloat16 pools with head_dim a multiple of 128. An explicit 'ffi' or 'pallas' that
     cannot run here is an error; 'pallas' on the CPU runs in Pallas' interpret mode (tests). No
     in-place kernel has score soft-capping: with ``attn_softcap`` 'auto' gathers."""
     if kernel not in PAGED_KERNELS:
@@ -242,7 +242,8 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: 
         raise ValueError(f"paged_kernel='pallas' cannot run: {why}; use 'gather' or 'auto'")
     if kernel == "auto":
         why = ffi_why if backend == "cpu" else pallas_why if backend == "gpu" else \
-            f"no in-place paged kernel runs on {backend!r} yet"
+            tpu_paged.unsupported(q, jax.ShapeDtypeStruct((1, 1, page_size, head_dim), np.dtype(pool_dtype))) \
+            if backend == "tpu" else f"no in-place paged kernel runs on {backend!r} yet"
         if why is not None:
             _fallback_warning(why)
     return kernel

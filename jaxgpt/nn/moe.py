@@ -12,7 +12,8 @@ a program lowered for CUDA or TPU, 'dense' on the CPU (and ROCm), per lowering p
   and the fastest on a CPU for a few experts.
 - 'grouped': the N*k (token, expert) pairs sorted by expert and multiplied group by group with
   ``jax.lax.ragged_dot``, then scattered back with their weights. k/E of the dense FLOPs where
-  ragged_dot has a grouped kernel (GPU/TPU); on the CPU it lowers to a masked dense product.
+  ragged_dot has a grouped kernel (GPU); on the CPU it lowers to a masked dense product; in a
+  program lowered for a TPU, megablox's Pallas grouped matmul (kernels/tpu_gmm.py).
 - 'alltoall' (jaxgpt/nn/moe_dispatch.py): per-expert capacity buffers; under a mesh with an
   'expert' axis they travel to the experts' devices by all-to-all (expert parallelism). The only
   one that takes ``MoEConfig.capacity_factor`` (tokens past an expert's capacity are dropped).
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.nn.kernels import policy
+from jaxgpt.nn.kernels.tpu_gmm import grouped_dot
 from jaxgpt.nn.mlp import SwiGLU, dense
 from jaxgpt.nn.moe_dispatch import experts_alltoall
 from jaxgpt.nn.precision import module_scope
@@ -76,8 +78,8 @@ def experts_grouped(x, gate, up, down, weights, idx):
     token = order // k  # (N k,) token of each sorted pair
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # (E,) pairs per expert
     xs = x[token]  # (N k, d)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)  # (N k, f)
-    y = jax.lax.ragged_dot(h, down, sizes) * weights.reshape(-1)[order, None].astype(x.dtype)  # (N k, d)
+    h = jax.nn.silu(grouped_dot(xs, gate, sizes)) * grouped_dot(xs, up, sizes)  # (N k, f)
+    y = grouped_dot(h, down, sizes) * weights.reshape(-1)[order, None].astype(x.dtype)  # (N k, d)
     return jnp.zeros_like(x).at[token].add(y)
 
 

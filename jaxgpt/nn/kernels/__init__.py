@@ -19,6 +19,10 @@ paged_ffi.cached_attention reads the cache in place and only up to each query's 
 the einsum reads and masks every slot (1.45x faster 1,008-token greedy decoding together with
 matvec_ffi; docs/performance.md).
 
+In a program lowered for a TPU, 'auto' and 'ffi' run JAX's Pallas TPU flash attention
+(tpu_flash.py) on self-attention over the call's own keys (causal or not, GQA, segment ids) with
+T a multiple of 128; the rule is tpu_flash.unsupported, and every other call runs the rest of 'auto'.
+
 The C++ kernels are CPU kernels: 'auto' stages each beside the portable kernel it would run
 otherwise, and the platform the program is lowered for picks one (policy.py); an explicit 'ffi'
 fails to lower for another platform.
@@ -37,7 +41,7 @@ from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.config.model import SOFTCAP_REFUSED
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
-from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_dispatch, paged_ffi, policy, xla
+from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_dispatch, paged_ffi, policy, tpu_flash, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once
 from jaxgpt.nn.kernels.masks import causal_mask, grouped_mask, keys_before, segment_mask
@@ -66,8 +70,9 @@ def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, p
       of memory on an 80 GB H100.
     - Every backend, for the rest: 'blocked' for training and prefill over more than one key block
       (memory linear in T; on the CPU its causal block skipping made a 6 x 384, T 256 train step
-      1.3x faster than 'xla'), else 'xla' (decode steps, short sequences: equal or faster). TPUs
-      get this rule too: JAX's Pallas TPU kernels are not wired in (no TPU was measured).
+      1.3x faster than 'xla'), else 'xla' (decode steps, short sequences: equal or faster). In a
+      program lowered for a TPU, attend runs JAX's Pallas flash attention instead on the calls
+      tpu_flash.unsupported accepts (train steps and prefill, T a multiple of 128; no TPU measured).
     - Always 'xla' with attention dropout, the only kernel that has it.
     - Never 'cudnn' with ``softcap`` (score soft-capping, Gemma 2): only 'xla' and 'blocked' have it.
     """
@@ -92,7 +97,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
     kv_layout 'pages': k, v are a paged cache's pools (num_pages, H_kv, page_size, D) and ``pages``
     its paged.Pages (page_table (B, P), q_pos (B, Tq), int8 scales, kernel); the platform's kernel
-    reads them in place (paged_dispatch.py, causal by position), or, for the weights, they are gathered.
+    reads them in place (paged_dispatch.py: C++ on the CPU, Pallas on CUDA and TPU, causal by
+    position), or, for the weights, they are gathered.
 
     The contract of xla.scaled_dot_product_attention on every kernel: bool masks (True = attend)
     broadcastable to (B, H, Tq, Tk), validated here; causal with a possibly traced ``q_offset``;
@@ -162,7 +168,17 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                       fallback=functools.partial(blocked.blocked_attention, block=block)
                                       if fallback else None, **kw)
 
-    def portable(q, k, v):  # what 'auto' runs where no C++ kernel does: cuDNN only in a CUDA program
+    flash = softcap is None and tpu_flash.unsupported(
+        q, k, mask=mask, is_causal=is_causal, q_offset=q_offset, kv_layout=kv_layout, scale=scale,
+        dropout_rate=dropout_rate, return_weights=return_weights) is None
+
+    def portable(q, k, v):  # where no C++ kernel runs: Pallas flash in a TPU program, cuDNN in a CUDA one
+        if flash:
+            return policy.on_tpu(lambda q, k, v: tpu_flash.flash_attention(
+                q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids), other, q, k, v)
+        return other(q, k, v)
+
+    def other(q, k, v):
         pick = auto_impl(tq, tk, block, dropout_rate, q, plain, softcap)
         if pick != "cudnn":
             return run(pick, True, q, k, v)
@@ -192,9 +208,10 @@ def _gather(k_pool, v_pool, pages, dtype):
 
 
 def _gathered(q, k_pool, v_pool, *, pages, **kw):
-    """Attention over a paged cache's pages gathered into kv_layout 'rows' (kernels/paged.py)."""
+    """Attention over a paged cache's pages gathered into kv_layout 'rows' (kernels/paged.py), computed
+    in q's dtype as the in-place kernels are (bfloat16 pools under float32 queries: an exact upcast)."""
     k, v, mask = _gather(k_pool, v_pool, pages, q.dtype)
-    return attend(q, k, v, mask=mask, kv_layout="rows", **kw)
+    return attend(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, kv_layout="rows", **kw)
 
 
 def cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) -> str | None:

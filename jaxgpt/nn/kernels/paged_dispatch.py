@@ -1,13 +1,13 @@
 """Which kernel reads a paged cache in place (kv_layout 'pages'), per the platform the program is
 lowered for (policy.py), never per the machine tracing it.
 
-    paged kernel   cpu                           cuda                     tpu, rocm
-    'auto'         C++ kernel (paged_ffi.py)     Pallas kernel            the gather
-                   where it takes the call:      (gpu_paged.py) where     (kernels/paged.py)
-                   float32 pages, built here;    it takes the call
-                   else the gather
-    'ffi'          C++ kernel                    refused                  refused
-    'pallas'       Pallas kernel, interpreted    Pallas kernel            refused
+    paged kernel   cpu                           cuda                     tpu                        rocm
+    'auto'         C++ kernel (paged_ffi.py)     Pallas kernel            Pallas TPU kernel          the gather
+                   where it takes the call:      (gpu_paged.py) where     (tpu_paged.py) where it    (kernels/paged.py)
+                   float32 pages, built here;    it takes the call        takes the call: bfloat16
+                   else the gather                                        pools, head_dim % 128 == 0
+    'ffi'          C++ kernel                    refused                  refused                    refused
+    'pallas'       Pallas kernel, interpreted    Pallas kernel            refused                    refused
 
 The gather copies each row's pages into one array and attends over it: the same numbers, and the
 portable path. 'pallas' on the CPU runs the CUDA kernel in Pallas' interpret mode: slow, exact, for
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from jaxgpt.nn.kernels import gpu_paged, paged_ffi, policy
+from jaxgpt.nn.kernels import gpu_paged, paged_ffi, policy, tpu_paged
 from jaxgpt.nn.kernels.paged import PAGED_KERNELS, Pages
 
 __all__ = ["attend_pages"]
@@ -55,4 +55,8 @@ def attend_pages(q, k_pool, v_pool, pages: Pages, *, scale, gathered: Callable):
         return policy.by_platform(q, k_pool, v_pool, cpu=pallas(True), default=pallas(False))
     cuda = pallas(False) if gpu_paged.unsupported(q, k_pool) is None else gathered
     cpu = ffi if ks is None and _ffi_takes(q, k_pool) else gathered
-    return policy.by_platform(q, k_pool, v_pool, cpu=cpu, cuda=cuda, default=gathered)
+    def tpu_kernel(q, k, v):
+        return tpu_paged.paged_attention(q, k, v, table, q_pos, scale=scale)
+
+    tpu = tpu_kernel if ks is None and tpu_paged.unsupported(q, k_pool) is None else gathered
+    return policy.by_platform(q, k_pool, v_pool, cpu=cpu, cuda=cuda, tpu=tpu, default=gathered)

@@ -9,6 +9,10 @@ choice is made while lowering, so the CPU program holds the kernel alone (no con
 
 Kernels for other platforms are staged the same way (``by_platform``): the Pallas paged-attention
 kernel in CUDA programs (paged_dispatch.py), ragged_dot MoE experts in CUDA and TPU ones (nn/moe.py).
+The Pallas TPU kernels go the other way (``on_tpu``): ``platform_dependent(tpu=kernel,
+default=portable)``, so only a program lowered for a TPU holds them (tpu_flash.py, tpu_paged.py:
+attention; tpu_gmm.py: MoE's grouped matmul). Under a mesh they run inside a shard_map
+(``pallas_mesh``, ``replicated``): XLA cannot partition a Pallas call.
 
 An explicit choice of a CPU kernel (``norm_impl='ffi'``, ``act_impl='ffi'``, ``attention_impl='ffi'``)
 is honoured on the CPU and refused, with a message naming the knob, when the program is lowered for
@@ -26,8 +30,10 @@ from collections.abc import Callable
 import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["by_platform", "cpu_kernel", "on_cpu", "on_cuda", "require_cpu", "require_platforms"]
+__all__ = ["by_platform", "cpu_kernel", "on_cpu", "on_cuda", "on_tpu", "pallas_mesh", "replicated", "require_cpu",
+           "require_platforms"]
 
 
 def on_cpu(kernel: Callable, portable: Callable, *args):
@@ -52,6 +58,52 @@ def by_platform(*args, default: Callable, **kernels: Callable):
 def _fresh(f: Callable) -> Callable:
     """A new closure over f: platform_dependent caches branches by function, and each call is traced anew."""
     return lambda *a: f(*a)
+
+
+def on_tpu(kernel: Callable, portable: Callable, *args):
+    """``kernel(*args)`` (a Pallas TPU kernel) in a program lowered for a TPU, ``portable(*args)``
+    elsewhere. Both are traced on any host; a CPU runs the kernel only in TPU interpret mode."""
+    return jax.lax.platform_dependent(*args, tpu=lambda *a: kernel(*a), default=lambda *a: portable(*a))
+
+
+def pallas_mesh():
+    """-> (mesh, axes): the ambient (abstract) mesh a Pallas call must be shard_mapped over, and its
+    axes not yet manual (all of them: Mosaic refuses even a size-1 axis left to XLA), where one of
+    them is > 1; None where none is (no mesh, or inside a shard_map over every axis > 1, as the
+    data-parallel step is). Lowering a Pallas call under a mesh without a shard_map fails ("Mosaic
+    kernels cannot be automatically partitioned"). A mesh with manual and free axes > 1 both is
+    refused (ValueError); the kernels' rules ask ``pallas_unsupported`` first."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    manual = set(getattr(mesh, "manual_axes", ()))
+    big = [a for a, n in mesh.shape.items() if n > 1]
+    free = tuple(a for a in big if a not in manual)
+    if free and manual & set(big):
+        raise ValueError(f"a Pallas TPU kernel under a mesh partly inside a shard_map (manual {sorted(manual)}, "
+                         f"free {list(free)}) is not supported")
+    return (mesh, tuple(a for a in mesh.axis_names if a not in manual)) if free else None
+
+
+def replicated(kernel: Callable, *args):
+    """``kernel(*args)``, a Pallas call, under the ambient mesh (pallas_mesh): in a shard_map whose
+    every device computes the whole call on gathered operands (what XLA does with an operation it
+    cannot split, made explicit); directly where there is no mesh."""
+    found = pallas_mesh()
+    if found is None:
+        return kernel(*args)
+    mesh, free = found
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), axis_names=set(free),
+                         check_vma=False)(*args)
+
+
+def pallas_unsupported() -> str | None:
+    """Why the ambient mesh rules out a Pallas kernel (a mesh partly manual), or None."""
+    try:
+        pallas_mesh()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 _require_cpu_p = Primitive("jaxgpt_require_cpu")

@@ -1,0 +1,231 @@
+"""The Pallas TPU kernels jaxgpt runs in a program lowered for a TPU, run here on the CPU in TPU
+interpret mode (``pltpu.force_tpu_interpret_mode``) and compared with the 'xla' path on the same
+inputs: flash attention (kernels/tpu_flash.py), paged attention over the engine's pools
+(kernels/tpu_paged.py) and megablox's grouped matmul (kernels/tpu_gmm.py).
+
+A CPU program never holds these kernels (policy.on_tpu keeps them for TPU programs), so each test
+makes ``policy.on_tpu`` pick the kernel branch and calls the public entry (``kernels.attend``,
+``moe.experts_grouped``): the wiring (causal flag, scale, segment ids, grouped heads) is checked
+with the kernel. That the TPU program holds them is test_lowering.py's. Tolerances: float32 1e-5
+(forward and gradients); bfloat16 against the float32 reference, the bound measured (docs/performance.md).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxgpt.config.mesh import AXES, BATCH_AXES
+
+from jaxgpt.nn import moe
+from jaxgpt.nn.kernels import attend, paged, policy, tpu_flash, tpu_gmm, tpu_paged, xla
+
+pytestmark = pytest.mark.cpu_only  # TPU interpret mode and the lowering canary are checked on the CPU backend
+
+B, T, D = 2, tpu_flash.BLOCK, 16
+BF16_TOL = 3e-2  # measured 7.8e-3 (flash) and 1.6e-2 (gmm) from the float32 reference, unit-scale inputs
+
+
+@pytest.fixture
+def on_tpu(monkeypatch):
+    """The policy's choices as in a program lowered for a TPU (on_tpu and by_platform: the TPU kernel,
+    on_cpu: the portable path); the TPU kernels run in TPU interpret mode."""
+    monkeypatch.setattr(policy, "on_tpu", lambda kernel, portable, *args: kernel(*args))
+    monkeypatch.setattr(policy, "on_cpu", lambda kernel, portable, *args: portable(*args))
+    monkeypatch.setattr(policy, "by_platform", lambda *args, default, **kernels: kernels.get("tpu", default)(*args))
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        yield
+
+
+def _qkv(h, h_kv, dtype=jnp.float32, seed=0):
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (B, T, h, D))
+    k, v = jax.random.normal(kk, (B, T, h_kv, D)), jax.random.normal(kv, (B, T, h_kv, D))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), jax.random.normal(kc, (B, T, h, D))
+
+
+def _segments():
+    """(B, T) packed documents: row 0 three of them (lengths 50, 1, 77), row 1 one."""
+    row0 = np.repeat([0, 1, 2], [50, 1, T - 51])
+    return jnp.asarray(np.stack([row0, np.zeros(T, int)]), jnp.int32)
+
+
+CASES = {  # name: (query heads, key/value heads, causal, segment ids)
+    "causal-mqa": (2, 1, True, False),
+    "full-mha": (2, 2, False, False),
+    "causal-gqa-segments": (4, 2, True, True),  # two K/V heads of two query heads each: the head order shows
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "causal-mqa" else c
+                                  for c in sorted(CASES)])  # 'causal-gqa-segments' covers it in the fast tier
+def test_flash_attention_matches_xla_float32(case, on_tpu):
+    h, h_kv, causal, segs = CASES[case]
+    q, k, v, ct = _qkv(h, h_kv)
+    seg = _segments() if segs else None
+    assert tpu_flash.unsupported(q, k, mask=None, is_causal=causal, q_offset=0, kv_layout="tokens") is None
+
+    def run(impl):  # the output and the gradients of <out, ct> (every output element weighs in)
+        def f(q, k, v, ct):
+            out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, impl=impl, is_causal=causal, segment_ids=seg,
+                                                      scale=0.3), q, k, v)
+            return out, vjp(ct)
+        return jax.jit(f)(q, k, v, ct)
+
+    (out, grads), (ref_out, ref) = run("auto"), run("xla")
+    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=0)
+    for name, g, r in zip("qkv", grads, ref):
+        np.testing.assert_allclose(g, r, atol=1e-5, rtol=0, err_msg=f"d{name}")
+
+
+@pytest.mark.slow
+def test_flash_attention_bfloat16_within_bound(on_tpu):
+    q, k, v, _ = _qkv(4, 2, jnp.bfloat16, seed=1)
+    seg = _segments()
+    got = jax.jit(lambda q, k, v: attend(q, k, v, is_causal=True, segment_ids=seg))(q, k, v).astype(jnp.float32)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    want = xla.scaled_dot_product_attention(*f32, is_causal=True, mask=(seg[:, :, None] == seg[:, None, :])[:, None])
+    err = float(jnp.abs(got - want).max())
+    print(f"\nflash bf16 max error from float32: {err:.2e}")
+    assert err < BF16_TOL
+
+
+def test_flash_rule_sends_other_calls_to_the_portable_path():
+    """tpu_flash.unsupported: T not a multiple of the block, a mask, a KV cache offset, weights."""
+    q, k, _, _ = _qkv(4, 2)
+    ok = dict(mask=None, is_causal=True, q_offset=0, kv_layout="tokens")
+    assert "multiple of 128" in tpu_flash.unsupported(q[:, :64], k[:, :64], **ok)
+    assert "no mask" in tpu_flash.unsupported(q, k, **{**ok, "mask": jnp.ones((T, T), bool)})
+    assert "KV cache" in tpu_flash.unsupported(q, k, **{**ok, "q_offset": 3})
+    assert "weights" in tpu_flash.unsupported(q, k, **ok, return_weights=True)
+
+
+@pytest.mark.parametrize("split", ["data", "tensor"])
+def test_flash_runs_per_device_under_a_mesh(split, monkeypatch):
+    """Under a mesh (a sharded train step's ambient mesh) the kernel runs in a shard_map on each
+    device's rows ('data') or heads ('tensor'): the TPU program holds it inside a manual computation.
+    The numbers are checked with the kernel swapped for the 'xla' path (TPU interpret mode does not
+    run inside a shard_map on the CPU): this checks the split and the reassembly, not the kernel."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape([2 if a == split else 1 for a in AXES]), AXES)
+    q, k, v, _ = _qkv(4, 2)
+    seg = _segments()
+
+    def f(q, k, v, seg):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return tpu_flash.flash_attention(q, k, v, is_causal=True, scale=0.3, segment_ids=seg)
+
+    text = jax.jit(f).trace(q, k, v, seg).lower(lowering_platforms=("tpu",)).as_text()
+    assert "sdy.manual_computation" in text and "@tpu_custom_call" in text
+    shapes = []
+
+    def fake(q, k, v, s, *, is_causal, scale):  # the 'xla' path on one device's block
+        shapes.append((q.shape, k.shape, s.shape))
+        return xla.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                                mask=(s[:, :, None] == s[:, None, :])[:, None])
+
+    monkeypatch.setattr(tpu_flash, "_flash", fake)
+    spec = P(BATCH_AXES) if split == "data" else P(None, None, "tensor")
+    got = jax.jit(f)(*(jax.device_put(a, NamedSharding(mesh, spec)) for a in (q, k, v)), seg)
+    want = xla.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3,
+                                            mask=(seg[:, :, None] == seg[:, None, :])[:, None])
+    b, h, h_kv = (B // 2, 4, 2) if split == "data" else (B, 2, 1)
+    assert shapes == [((b, T, h, D), (b, T, h_kv, D), (b, T))]
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+def _experts(dtype):
+    n, d, f, e, k = 16, 32, 64, 4, 2  # 32 (token, expert) rows: row tile 32
+    ks = jax.random.split(jax.random.key(2), 5)
+    x = jax.random.normal(ks[0], (n, d))
+    gate, up = (jax.random.normal(kk, (e, d, f)) * d ** -0.5 for kk in ks[1:3])
+    down = jax.random.normal(ks[3], (e, f, d)) * f ** -0.5
+    logits = jax.random.normal(ks[4], (n, e)).at[:, 3].set(-9.0)  # expert 3 gets no token: an empty group
+    _, weights, idx = moe.route(logits, k, True)
+    return [a.astype(dtype) for a in (x, gate, up, down)], weights, idx
+
+
+def test_gmm_moe_matches_ragged_dot(on_tpu):
+    (x, gate, up, down), weights, idx = _experts(jnp.float32)
+    assert tpu_gmm.unsupported(jnp.repeat(x, idx.shape[1], axis=0), gate) is None  # the (N k, d) rows
+
+    def loss(x, gate, up, down):
+        return jnp.sum(moe.experts_grouped(x, gate, up, down, weights, idx) ** 2)
+
+    got, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, gate, up, down)
+    with pytest.MonkeyPatch.context() as mp:  # the portable grouped path: jax.lax.ragged_dot
+        mp.setattr(policy, "on_tpu", lambda kernel, portable, *args: portable(*args))
+        want, ref = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, gate, up, down)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for name, g, r in zip(("x", "gate", "up", "down"), grads, ref):
+        np.testing.assert_allclose(g, r, atol=1e-5 * float(jnp.abs(r).max()), rtol=0, err_msg=f"d{name}")
+
+
+@pytest.mark.slow
+def test_gmm_moe_bfloat16_within_bound(on_tpu):
+    (x, gate, up, down), weights, idx = _experts(jnp.float32)
+    run = jax.jit(lambda *a: moe.experts_grouped(*a, weights, idx).astype(jnp.float32))
+    y16, y32 = run(*_experts(jnp.bfloat16)[0]), run(x, gate, up, down)
+    err = float(jnp.abs(y16 - y32).max())
+    print(f"\ngmm bf16 max error from float32: {err:.2e} (outputs up to {float(jnp.abs(y32).max()):.2f})")
+    assert err < BF16_TOL * float(jnp.abs(y32).max())
+
+
+PAGE, DP = 8, 128  # page size; the paged kernel's head_dim is a multiple of 128
+# Row 0: a 4-token prefill chunk at positions 18..21 over pages 5, 2, 9 (out of order, crossing a page
+# boundary), its last slot unused (scratch page 0); row 1: a decode step at position 3 on page 7, one
+# query and three padding; row 2: all padding. Pages 1, 3, 4, 6, 8, 10, 11 belong to no row (holes).
+PAGE_TABLE = [[5, 2, 9, 0], [7, 0, 0, 0], [0, 0, 0, 0]]
+Q_POS = [[18, 19, 20, 21], [3, -1, -1, -1], [-1, -1, -1, -1]]
+
+
+def _paged_inputs(q_dtype):
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    pools = [jax.random.normal(kk_, (12, 2, PAGE, DP)).astype(jnp.bfloat16) for kk_ in (kk, kv)]  # H_kv 2
+    q = jax.random.normal(kq, (3, 4, 4, DP)).astype(q_dtype)  # (B, T, H 4, D): two query heads a K/V head
+    return q, *pools, jnp.asarray(PAGE_TABLE, jnp.int32), jnp.asarray(Q_POS, jnp.int32)
+
+
+def test_paged_attention_reads_the_pools_in_place(on_tpu):
+    """kv_layout 'pages' through attend on bfloat16 pools, float32 queries, against the 'xla' path
+    over the gathered pages (the same bfloat16 values, float32 arithmetic: 1e-5)."""
+    q, k_pool, v_pool, table, q_pos = _paged_inputs(jnp.float32)
+    assert tpu_paged.unsupported(q, k_pool) is None
+    run = jax.jit(lambda q, k, v, t, p: attend(q, k, v, kv_layout="pages", pages=(t, p), scale=0.1))
+    got = run(q, k_pool, v_pool, table, q_pos)
+    k, v, mask = paged.gather(k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), table, q_pos)
+    want = xla.scaled_dot_product_attention(q, k, v, mask=mask, kv_layout="rows", scale=0.1)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert not np.asarray(got[2]).any() and not np.asarray(got[1, 1:]).any()  # padding: zeros
+
+
+@pytest.mark.slow
+def test_paged_attention_bfloat16_within_bound(on_tpu):
+    q, k_pool, v_pool, table, q_pos = _paged_inputs(jnp.float32)
+    k, v, mask = paged.gather(k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), table, q_pos)
+    want = xla.scaled_dot_product_attention(q, k, v, mask=mask, kv_layout="rows", scale=0.1)
+    got16 = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=(table, q_pos), scale=0.1))(
+        q.astype(jnp.bfloat16)).astype(jnp.float32)
+    err = float(jnp.abs(got16 - want).max())
+    print(f"\npaged bf16 max error from float32: {err:.2e}")
+    assert err < BF16_TOL
+
+
+def test_ragged_paged_attention_still_does_not_lower_from_a_cpu_host():
+    """Why the engine's paged step has no Pallas kernel on a TPU (docs/performance.md): JAX's ragged
+    paged attention asks the host for its TPU generation while lowering. When this fails, JAX lowers
+    it: wire it in (its pool layout (pages, page_size, 2 H_kv, D), K and V interleaved, differs)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    f = jax.jit(lambda q, kv, *a: ragged_paged_attention(q, kv, *a, num_kv_pages_per_block=2,
+                                                          num_queries_per_block=8))
+    traced = f.trace(jax.ShapeDtypeStruct((16, 4, 128), jnp.float32), jax.ShapeDtypeStruct((12, 8, 4, 128), jnp.float32),
+                     i32(4), i32(4, 4), i32(5), i32(1))
+    with pytest.raises(ValueError, match="Unsupported TPU device kind"):
+        traced.lower(lowering_platforms=("tpu",))
