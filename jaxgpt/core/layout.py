@@ -201,6 +201,7 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     and its views) then has its pages dropped from this process: the file stays in the page cache,
     and the resident memory of a load stays the loaded params plus about one tensor."""
     src = src if isinstance(src, np.ndarray) else to_numpy(src)
+    _advise(src, "MADV_WILLNEED")  # one read-ahead of the whole tensor rather than page faults one by one
     if src.ndim == 2 and src.strides[0] < src.strides[1]:
         for j in range(0, src.shape[1], _BLOCK):
             np.copyto(dst[:, j:j + _BLOCK], src[:, j:j + _BLOCK], casting="unsafe")
@@ -212,9 +213,13 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 def release(a: np.ndarray) -> None:
     """Drop the pages of ``a``'s memory map (a ``np.memmap`` or a view of one) from this process's
     memory; reading it again faults them back in from the page cache. Anything else: nothing."""
+    _advise(a, "MADV_DONTNEED")
+
+
+def _advise(a: np.ndarray, advice: str) -> None:
     mm = getattr(a, "_mmap", None)
-    if isinstance(mm, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
-        mm.madvise(mmap.MADV_DONTNEED)
+    if isinstance(mm, mmap.mmap) and hasattr(mmap, advice):  # the flags are per platform
+        mm.madvise(getattr(mmap, advice))
 
 
 # -- model layouts --------------------------------------------------------------------------
