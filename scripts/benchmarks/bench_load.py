@@ -15,13 +15,15 @@ fresh interpreter (``harness.spawn``), the arms alternating A B A B for ``--roun
 
 Reported: wall time of the call, MB/s (checkpoint bytes / time), the process's peak resident
 memory (VmHWM; reset before a save, so a save's peak is its own) and the resident memory before
-the call; the ratio of peak to the checkpoint's bytes. The checkpoint's files are in the page cache
-(just written or read), as for every arm alike.
+the call; the ratio of peak to the checkpoint's bytes; the call's CPU time (user + system): when
+other jobs share the cores, the part of the wall time that was the call's own work. The
+checkpoint's files are in the page cache (just written or read), as for every arm alike.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -48,6 +50,12 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def _cpu() -> float:
+    """This process's CPU seconds (user + system): what the call costs on a core of its own."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _reset_peak() -> None:
@@ -82,33 +90,33 @@ def run_arm(arm: str, src: str, out: str, shard: str) -> None:
         from jaxgpt.convert import load_hf, save_hf
 
         jax.numpy.zeros(1).block_until_ready()  # backend up before the clock starts
-        rss = _status("VmRSS")
+        rss, cpu = _status("VmRSS"), _cpu()
         t = time.perf_counter()
         config, params = load_hf(src, dtype="bfloat16")
-        seconds = time.perf_counter() - t
+        seconds, cpu = time.perf_counter() - t, _cpu() - cpu
         nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
         if arm == "save_hf":
-            rss = _status("VmRSS")
+            rss, cpu = _status("VmRSS"), _cpu()
             _reset_peak()
             t = time.perf_counter()
             save_hf(out, config, params, max_shard_size=shard)
-            seconds = time.perf_counter() - t
+            seconds, cpu = time.perf_counter() - t, _cpu() - cpu
     else:
         import torch
         import transformers
 
-        rss = _status("VmRSS")
+        rss, cpu = _status("VmRSS"), _cpu()
         t = time.perf_counter()
         model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-        seconds = time.perf_counter() - t
+        seconds, cpu = time.perf_counter() - t, _cpu() - cpu
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if arm == "save_pretrained":
-            rss = _status("VmRSS")
+            rss, cpu = _status("VmRSS"), _cpu()
             _reset_peak()
             t = time.perf_counter()
             model.save_pretrained(out, max_shard_size=shard)
-            seconds = time.perf_counter() - t
-    report({"seconds": seconds, "peak": _status("VmHWM"), "rss_before": rss, "param_bytes": nbytes})
+            seconds, cpu = time.perf_counter() - t, _cpu() - cpu
+    report({"seconds": seconds, "cpu_seconds": cpu, "peak": _status("VmHWM"), "rss_before": rss, "param_bytes": nbytes})
 
 
 def _bytes(d: Path) -> int:
@@ -120,10 +128,11 @@ def table(result: dict) -> str:
     lines = [f"LLaMA {result['shape']} ({result['params'] / 1e9:.2f}B params), bf16, {result['shards']} shards, "
              f"{size / GIB:.2f} GiB; {result['rounds']} rounds A B A B, medians; {result['note']}; "
              f"load average before {result['load_before']:.2f}, after {result['load_after']:.2f}.", "",
-             "| arm | seconds | MB/s | peak RSS GiB | RSS before GiB | peak / checkpoint | (peak - before) / checkpoint |",
-             "|---|---|---|---|---|---|---|"]
+             "| arm | seconds | MB/s | CPU seconds | MB/s of CPU time | peak RSS GiB | RSS before GiB | "
+             "peak / checkpoint | (peak - before) / checkpoint |", "|---|---|---|---|---|---|---|---|---|"]
     for arm, r in result["arms"].items():
-        lines.append(f"| {arm} | {r['seconds']:.2f} | {size / 1e6 / r['seconds']:.0f} | {r['peak'] / GIB:.2f} | "
+        lines.append(f"| {arm} | {r['seconds']:.2f} | {size / 1e6 / r['seconds']:.0f} | {r['cpu_seconds']:.2f} | "
+                     f"{size / 1e6 / r['cpu_seconds']:.0f} | {r['peak'] / GIB:.2f} | "
                      f"{r['rss_before'] / GIB:.2f} | {r['peak'] / size:.2f} | {(r['peak'] - r['rss_before']) / size:.2f} |")
     return "\n".join(lines)
 
