@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxgpt.core.layout import copy_into, fill
+from jaxgpt.core.layout import fill
+from jaxgpt.core.mapped import copy_into
 
 # safetensors dtype names -> NumPy (ml_dtypes for bf16 / fp8, imported where used)
 _NUMPY = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",

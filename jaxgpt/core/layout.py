@@ -27,19 +27,19 @@ template's dtype, so a float32 template receives exactly the float32 upcast.
 
 Streaming: ``state_dict_to_params`` takes NumPy views (memory-mapped tensors, their transposes and
 slices) as they are and copies each once into the leaf's preallocated array, the transpose and
-the cast fused into that copy; a memory-mapped source's pages are released once copied
-(``copy_into``). A template leaf with an ``assemble(pieces)`` method builds its own array from the
-checked views (the sharded load in jaxgpt/convert/stream.py).
+the cast fused into that copy (``jaxgpt.core.mapped.copy_into``). A template leaf with an
+``assemble(pieces)`` method builds its own array from the checked views (the sharded load in
+jaxgpt/convert/stream.py).
 """
 from __future__ import annotations
 
-import mmap
 import re
 from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
+from jaxgpt.core.mapped import copy_into
 
 _INDEXED = re.compile(r"^(.*)_(\d+)$")
 ENCDEC_STACKED = ("encoder/layers", "decoder/layers")  # the encoder-decoder's scanned stacks
@@ -186,40 +186,8 @@ def fill(pieces: Mapping[int | None, np.ndarray], shape: tuple, dtype) -> np.nda
     ``{i: layer i}`` for a stacked leaf, each copied once (``copy_into``) into its place."""
     out = np.empty(tuple(shape), np.dtype(dtype))
     for i, a in pieces.items():
-        copy_into(out if i is None else out[i], a)
+        copy_into(out if i is None else out[i], a if isinstance(a, np.ndarray) else to_numpy(a))
     return out
-
-
-_BLOCK = 16  # columns per step of a transposed copy: the 16 source rows it reads stay in cache
-
-
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src`` cast to dst's dtype (bf16/fp16 -> float32 is exact), without a temporary.
-
-    A transposed source (a torch (out, in) weight read as (in, out)) is copied a block of columns
-    at a time, so each block reads a few whole source rows. A memory-mapped source (``np.memmap``
-    and its views) then has its pages dropped from this process: the file stays in the page cache,
-    and the resident memory of a load stays the loaded params plus about one tensor."""
-    src = src if isinstance(src, np.ndarray) else to_numpy(src)
-    _advise(src, "MADV_WILLNEED")  # one read-ahead of the whole tensor rather than page faults one by one
-    if src.ndim == 2 and src.strides[0] < src.strides[1]:
-        for j in range(0, src.shape[1], _BLOCK):
-            np.copyto(dst[:, j:j + _BLOCK], src[:, j:j + _BLOCK], casting="unsafe")
-    else:
-        np.copyto(dst, src, casting="unsafe")
-    release(src)
-
-
-def release(a: np.ndarray) -> None:
-    """Drop the pages of ``a``'s memory map (a ``np.memmap`` or a view of one) from this process's
-    memory; reading it again faults them back in from the page cache. Anything else: nothing."""
-    _advise(a, "MADV_DONTNEED")
-
-
-def _advise(a: np.ndarray, advice: str) -> None:
-    mm = getattr(a, "_mmap", None)
-    if isinstance(mm, mmap.mmap) and hasattr(mmap, advice):  # the flags are per platform
-        mm.madvise(getattr(mmap, advice))
 
 
 # -- model layouts --------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def generate(out: str, shape: str, shard: str) -> None:
     config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model = model.to(torch.bfloat16).to_empty(device="cpu")  # allocated in bf16 only: 2 bytes a weight
     block = (torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
