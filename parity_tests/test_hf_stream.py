@@ -117,6 +117,7 @@ def test_header_that_does_not_fit_the_file_is_named(tmp_path):
         open_safetensors(tmp_path / "m.safetensors")
 
 
+TENSOR = 256 * 512 * 2  # WIDE's largest tensor (bf16), what a load or save holds besides the params
 WIDE = ModelConfig(vocab_size=64, d_model=256, n_layer=2, n_head=4, n_kv_head=2, d_ff=512, max_len=64, pos="rope",
                    norm="rmsnorm", mlp="swiglu")
 
@@ -141,16 +142,16 @@ def peak_bytes(fn):
 
 
 def test_load_and_save_hold_the_params_plus_about_one_tensor_or_shard(wide, tmp_path):
-    """Peak traced bytes: a load <= the params + 20%, a save (4 shards of <= 400 kB) <= one shard twice
-    (safetensors' ``save_file`` copies its shard once more) + 10% of the params."""
+    """Peak traced bytes: a load <= the params + one tensor (a 256 x 512 MLP weight, 256 KiB, the largest)
+    + 5% of the params, a save (4 shards of <= 400 kB) <= one tensor + 5% (measured: 1.10x, 0.11x)."""
     path, params = wide
     load_hf(path, dtype="bfloat16")  # warm: abstract_params' trace is cached
     (config, loaded), peak = peak_bytes(lambda: load_hf(path, dtype="bfloat16"))
     nbytes = sum(a.nbytes for a in jax.tree.leaves(loaded))
-    assert nbytes == sum(a.nbytes for a in jax.tree.leaves(params)) and peak <= 1.2 * nbytes, (peak, nbytes)
+    assert nbytes == sum(a.nbytes for a in jax.tree.leaves(params)) and peak <= 1.05 * nbytes + TENSOR, (peak, nbytes)
     _, peak = peak_bytes(lambda: save_hf(tmp_path / "out", config, loaded, max_shard_size=400_000))
     assert len(list((tmp_path / "out").glob("*.safetensors"))) >= 4
-    assert peak <= 2 * 400_000 + 0.1 * nbytes, (peak, nbytes)
+    assert peak <= 0.05 * nbytes + TENSOR, (peak, nbytes)
 
 
 def test_save_is_byte_identical_to_one_save_file_of_export_hf(wide, tmp_path):

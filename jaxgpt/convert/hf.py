@@ -218,7 +218,7 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:  # the model's own pad row (config_to_hf's pad_token_id) wins over the tokenizer's
         d.update({k: v for k, v in write_tokenizer(path, tokenizer).items() if d.get(k) is None})
-    write_shards(path, views, dtype, limit)  # a shard at a time: the params plus about one shard in memory
+    write_shards(path, views, dtype, limit)  # a tensor at a time: the params plus about one tensor in memory
     (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

@@ -7,8 +7,9 @@
 - ``sharded_template(template, shardings)``: template leaves that assemble a ``jax.Array`` with
   ``jax.make_array_from_callback``, each callback reading only its device's slice of the mapped
   file (``read``), so a host materialises only the shards its devices hold.
-- ``write_shards``: ``save_hf``'s files, each shard's tensors made contiguous, written and released
-  before the next, so a save holds the params plus about one shard.
+- ``write_shards``: ``save_hf``'s files, written a tensor at a time (``write_safetensors``: each
+  made contiguous in the export dtype, written, released), so a save holds the params plus about
+  one tensor.
 """
 from __future__ import annotations
 
@@ -121,18 +122,36 @@ def plan_shards(sizes: Mapping[str, int], limit: int) -> list[list[str]]:
     return shards
 
 
+def write_safetensors(path: Path, views: Mapping[str, Any], dtype: np.dtype, metadata: Mapping[str, str]) -> None:
+    """One safetensors file of ``views`` (all written in ``dtype``), a tensor at a time: the header
+    first, then each tensor made contiguous, written and released. The bytes are safetensors'
+    ``save_file``'s for tensors of one dtype: compact JSON, names in sorted order, the header padded
+    with spaces to a multiple of 8."""
+    kind = {v: k for k, v in _NUMPY.items()}[dtype.name]
+    header, offset = {"__metadata__": dict(metadata)}, 0
+    for name in sorted(views):
+        shape = [int(n) for n in np.shape(views[name])]
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": kind, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name in sorted(views):
+            f.write(contiguous(views[name], dtype).reshape(-1).view(np.uint8).data)  # raw bytes, bf16 included
+
+
 def write_shards(path: Path, views: Mapping[str, Any], dtype: np.dtype, limit: int) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors and model.safetensors.index.json,
-    one shard in memory at a time."""
-    from safetensors.numpy import save_file
-
+    one tensor in memory at a time."""
     sizes = {k: int(np.prod(np.shape(v), dtype=np.int64)) * dtype.itemsize for k, v in views.items()}
     shards = plan_shards(sizes, limit)
     meta = {"format": "pt"}  # transformers only loads safetensors files marked as torch ('pt') ones
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, keys in zip(names, shards):
-        save_file({k: contiguous(views[k], dtype) for k in keys}, str(path / name), metadata=meta)
+        write_safetensors(path / name, {k: views[k] for k in keys}, dtype, meta)
     if len(shards) > 1:
         weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
