@@ -39,7 +39,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
-from jaxgpt.core.mapped import copy_into
+from jaxgpt.core.mapped import copy_into, empty
 
 _INDEXED = re.compile(r"^(.*)_(\d+)$")
 ENCDEC_STACKED = ("encoder/layers", "decoder/layers")  # the encoder-decoder's scanned stacks
@@ -184,7 +184,7 @@ def state_dict_to_params(state_dict: Mapping[str, Any], template: Mapping, *,
 def fill(pieces: Mapping[int | None, np.ndarray], shape: tuple, dtype) -> np.ndarray:
     """One new array of ``shape`` and ``dtype`` from checked pieces: ``{None: whole}``, or
     ``{i: layer i}`` for a stacked leaf, each copied once (``copy_into``) into its place."""
-    out = np.empty(tuple(shape), np.dtype(dtype))
+    out = empty(tuple(shape), dtype)
     for i, a in pieces.items():
         copy_into(out if i is None else out[i], a if isinstance(a, np.ndarray) else to_numpy(a))
     return out

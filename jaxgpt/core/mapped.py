@@ -2,10 +2,15 @@
 
 ``copy_into(dst, src)`` is the one copy of a streaming load (jaxgpt/convert/stream.py): the cast to
 dst's dtype and a transpose fused into it. A view that covers one byte range of its file (a whole
-tensor, maybe transposed) is read with one ``readinto`` instead of page faults on the map, which
-costs the kernel a fraction of the time; any other view (a device's slice of a tensor) is read
-through the map, and the map's pages are then dropped from the process (the file stays in the page
-cache), so a load keeps resident the params it builds plus about one tensor.
+tensor, maybe transposed) is read with ``readinto`` a chunk of rows at a time into one small
+buffer, which stays in cache while it is copied, instead of page faults on the map, which cost the
+kernel several times more; any other view (a device's slice of a tensor) is read through the map,
+whose pages are then dropped from the process (the file stays in the page cache). A load keeps
+resident the params it builds plus a chunk.
+
+New arrays of 4 MiB and more (``empty``) come from an anonymous map in the kernel's 4 KiB pages:
+NumPy asks for transparent huge pages on such arrays, and on a busy host whose memory is
+fragmented the kernel compacts memory to find them while the copy waits.
 """
 from __future__ import annotations
 
@@ -18,21 +23,60 @@ try:
 except ImportError:  # NumPy 1.x
     byte_bounds = np.byte_bounds
 
+_PAGED = 1 << 22  # NumPy's own threshold for asking for huge pages
+_CHUNK = 1 << 20  # bytes of source rows read at a time: they stay in cache while copied out
 _BLOCK = 16  # columns per step of a transposed copy: the 16 source rows it reads stay in cache
+
+
+def empty(shape: tuple, dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)``; from 4 MiB up, in 4 KiB pages (an anonymous map, freed with the array)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < _PAGED:
+        return np.empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` cast to dst's dtype (bf16/fp16 -> float32 is exact); ``src`` a NumPy array
-    of dst's shape, memory-mapped or not. A transposed source (a torch (out, in) weight read as
-    (in, out)) is copied a block of columns at a time, so each block reads a few whole source rows."""
-    read = _read_whole(src)
-    if read.ndim == 2 and read.strides[0] < read.strides[1]:
-        for j in range(0, read.shape[1], _BLOCK):
-            np.copyto(dst[:, j:j + _BLOCK], read[:, j:j + _BLOCK], casting="unsafe")
-    else:
-        np.copyto(dst, read, casting="unsafe")
-    if read is src:
+    of dst's shape, memory-mapped or not: a torch (out, in) weight read as (in, out) is a
+    transposed view, copied a block of columns at a time."""
+    where = _file_range(src)
+    flipped = src.ndim == 2 and src.strides[0] < src.strides[1]
+    if where is None or src.ndim == 0 or not (dst.flags.c_contiguous or flipped):
+        _copy(dst, src)
         release(src)
+        return
+    stored = src.T if flipped else src.reshape(len(src), -1)  # the rows as the file holds them
+    rows = dst if flipped else dst.reshape(stored.shape)  # a view: dst is C-contiguous here
+    step = max(1, _CHUNK // max(1, stored[0].nbytes))
+    buf = np.empty((min(step, len(stored)),) + stored.shape[1:], stored.dtype)
+    with open(where[0], "rb", buffering=0) as f:
+        f.seek(where[1])
+        for r in range(0, len(stored), step):
+            part = buf[:min(step, len(stored) - r)]
+            _read(f, part)
+            if flipped:
+                _copy(rows[:, r:r + len(part)], part.T)
+            else:
+                _copy(rows[r:r + len(part)], part)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    if src.ndim == 2 and src.strides[0] < src.strides[1]:
+        for j in range(0, src.shape[1], _BLOCK):
+            np.copyto(dst[:, j:j + _BLOCK], src[:, j:j + _BLOCK], casting="unsafe")
+    else:
+        np.copyto(dst, src, casting="unsafe")
+
+
+def _read(f, out: np.ndarray) -> None:
+    view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ValueError(f"{f.name!r} ended {len(view) - done} bytes early, inside a tensor")
+        done += n
 
 
 def release(a: np.ndarray) -> None:
@@ -43,24 +87,15 @@ def release(a: np.ndarray) -> None:
         mm.madvise(mmap.MADV_DONTNEED)
 
 
-def _read_whole(a: np.ndarray) -> np.ndarray:
-    """A memory-mapped view whose bytes are one contiguous range of its file, read into new memory
-    with one ``readinto`` and viewed the same way (shape, strides); anything else: ``a`` itself."""
+def _file_range(a: np.ndarray) -> tuple[str, int] | None:
+    """(file name, offset of the first byte) of a memory-mapped view whose bytes are one contiguous
+    range of its file, in C order or transposed (2-D); None for anything else."""
     mm = getattr(a, "_mmap", None)
     if not isinstance(mm, mmap.mmap) or a.size == 0 or getattr(a, "filename", None) is None:
-        return a
-    lo, hi = byte_bounds(a)
-    if hi - lo != a.nbytes:  # a strided slice: only its own pages, through the map
-        return a
+        return None
+    if not (a.flags.c_contiguous or (a.ndim == 2 and a.T.flags.c_contiguous)):
+        return None  # a strided slice: only its own pages, through the map
+    lo, _ = byte_bounds(a)
     base = np.frombuffer(mm, np.uint8).__array_interface__["data"][0]  # where the map starts
     first = a.offset - a.offset % mmap.ALLOCATIONGRANULARITY  # the file offset np.memmap mapped from
-    buf = np.empty(hi - lo, np.uint8)
-    with open(a.filename, "rb", buffering=0) as f:
-        f.seek(first + lo - base)
-        view, done = memoryview(buf), 0
-        while done < len(buf):
-            n = f.readinto(view[done:])
-            if not n:
-                raise ValueError(f"{a.filename!r} ended {len(buf) - done} bytes early, inside a tensor")
-            done += n
-    return np.ndarray(a.shape, a.dtype, buffer=buf, offset=a.__array_interface__["data"][0] - lo, strides=a.strides)
+    return a.filename, first + lo - base
