@@ -7,9 +7,9 @@
 - ``sharded_template(template, shardings)``: template leaves that assemble a ``jax.Array`` with
   ``jax.make_array_from_callback``, each callback reading only its device's slice of the mapped
   file (``read``), so a host materialises only the shards its devices hold.
-- ``write_shards``: ``save_hf``'s files, written a tensor at a time (``write_safetensors``: each
-  made contiguous in the export dtype, written, released), so a save holds the params plus about
-  one tensor.
+- ``write_shards``: ``save_hf``'s files, written a chunk of rows at a time (``write_safetensors``:
+  each tensor cast to the export dtype and laid out through one small buffer), so a save holds
+  the params plus about one chunk.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.core.layout import fill
-from jaxgpt.core.mapped import copy_into
+from jaxgpt.core.mapped import copy_into, write_rows
 
 # safetensors dtype names -> NumPy (ml_dtypes for bf16 / fp8, imported where used)
 _NUMPY = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -124,7 +124,7 @@ def plan_shards(sizes: Mapping[str, int], limit: int) -> list[list[str]]:
 
 def write_safetensors(path: Path, views: Mapping[str, Any], dtype: np.dtype, metadata: Mapping[str, str]) -> None:
     """One safetensors file of ``views`` (all written in ``dtype``), a tensor at a time: the header
-    first, then each tensor made contiguous, written and released. The bytes are safetensors'
+    first, then each tensor, cast and laid out a chunk of rows at a time (``write_rows``). The bytes are safetensors'
     ``save_file``'s for tensors of one dtype: compact JSON, names in sorted order, the header padded
     with spaces to a multiple of 8."""
     kind = {v: k for k, v in _NUMPY.items()}[dtype.name]
@@ -139,7 +139,7 @@ def write_safetensors(path: Path, views: Mapping[str, Any], dtype: np.dtype, met
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little") + text)
         for name in sorted(views):
-            f.write(contiguous(views[name], dtype).reshape(-1).view(np.uint8).data)  # raw bytes, bf16 included
+            write_rows(f, views[name], dtype)
 
 
 def write_shards(path: Path, views: Mapping[str, Any], dtype: np.dtype, limit: int) -> None:

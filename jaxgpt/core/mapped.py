@@ -44,7 +44,7 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     where = _file_range(src)
     flipped = src.ndim == 2 and src.strides[0] < src.strides[1]
     if where is None or src.ndim == 0 or not (dst.flags.c_contiguous or flipped):
-        _copy(dst, src)
+        cast_copy(dst, src)
         release(src)
         return
     stored = src.T if flipped else src.reshape(len(src), -1)  # the rows as the file holds them
@@ -57,12 +57,13 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
             part = buf[:min(step, len(stored) - r)]
             _read(f, part)
             if flipped:
-                _copy(rows[:, r:r + len(part)], part.T)
+                cast_copy(rows[:, r:r + len(part)], part.T)
             else:
-                _copy(rows[r:r + len(part)], part)
+                cast_copy(rows[r:r + len(part)], part)
 
 
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+def cast_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` cast to dst's dtype; a transposed source a block of columns at a time."""
     if src.ndim == 2 and src.strides[0] < src.strides[1]:
         for j in range(0, src.shape[1], _BLOCK):
             np.copyto(dst[:, j:j + _BLOCK], src[:, j:j + _BLOCK], casting="unsafe")
@@ -77,6 +78,19 @@ def _read(f, out: np.ndarray) -> None:
         if not n:
             raise ValueError(f"{f.name!r} ended {len(view) - done} bytes early, inside a tensor")
         done += n
+
+
+def write_rows(f, a: np.ndarray, dtype) -> None:
+    """Write ``a`` (any view: transposed, a layer of a stack) to the binary file ``f`` in C order as
+    ``dtype``, a 1 MiB chunk of rows at a time through one buffer (the save's mirror of copy_into)."""
+    a, dtype = np.asarray(a), np.dtype(dtype)
+    rows = a if a.ndim == 2 else a.reshape(len(a) if a.ndim else 1, -1)
+    step = max(1, _CHUNK // max(1, rows.shape[1] * dtype.itemsize))
+    buf = np.empty((min(step, len(rows)), rows.shape[1]), dtype)
+    for r in range(0, len(rows), step):
+        part = buf[:min(step, len(rows) - r)]
+        cast_copy(part, rows[r:r + len(part)])
+        f.write(part.reshape(-1).view(np.uint8).data)
 
 
 def release(a: np.ndarray) -> None:
