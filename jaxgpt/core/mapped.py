@@ -34,7 +34,8 @@ def empty(shape: tuple, dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < _PAGED:
         return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)  # plain process memory, not shmem
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=private) if private else mmap.mmap(-1, nbytes), dtype).reshape(shape)
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
