@@ -96,6 +96,22 @@ def test_streaming_load_is_the_files_tensors_bit_for_bit(dirs, name, stored, dty
         assert np.array_equal(got[key], expected), key
 
 
+def test_many_chunks_per_tensor_change_nothing(dirs, tmp_path, monkeypatch):
+    """Self-consistency: with a 1500-byte chunk (rows of 64-256 bytes: many chunks per tensor, the last
+    one short) a load gives the same params and a save the same bytes as with the default 1 MiB chunk,
+    under which the tests above read and write every tensor in one chunk."""
+    from jaxgpt.core import mapped
+
+    path = dirs["llama", "bfloat16"]
+    config, want = load_hf(path)
+    save_hf(tmp_path / "one", config, want)
+    monkeypatch.setattr(mapped, "_CHUNK", 1500)
+    config, got = load_hf(path)
+    save_hf(tmp_path / "many", config, got)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    assert (tmp_path / "one" / "model.safetensors").read_bytes() == (tmp_path / "many" / "model.safetensors").read_bytes()
+
+
 def test_strict_checks_still_name_every_key(dirs, tmp_path):
     path = dirs["llama", "float32"]
     tensors = {k: v for k, v in file_tensors(path).items() if k != "model.norm.weight"}
