@@ -97,7 +97,7 @@ def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False, mesh=Non
     Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
     memory-mapped: each tensor is copied once, transposed and cast on the way, into the params'
     preallocated arrays (stacked layers filled layer by layer), so a load holds the params plus
-    about one tensor (jaxgpt/convert/stream.py). Families: GPT-2 (GPT2LMHeadModel, GPT2Model),
+    about one chunk of a tensor (jaxgpt/convert/stream.py). Families: GPT-2 (GPT2LMHeadModel, GPT2Model),
     LLaMA, Qwen2, Mistral (*ForCausalLM), Mixtral, Qwen2-MoE and BERT (BertModel,
     BertForSequenceClassification); any other model_type / architecture, and any option jaxgpt does
     not reproduce exactly, is a ValueError naming it. ``dtype=None`` upcasts bf16/fp16 checkpoints
@@ -218,7 +218,7 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:  # the model's own pad row (config_to_hf's pad_token_id) wins over the tokenizer's
         d.update({k: v for k, v in write_tokenizer(path, tokenizer).items() if d.get(k) is None})
-    write_shards(path, views, dtype, limit)  # a tensor at a time: the params plus about one tensor in memory
+    write_shards(path, views, dtype, limit)  # a chunk at a time: the params plus about one chunk in memory
     (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

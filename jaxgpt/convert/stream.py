@@ -2,8 +2,8 @@
 
 - ``open_safetensors(path)``: ``{name: np.memmap}`` from the file's header alone. ``load_hf`` hands
   these views to the family converters (renames, transposes and splits stay views) and the strict
-  rule copies each once into the params' preallocated arrays (``jaxgpt.core.layout.copy_into``):
-  a load holds the params plus about one tensor, bf16 stays bf16, and casts cost no extra copy.
+  rule copies each once into the params' preallocated arrays (``jaxgpt.core.mapped.copy_into``):
+  a load holds the params plus about one chunk, bf16 stays bf16, and casts cost no extra copy.
 - ``sharded_template(template, shardings)``: template leaves that assemble a ``jax.Array`` with
   ``jax.make_array_from_callback``, each callback reading only its device's slice of the mapped
   file (``read``), so a host materialises only the shards its devices hold.
@@ -123,8 +123,8 @@ def plan_shards(sizes: Mapping[str, int], limit: int) -> list[list[str]]:
 
 
 def write_safetensors(path: Path, views: Mapping[str, Any], dtype: np.dtype, metadata: Mapping[str, str]) -> None:
-    """One safetensors file of ``views`` (all written in ``dtype``), a tensor at a time: the header
-    first, then each tensor, cast and laid out a chunk of rows at a time (``write_rows``). The bytes are safetensors'
+    """One safetensors file of ``views`` (all written in ``dtype``): the header first, then each
+    tensor, cast and laid out a chunk of rows at a time (``write_rows``). The bytes are safetensors'
     ``save_file``'s for tensors of one dtype: compact JSON, names in sorted order, the header padded
     with spaces to a multiple of 8."""
     kind = {v: k for k, v in _NUMPY.items()}[dtype.name]
@@ -144,7 +144,7 @@ def write_safetensors(path: Path, views: Mapping[str, Any], dtype: np.dtype, met
 
 def write_shards(path: Path, views: Mapping[str, Any], dtype: np.dtype, limit: int) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors and model.safetensors.index.json,
-    one tensor in memory at a time."""
+    one chunk of a tensor in memory at a time."""
     sizes = {k: int(np.prod(np.shape(v), dtype=np.int64)) * dtype.itemsize for k, v in views.items()}
     shards = plan_shards(sizes, limit)
     meta = {"format": "pt"}  # transformers only loads safetensors files marked as torch ('pt') ones
