@@ -10,6 +10,7 @@ random bf16 block repeated), saved in bf16 by ``save_pretrained`` in ``--shard``
 fresh interpreter (``harness.spawn``), the arms alternating A B A B for ``--rounds`` rounds:
 
 - load_hf: ``jaxgpt.convert.load_hf(dir, dtype='bfloat16')`` (NumPy params, every weight copied);
+  on request, load_hf_float32: ``load_hf(dir)`` (the default, bf16 upcast to float32);
 - from_pretrained: ``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16)``;
 - save_hf / save_pretrained: the model loaded as above, then written (same shard size) to a new dir.
 
@@ -41,6 +42,7 @@ SHAPES = {  # LlamaConfig fields
                intermediate_size=14336, vocab_size=32000),
 }
 ARMS = ("load_hf", "from_pretrained", "save_hf", "save_pretrained")
+EXTRA_ARMS = ("load_hf_float32",)  # on request (--arms): load_hf's default, bf16 upcast to float32
 GIB = 2**30
 
 
@@ -84,7 +86,7 @@ def generate(out: str, shape: str, shard: str) -> None:
 
 def run_arm(arm: str, src: str, out: str, shard: str) -> None:
     """Worker: one timed arm (see the module docstring)."""
-    if arm in ("load_hf", "save_hf"):
+    if arm in ("load_hf", "save_hf", "load_hf_float32"):
         import jax
 
         from jaxgpt.convert import load_hf, save_hf
@@ -92,7 +94,7 @@ def run_arm(arm: str, src: str, out: str, shard: str) -> None:
         jax.numpy.zeros(1).block_until_ready()  # backend up before the clock starts
         rss, cpu = _status("VmRSS"), _cpu()
         t = time.perf_counter()
-        config, params = load_hf(src, dtype="bfloat16")
+        config, params = load_hf(src, dtype=None if arm == "load_hf_float32" else "bfloat16")
         seconds, cpu = time.perf_counter() - t, _cpu() - cpu
         nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
         if arm == "save_hf":
@@ -143,7 +145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default="/work/bench-load", help="where the checkpoints are generated (not the repo)")
     ap.add_argument("--shard", default="500MB", help="max_shard_size of every saved checkpoint")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS}")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS + EXTRA_ARMS}")
     ap.add_argument("--out", default=None, help="default results/load/llama_<shape>.json")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
     a = ap.parse_args(argv)
