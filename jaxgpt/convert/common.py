@@ -22,8 +22,9 @@ from jaxgpt.models import abstract_params, stacked_paths
 
 
 def rename(sd: Mapping[str, Any], rules: list[tuple[str, str]], skip: Callable[[str], bool] = lambda k: False):
-    """Apply the first matching (regex, replacement) to every key, as NumPy arrays; unmatched keys
-    are kept as they are so the strict rule reports them as unexpected."""
+    """Apply the first matching (regex, replacement) to every key, as NumPy arrays (a NumPy array,
+    a memory-mapped tensor included, is kept as it is: the strict rule copies it once); unmatched
+    keys are kept as they are so the strict rule reports them as unexpected."""
     out = {}
     for key, value in sd.items():
         if skip(key):
@@ -32,7 +33,7 @@ def rename(sd: Mapping[str, Any], rules: list[tuple[str, str]], skip: Callable[[
             if re.fullmatch(pattern, key):
                 key = re.sub(pattern, repl, key)
                 break
-        out[key] = to_numpy(value)
+        out[key] = value if isinstance(value, np.ndarray) else to_numpy(value)
     return out
 
 

@@ -92,21 +92,28 @@ def _shards(path: Path) -> list[Path]:
                      "(pytorch_model.bin checkpoints are not read: re-save them with safe_serialization)")
 
 
-def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False):
+def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False, mesh=None, shardings=None):
     """(config, params) from a Hugging Face model directory, without torch or transformers
     (``with_extras``: + an extras dict, ``{'kind', 'tokenizer'}``, the tokenizer a jaxgpt checkpoint
     keeps: tokenizer.json with the special ids, chat template, tokenizer_config.json and
     generation_config.json (``HFTokenizer.to_dict()``), or None without a tokenizer.json).
 
     Reads config.json and model.safetensors (or model.safetensors.index.json and its shards),
-    one tensor at a time through ``safetensors.safe_open(..., framework="np")``. Families:
-    GPT-2 (GPT2LMHeadModel, GPT2Model), LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3, OLMo 2, GPT-NeoX,
-    Phi-3, Gemma, Gemma 2 (*ForCausalLM) and BERT (BertModel, BertForSequenceClassification); any other
+    memory-mapped: each tensor is copied once, transposed and cast on the way, into the params'
+    preallocated arrays (stacked layers filled layer by layer), so a load holds the params plus
+    about one chunk of a tensor (jaxgpt/convert/stream.py). Families: GPT-2 (GPT2LMHeadModel,
+    GPT2Model), LLaMA, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3, OLMo 2, GPT-NeoX, Phi-3, Gemma,
+    Gemma 2 (*ForCausalLM) and BERT (BertModel, BertForSequenceClassification); any other
     model_type / architecture, and any option jaxgpt does
     not reproduce exactly, is a ValueError naming it. ``dtype=None`` upcasts bf16/fp16 checkpoints
     to float32 (exact); ``dtype='bfloat16'`` (or any NumPy dtype) gives params in that dtype.
+
+    ``mesh`` (a ``jaxgpt.parallel.sharding.make_mesh`` Mesh): params come back as ``jax.Array`` s
+    placed by ``param_shardings`` (or by ``shardings``, a tree of Shardings like the params), each
+    built with ``jax.make_array_from_callback`` from only its devices' slices of the mapped files.
+    Without either, params are NumPy arrays.
     """
-    from safetensors import safe_open
+    from jaxgpt.convert.stream import open_safetensors, sharded_template
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -114,19 +121,18 @@ def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False):
     d = json.loads((path / "config.json").read_text())
     _architecture(d)  # refuse unknown families before opening any weights
     dt = _dtype(dtype)
-    shards = _shards(path)
-    keys = []
-    for shard in shards:  # headers only: the config is checked before any tensor is read
-        with safe_open(str(shard), framework="np") as f:
-            keys += list(f.keys())
-    config, family, arch = _config(d, None, keys)
     tensors = {}
-    for shard in shards:
-        with safe_open(str(shard), framework="np") as f:
-            for key in f.keys():
-                a = to_numpy(f.get_tensor(key))  # bf16/fp16 -> float32, exactly
-                tensors[key] = a if dt is None or not np.issubdtype(a.dtype, np.floating) else a.astype(dt)
-    params = family.params_from_hf(config, tensors, arch, _template(config, dt))
+    for shard in _shards(path):  # headers only: the config is checked before any tensor is read
+        tensors.update(open_safetensors(shard))
+    config, family, arch = _config(d, None, tensors)
+    template = _template(config, dt)
+    if mesh is not None or shardings is not None:
+        if shardings is None:
+            from jaxgpt.parallel.sharding import param_shardings
+
+            shardings = param_shardings(config, template, mesh)
+        template = sharded_template(template, shardings)
+    params = family.params_from_hf(config, tensors, arch, template)
     if not with_extras:
         return config, params
     from jaxgpt.convert.files import default_kind
@@ -169,24 +175,28 @@ def unpad_vocab(config: ModelConfig, params: Mapping) -> tuple[ModelConfig, dict
     return config.replace(vocab_size=v, valid_vocab=None), out
 
 
-def export_hf(config, params: Mapping) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(HF config dict, HF state dict as NumPy arrays in the params' dtype); refuses inexact configs.
-    A padded vocabulary is written as its valid_vocab tokens (``unpad_vocab``)."""
+def _export_views(config, params: Mapping) -> tuple[dict[str, Any], dict[str, np.ndarray], np.dtype]:
+    """(HF config dict, HF state dict as views of the params, the dtype it is written in)."""
     if isinstance(config, ModelConfig):
         config, params = unpad_vocab(config, params)
     family = _family_of(config)
-    if family is bert:
-        with_classifier = "classifier" in params
-        d = bert.config_to_hf(config, with_classifier)
-        sd = bert.params_to_hf(config, params_to_state_dict(params, stacked=stacked_paths(config)), with_classifier)
-    else:
-        d = family.config_to_hf(config)
-        sd = family.params_to_hf(config, params_to_state_dict(params, stacked=stacked_paths(config)))
+    with_classifier = "classifier" in params
+    d = bert.config_to_hf(config, with_classifier) if family is bert else family.config_to_hf(config)  # refuses first
+    ref = params_to_state_dict(params, stacked=stacked_paths(config), views=True)
+    sd = bert.params_to_hf(config, ref, with_classifier) if family is bert else family.params_to_hf(config, ref)
     dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(params)}
     dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)).name in _DTYPES else np.dtype(np.float32)
     d["torch_dtype"] = d["dtype"] = dtype.name  # older transformers read torch_dtype, newer dtype
-    sd = {k: np.ascontiguousarray(v.astype(dtype) if v.dtype != dtype else v) for k, v in sd.items()}
-    return d, sd
+    return d, sd, dtype
+
+
+def export_hf(config, params: Mapping) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(HF config dict, HF state dict as NumPy arrays in the params' dtype); refuses inexact configs.
+    A padded vocabulary is written as its valid_vocab tokens (``unpad_vocab``)."""
+    from jaxgpt.convert.stream import contiguous
+
+    d, sd, dtype = _export_views(config, params)
+    return d, {k: contiguous(v, dtype) for k, v in sd.items()}
 
 
 def _size(max_shard_size: int | str) -> int:
@@ -210,33 +220,15 @@ def save_hf(path: str | Path, config, params: Mapping, tokenizer=None, max_shard
     class: an ExportWarning names it), a ``tokenizers.Tokenizer`` (tokenizer.json) or anything with
     ``save_pretrained(dir)`` (a transformers tokenizer). Configs HF cannot express exactly are refused.
     """
-    from safetensors.numpy import save_file
+    from jaxgpt.convert.stream import write_shards
 
     limit = _size(max_shard_size)
-    d, sd = export_hf(config, params)
+    d, views, dtype = _export_views(config, params)  # refused here, before anything is written
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:  # the model's own pad row (config_to_hf's pad_token_id) wins over the tokenizer's
         d.update({k: v for k, v in write_tokenizer(path, tokenizer).items() if d.get(k) is None})
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for key in sorted(sd):
-        if shards[-1] and size + sd[key].nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][key] = sd[key]
-        size += sd[key].nbytes
-    meta = {"format": "pt"}  # transformers only loads safetensors files marked as torch ('pt') ones
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / name), metadata=meta)
-            weight_map.update(dict.fromkeys(shard, name))
-        index = {"metadata": {"total_size": sum(a.nbytes for a in sd.values())}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_shards(path, views, dtype, limit)  # a chunk at a time: the params plus about one chunk in memory
     (path / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

@@ -24,6 +24,12 @@ Half precision: torch bfloat16/float16 tensors and NumPy/ml_dtypes float16/bfloa
 accepted everywhere an array is read (``to_numpy``) and upcast explicitly to float32, which is
 exact (every bf16/fp16 value is a float32 value); ``state_dict_to_params`` then casts to the
 template's dtype, so a float32 template receives exactly the float32 upcast.
+
+Streaming: ``state_dict_to_params`` takes NumPy views (memory-mapped tensors, their transposes and
+slices) as they are and copies each once into the leaf's preallocated array, the transpose and
+the cast fused into that copy (``jaxgpt.core.mapped.copy_into``). A template leaf with an
+``assemble(pieces)`` method builds its own array from the checked views (the sharded load in
+jaxgpt/convert/stream.py).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
+from jaxgpt.core.mapped import copy_into, empty
 
 _INDEXED = re.compile(r"^(.*)_(\d+)$")
 ENCDEC_STACKED = ("encoder/layers", "decoder/layers")  # the encoder-decoder's scanned stacks
@@ -117,15 +124,18 @@ def _rules(template: Mapping, stacked: Iterable[str]) -> Iterator[tuple]:
             yield path, ".".join(mods + [name]), transpose, None, shape
 
 
-def params_to_state_dict(params: Mapping, *, stacked: Iterable[str] = ()) -> dict[str, np.ndarray]:
+def params_to_state_dict(params: Mapping, *, stacked: Iterable[str] = (),
+                         views: bool = False) -> dict[str, np.ndarray]:
     """Flax params -> {torch key: NumPy array} by the generic rule (see module docstring).
-    Half-precision leaves come out as float32 (``to_numpy``)."""
+    Half-precision leaves come out as float32 (``to_numpy``). ``views=True``: NumPy views of the
+    params in their own dtype instead (layer slices and transposes not copied), for a caller that
+    copies them a few at a time (a streaming save)."""
     out: dict[str, np.ndarray] = {}
     flat = flatten(params)
     for path, key, transpose, i, _ in _rules(params, stacked):
-        a = to_numpy(flat[path])
+        a = np.asarray(flat[path]) if views else to_numpy(flat[path])
         a = a if i is None else a[i]
-        out[key] = np.ascontiguousarray(a.T) if transpose else a
+        out[key] = (a.T if views else np.ascontiguousarray(a.T)) if transpose else a
     return out
 
 
@@ -145,7 +155,7 @@ def state_dict_to_params(state_dict: Mapping[str, Any], template: Mapping, *,
             missing.append(key)
             continue
         used.add(key)
-        got = to_numpy(sd[key])
+        got = sd[key] if isinstance(sd[key], np.ndarray) else to_numpy(sd[key])  # views stay views until copied
         a = got.T if transpose else got
         if a.shape != shape:
             bad.append(f"{key}: got {got.shape}, expected "
@@ -165,9 +175,19 @@ def state_dict_to_params(state_dict: Mapping[str, Any], template: Mapping, *,
     flat_template = flatten(template)
     flat = {}
     for path, by_layer in pieces.items():
-        arr = by_layer[None] if None in by_layer else np.stack([by_layer[i] for i in range(len(by_layer))])
-        flat[path] = np.ascontiguousarray(arr, dtype=np.dtype(flat_template[path].dtype))
+        leaf = flat_template[path]
+        assemble = getattr(leaf, "assemble", None)
+        flat[path] = assemble(by_layer) if assemble is not None else fill(by_layer, leaf.shape, leaf.dtype)
     return unflatten(flat)
+
+
+def fill(pieces: Mapping[int | None, np.ndarray], shape: tuple, dtype) -> np.ndarray:
+    """One new array of ``shape`` and ``dtype`` from checked pieces: ``{None: whole}``, or
+    ``{i: layer i}`` for a stacked leaf, each copied once (``copy_into``) into its place."""
+    out = empty(tuple(shape), dtype)
+    for i, a in pieces.items():
+        copy_into(out if i is None else out[i], a if isinstance(a, np.ndarray) else to_numpy(a))
+    return out
 
 
 # -- model layouts --------------------------------------------------------------------------
