@@ -30,8 +30,8 @@ class Block(nn.Module):
         return norm(x + self.drop(f(x)))
 
     def forward(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
-                return_weights=False, segment_ids=None):
-        """Returns (x, new cache or None, self-attention weights or None)."""
+                return_weights=False, segment_ids=None, window=None):
+        """Returns (x, new cache or None, self-attention weights or None); window: the self-attention's."""
         if self.cross and context is None:
             raise ValueError("this Block has cross-attention: pass context=(B, S, d_model)")
         out = {}
@@ -39,7 +39,7 @@ class Block(nn.Module):
         def self_attn(h):
             y, out["cache"], out["weights"] = self.attn(h, mask=mask, is_causal=self.causal, positions=positions,
                                                         cache=cache, return_weights=return_weights,
-                                                        segment_ids=segment_ids)
+                                                        segment_ids=segment_ids, window=window)
             return y
 
         x = self._residual(x, self_attn, self.attn_norm)

@@ -75,16 +75,18 @@ def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, p
     return "blocked" if tq > 1 and tk > block else "xla"
 
 
-def _plain(q, mask, is_causal, q_offset, kv_layout, tk) -> bool:
-    """Self-attention over the call's own keys without a mask (a train step's attention)."""
+def _plain(q, mask, is_causal, q_offset, kv_layout, tk, window=None) -> bool:
+    """Self-attention over the call's own keys without a mask (a train step's attention); a sliding
+    window only as a static int (cuDNN's local window)."""
     static_zero = isinstance(q_offset, int) and q_offset == 0
-    return kv_layout == "tokens" and mask is None and (not is_causal or (static_zero and q.shape[1] == tk))
+    return kv_layout == "tokens" and mask is None and (window is None or isinstance(window, int)) and \
+        (not is_causal or (static_zero and q.shape[1] == tk))
 
 
 @precision.float32_full  # alone: full-precision float32 matmuls off the CPU; in a model: the model's setting
 def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_offset=0, scale=None,
            return_weights=False, kv_layout="tokens", pages=None, dropout_rate=0.0, dropout_rng=None,
-           segment_ids=None):
+           segment_ids=None, window=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
     kv_layout 'pages': k, v are a paged cache's float32 pools (num_pages, H_kv, page_size, D) and
     ``pages`` its (page_table (B, P), q_pos (B, Tq)); the C++ kernel reads them in place
@@ -99,6 +101,9 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     KV cache); a query sees only keys of its own id. 'blocked' and 'ffi' compare the ids block by
     block; 'xla', 'jax' and 'cudnn' take them as a (B, 1, T, T) mask; 'auto' never picks cuDNN for
     them (memory-linear 'blocked' on a GPU).
+    ``window`` W (int, or a traced int32 scalar: a scanned layer's; masks.NO_WINDOW where it does not
+    slide): sliding-window causal attention, query position p over keys p - W < j <= p. Every kernel
+    applies it but the C++ training kernel ('ffi' refuses it; 'auto' runs the portable one).
     Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
     """
     if impl not in ATTENTION_IMPLS:
@@ -107,10 +112,13 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
         if mask is not None or dropout_rate > 0.0 or segment_ids is not None:
             raise ValueError("kv_layout='pages' is causal by the query positions: no mask, segment ids or dropout")
         if not return_weights:  # the C++ kernel on the CPU; elsewhere the pages gathered (the engine's 'gather')
-            return policy.on_cpu(lambda q, k, v: paged_ffi.paged_attention(q, k, v, *pages, scale=scale),
-                                 lambda q, k, v: _gathered(q, k, v, pages, impl=impl, block=block, scale=scale), q, k, v)
-        k, v, mask = paged.gather(k, v, *pages)  # the weights: the xla kernel over the gathered pages
-        kv_layout, is_causal = "rows", False
+            return policy.on_cpu(lambda q, k, v: paged_ffi.paged_attention(q, k, v, *pages, scale=scale, window=window),
+                                 lambda q, k, v: _gathered(q, k, v, pages, impl=impl, block=block, scale=scale,
+                                                           window=window), q, k, v)
+        k, v, mask = paged.gather(k, v, *pages, window=window)  # the weights: the xla kernel over the gathered pages
+        kv_layout, is_causal, window = "rows", False, None
+    if window is not None and not is_causal:
+        raise ValueError("a sliding window narrows causal attention: pass is_causal=True (or window=None)")
     b, tq, h, _ = q.shape
     h_kv, tk = kv_shape(k, kv_layout, b)
     if mask is not None:
@@ -122,7 +130,7 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                              f"(got kv_layout={kv_layout!r}, {tq} queries over {tk} keys)")
         segment_ids = jnp.asarray(segment_ids)
         validate.check_segment_ids(segment_ids.shape, segment_ids.dtype, (b, tq))
-    plain = segment_ids is None and _plain(q, mask, is_causal, q_offset, kv_layout, tk)
+    plain = segment_ids is None and _plain(q, mask, is_causal, q_offset, kv_layout, tk, window)
 
     def run(impl: str, picked: bool, q, k, v):
         """The kernel ``impl`` on this call; ``picked``: chosen by 'auto' (a rejected cuDNN call runs 'blocked')."""
@@ -133,13 +141,13 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
         m, seg, layout = mask, segment_ids, kv_layout
         if seg is not None and (return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
             m, seg = masks.both(m, segment_mask(seg, seg)), None
-        kw = dict(mask=m, is_causal=is_causal, q_offset=q_offset, scale=scale)
+        kw = dict(mask=m, is_causal=is_causal, q_offset=q_offset, scale=scale, window=window)
         if impl == "xla" or return_weights:
             return xla.scaled_dot_product_attention(q, k, v, return_weights=return_weights, kv_layout=layout,
                                                     dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
         if layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
             k, v, layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
-        if impl == "ffi":
+        if impl == "ffi":  # ffi_unsupported: never with a window
             return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=seg)
         if impl == "blocked":
             return blocked.blocked_attention(q, k, v, block=block, kv_layout=layout, segment_ids=seg, **kw)
@@ -156,10 +164,14 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
 
     if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and \
             cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:  # k, v as stored: no reshape
-        return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale), portable,
-                             q, k, v)
-    ffi = ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None
+        return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale, window=window),
+                             portable, q, k, v)
+    why = ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk)
+    ffi = why is None and window is None
     if impl == "ffi":  # a cache, a mask, bf16: 'auto' without it
+        if why is None and window is not None:
+            raise ValueError("attention_impl='ffi' (the C++ causal training kernel) has no sliding window; "
+                             "use attention_impl='auto' (the C++ kernel where it can, the portable ones with a window)")
         if not ffi:
             return portable(q, k, v)
         return policy.cpu_kernel(not return_weights, True, functools.partial(run, "ffi", False),
@@ -172,9 +184,9 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     return run(impl, False, q, k, v)
 
 
-def _gathered(q, k_pool, v_pool, pages, **kw):
+def _gathered(q, k_pool, v_pool, pages, window=None, **kw):
     """Attention over a paged cache's pages gathered into kv_layout 'rows' (kernels/paged.py)."""
-    k, v, mask = paged.gather(k_pool, v_pool, *pages)
+    k, v, mask = paged.gather(k_pool, v_pool, *pages, window=window)
     return attend(q, k, v, mask=mask, kv_layout="rows", **kw)
 
 

@@ -1,0 +1,191 @@
+"""Sliding-window attention (ModelConfig.sliding_window / window_layers): the mask against
+transformers' own rule, every attention kernel against 'xla' with a window (static and traced, forward
+and gradients, decode offsets, the C++ cache and paged kernels), the C++ training kernel refused or
+routed away, and DecoderLM against torch_ref (forward, gradients, greedy decoding past the window) with
+every layer sliding and with sliding and global layers mixed, scanned and not."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import (assert_as_accurate_as_torch, assert_close, assert_grads_close, float64_module, float64_torch,
+                      load_into, random_params, torch_grads)
+from jaxgpt import PRESETS, build
+from jaxgpt.config import ModelConfig
+from jaxgpt.inference.generate import generate
+from jaxgpt.nn import kernels
+from jaxgpt.nn.kernels import attend, causal_ffi, paged, paged_ffi, scaled_dot_product_attention as sdpa
+from torch_ref import build as tbuild
+from torch_ref.generate import generate as tgenerate
+from torch_ref.nn.attention import scaled_dot_product_attention as torch_sdpa
+
+
+def _qkv(b, tq, tk, h, hk, d=8, seed=0):
+    r = np.random.default_rng(seed)
+    return [jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((b, tq, h, d), (b, tk, hk, d), (b, tk, hk, d))]
+
+
+def window_rule(t, off, window):
+    """transformers' sliding_window_causal_mask_function (masking_utils.py), written out: query
+    q_idx sees kv_idx when kv_idx <= q_idx and kv_idx > q_idx - sliding_window. (T, T + off)."""
+    q_idx, kv_idx = np.arange(t)[:, None] + off, np.arange(t + off)[None, :]
+    return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_window_is_transformers_rule(window):
+    """The window mask is transformers' rule (test_hf_window.py calls transformers' own function), and
+    the 'xla' kernel's output is torch_ref's (an independent implementation) at 1e-5, at a decode offset."""
+    t, off = 9, 3
+    assert np.array_equal(np.asarray(kernels.causal_mask(t, t + off, off, window=window)), window_rule(t, off, window))
+    q, k, v = _qkv(2, t, t + off, 4, 2)
+    out = sdpa(q, k, v, is_causal=True, q_offset=off, window=window)
+    ref = torch_sdpa(*(torch.from_numpy(np.asarray(a)) for a in (q, k, v)), is_causal=True, q_offset=off,
+                     window=window)
+    assert_close(out, ref.numpy(), f"sdpa window={window} vs torch_ref")
+
+
+def _out_and_grads(fn, qkv, window=None):
+    """fn's output and q/k/v gradients in one jit; ``window`` (if given) passed traced."""
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(qkv[0].shape), jnp.float32)
+
+    def f(q, k, v, window):
+        out, vjp = jax.vjp(lambda *a: fn(*a) if window is None else fn(*a, window=window), q, k, v)
+        return out, vjp(w)
+
+    return jax.jit(f)(*qkv, window)
+
+
+# (Tq, Tk, q_offset): a training forward over several 8-key blocks, and a 3-query chunk after 20 cached positions
+SHAPES = {"forward": (29, 29, 0), "chunk": (3, 30, 20)}
+
+
+@pytest.mark.parametrize("impl", ["jax", "blocked", "auto"])
+def test_kernels_match_xla_with_a_window(impl):
+    """Each kernel against 'xla', forward and q/k/v gradients at 1e-5, with the window static
+    (jax.nn's local_window_size where it takes it) and traced (a scanned layer's), window 5 (inside
+    one block) and 11 (across blocks); 'blocked' skips the key blocks wholly before the window."""
+    for shape, window in [("forward", 5), ("forward", 11), ("chunk", 5)]:
+        tq, tk, off = SHAPES[shape]
+        qkv = _qkv(2, tq, tk, 4, 2)
+        kw = dict(is_causal=True, q_offset=off, block=8)
+        ref = _out_and_grads(functools.partial(attend, impl="xla", window=window, **kw), qkv)
+        for traced in (False, True):
+            fn = functools.partial(attend, impl=impl, **kw)
+            out, grads = _out_and_grads(fn, qkv, jnp.int32(window)) if traced else \
+                _out_and_grads(functools.partial(fn, window=window), qkv)
+            name = f"attention[{impl}] {shape} window={window}{' traced' if traced else ''} vs xla"
+            assert_close(out, ref[0], name)
+            assert_grads_close(dict(zip("qkv", grads)), dict(zip("qkv", ref[1])), name + " grads")
+
+
+def test_cpu_cache_kernels_take_the_window():
+    """The C++ cache kernel (generate's decode) and the C++ PagedAttention kernel (the engine) against
+    'xla' over the same keys, with a traced window: they start reading at the window's first key."""
+    if not paged_ffi.available():
+        pytest.skip("the C++ kernels are not built here")
+    q, _, _ = _qkv(2, 3, 3, 4, 2)
+    k, v = (jnp.asarray(np.random.default_rng(s).standard_normal((2, 2, 24, 8)), jnp.float32) for s in (5, 6))
+    pool_k, pool_v = (jnp.asarray(np.random.default_rng(s).standard_normal((16, 2, 4, 8)), jnp.float32) for s in (7, 8))
+    table = jnp.asarray([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], jnp.int32)
+    q_pos = jnp.asarray([[13, 14, 15], [20, 21, -1]], jnp.int32)
+    for window in (1, 4, 9):
+        got = jax.jit(lambda q, k, v, w: paged_ffi.cached_attention(q, k, v, jnp.int32(13), window=w))(
+            q, k, v, jnp.int32(window))
+        want = sdpa(q, k, v, is_causal=True, q_offset=13, kv_layout="heads", window=window)
+        assert_close(got, want, f"cached_attention window={window} vs xla")
+        got = jax.jit(lambda q, w: paged_ffi.paged_attention(q, pool_k, pool_v, table, q_pos, window=w))(
+            q, jnp.int32(window))
+        rows_k, rows_v, mask = paged.gather(pool_k, pool_v, table, q_pos)  # written and causal, no window
+        pos = jnp.arange(rows_k.shape[1])[None, None, None, :]
+        mask = mask & (pos > q_pos[:, None, :, None] - window)  # the window, written out here
+        assert_close(got, sdpa(q, rows_k, rows_v, mask=mask, kv_layout="rows"), f"paged_attention window={window}")
+        gathered = attend(q, pool_k, pool_v, kv_layout="pages", pages=(table, q_pos), window=window, return_weights=True)
+        assert_close(gathered[0], got, f"paged gather path window={window} vs the C++ kernel")
+
+
+def test_the_cpu_training_kernel_is_refused_or_routed_away(monkeypatch):
+    """attention_impl='ffi' (the C++ causal training kernel, no window) refuses a window in one line;
+    'auto' runs a portable kernel instead (the C++ kernel is never called) with 'xla''s numbers."""
+    q, k, v = _qkv(1, 12, 12, 4, 2)
+    with pytest.raises(ValueError, match="attention_impl='ffi' .* has no sliding window"):
+        attend(q, k, v, impl="ffi", is_causal=True, window=4)
+    with pytest.raises(ValueError, match="sliding window narrows causal attention"):
+        attend(q, k, v, impl="xla", window=4)
+    calls = []
+    monkeypatch.setattr(causal_ffi, "causal_attention", lambda *a, **k: calls.append(1))
+    got = attend(q, k, v, impl="auto", is_causal=True, window=4)
+    assert not calls
+    assert_close(got, sdpa(q, k, v, is_causal=True, window=4), "attention[auto] window=4 vs xla")
+
+
+def test_config_rules():
+    cfg = ModelConfig(n_layer=4, sliding_window=8, window_layers=[3, 1])
+    assert cfg.window_layers == (1, 3) and [cfg.layer_window(i) for i in range(4)] == [None, 8, None, 8]
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert ModelConfig(sliding_window=8).layer_window(0) == 8
+    for bad, match in [(dict(window_layers=(0,)), "needs a sliding_window"), (dict(sliding_window=0), "positive"),
+                       (dict(sliding_window=4, window_layers=(4,)), r"in \[0, n_layer=4\)"),
+                       (dict(sliding_window=4, residual="full_attnres"), "needs residual='standard'")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(n_layer=4, **bad)
+
+
+BASE = PRESETS["llama-tiny"].replace(vocab_size=48, d_model=32, n_head=4, n_layer=3, max_len=32, n_kv_head=2, d_ff=48)
+MODELS = {
+    "all-slide": BASE.replace(sliding_window=3),  # one static window in the scanned body
+    "mixed-scanned": BASE.replace(sliding_window=3, window_layers=(0, 2)),  # the windows scanned (traced)
+    "mixed-layers": BASE.replace(sliding_window=4, window_layers=(1,), scan_layers=False),  # a window per layer
+}
+
+
+def _model(name):
+    cfg = MODELS[name]
+    tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
+    p = random_params(build(cfg), tok[:1, :1], seed=0)
+    return name, cfg, p, load_into(tbuild(cfg), p, ("layers",) if cfg.scan_layers else ()), tok
+
+
+def _torch_loss(t, x, y):
+    logits = t(torch.from_numpy(x))
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).long().flatten())
+    loss.backward()
+    return logits, loss
+
+
+@pytest.mark.parametrize("name", ["all-slide", "mixed-scanned"])
+def test_decoder_matches_torch_ref(name):
+    """Logits, loss and every parameter's gradient against torch_ref (float32 at 1e-5, and float64 as
+    in test_decoder.py) over 12 positions, four times the window."""
+    name, cfg, p, t, tok = _model(name)
+    stacked = ("layers",) if cfg.scan_layers else ()
+    x, y = tok[:, :-1], tok[:, 1:]
+
+    def loss(p):
+        logits = build(cfg).apply({"params": p}, x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1))
+
+    value, grads = jax.value_and_grad(loss)(p)
+    t64 = float64_module(t)
+    tlogits, tloss = _torch_loss(t, x, y)
+    with float64_torch():
+        tlogits64, tloss64 = _torch_loss(t64, x, y)
+    assert_as_accurate_as_torch(build(cfg).apply({"params": p}, x), tlogits, tlogits64, f"window {name} logits",
+                                direct=False)
+    assert_as_accurate_as_torch(value, tloss, tloss64, f"window {name} loss")
+    assert_as_accurate_as_torch(grads, torch_grads(t, p, stacked), torch_grads(t64, p, stacked, np.float64),
+                                f"window {name} grads", grads=True)
+
+
+def test_greedy_decoding_past_the_window():
+    """Separate layers, one sliding among global ones: the logits match torch_ref's, and a 7-token
+    prompt (longer than the window) decoded 12 tokens with generate's KV cache gives torch_ref's greedy
+    tokens (the engine's paged cache: test_hf_window.py)."""
+    name, cfg, p, t, tok = _model("mixed-layers")
+    assert_close(build(cfg).apply({"params": p}, tok), t(torch.from_numpy(tok)).detach().numpy(),
+                 f"window {name} logits", unit_scale=True)
+    prompt = tok[:, :7]
+    assert np.array_equal(np.asarray(generate(cfg, p, prompt, 12)), tgenerate(t, torch.from_numpy(prompt), 12).numpy())
