@@ -51,6 +51,7 @@ _ENCODER: dict[str, Field] = {
     "valid_vocab": unused("BertConfig itself refuses a padded encoder vocabulary"),
     "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
     "d_head": Field(lambda v, c: v is None or v * c.n_head == c.d_model, "None or d_model // n_head"),
+    "sliding_window": must_be(None), "window_layers": must_be(None),
     "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
     "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),
     "mlp": Field(lambda v, c: v in _ACT_OUT, f"one of {sorted(_ACT_OUT)}"), "mlp_bias": must_be(True),
