@@ -189,3 +189,27 @@ def test_greedy_decoding_past_the_window():
                  f"window {name} logits", unit_scale=True)
     prompt = tok[:, :7]
     assert np.array_equal(np.asarray(generate(cfg, p, prompt, 12)), tgenerate(t, torch.from_numpy(prompt), 12).numpy())
+
+
+def test_engine_pages_stay_bounded_by_the_window():
+    """Every layer slides (window 8, pages of 4): three requests decode 40 tokens past a 5-token prompt,
+    sharing 12 pages where each alone would need 12 without the window (prefix caching on, the default). The pages they hold never pass
+    ceil(7 / 4) + 1 + 1 = 4 each (the window's keys, the page being written, one of headroom), nothing is
+    preempted, and the tokens are torch_ref's greedy tokens (decoded with a KV cache masked by position)."""
+    from jaxgpt.inference.engine import Engine
+    from jaxgpt.inference.sampling import SamplingParams
+
+    cfg = BASE.replace(sliding_window=8, n_layer=2, max_len=64)
+    prompts = np.random.default_rng(2).integers(0, cfg.vocab_size, (3, 5))
+    p = random_params(build(cfg), prompts[:1, :1], seed=1)
+    want = tgenerate(load_into(tbuild(cfg), p, ("layers",)), torch.from_numpy(prompts), 40).numpy()[:, 5:]
+    eng = Engine(cfg, p, page_size=4, num_pages=13, max_seqs=3, max_tokens_per_step=16, max_model_len=48,
+                 enable_prefix_caching=True)  # released pages stay cached: the harder case
+    ids = [eng.add_request(list(x), SamplingParams(max_tokens=40)) for x in prompts]
+    out, held = {i: [] for i in ids}, []
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.id] += o.new_token_ids
+        held.append(max([sum(1 for pg in r.pages if pg) for r in eng.running] or [0]))
+    assert max(held) <= 4 and eng.stats["preemptions"] == 0, (held, eng.stats)
+    assert [out[i] for i in ids] == want.tolist()

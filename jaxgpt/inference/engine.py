@@ -119,7 +119,7 @@ class Engine(Scheduler):
         super().__init__(vocab=self.config.token_vocab, max_model_len=max_model_len, max_seqs=max_seqs,
                          page_size=page_size, num_pages=num_pages, budget=max_tokens_per_step,
                          prefix_caching=enable_prefix_caching, k=None if draft is None else num_speculative_tokens,
-                         spec_max_batch=spec_max_batch)
+                         spec_max_batch=spec_max_batch, window=self._bounded_window(draft))
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
         self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype)
@@ -130,6 +130,12 @@ class Engine(Scheduler):
         self.draft = None if draft is None else self._init_draft(*draft, kv_dtype=kv_dtype, paged_kernel=paged_kernel,
                                                                  head_kernel=head_kernel,
                                                                  num_pages=num_pages)
+
+    def _bounded_window(self, draft) -> int | None:
+        """The window past which a request's pages are released (Scheduler._drop_outside_window): the
+        model's, where every layer slides and no draft model (whose pools share the page ids) reads them."""
+        cfg = self.config
+        return cfg.sliding_window if cfg.window_layers is None and draft is None else None
 
     def _init_draft(self, config, params, *, kv_dtype, paged_kernel, head_kernel, num_pages):
         if config.vocab_size != self.config.vocab_size:
