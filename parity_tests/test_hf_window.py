@@ -13,7 +13,7 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 from conftest import assert_close
 from hf_family import check_family, hf_logits, perturb
 from jaxgpt import build
-from jaxgpt.convert import load_hf, save_hf
+from jaxgpt.convert import llama, load_hf, save_hf
 from jaxgpt.nn import kernels
 
 SIZES = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -28,6 +28,17 @@ def test_window_mask_is_transformers_mask_function(window):
     rule = sliding_window_causal_mask_function(window)
     want = rule(0, 0, torch.arange(t)[:, None] + off, torch.arange(t + off)[None, :]).numpy()
     assert np.array_equal(np.asarray(kernels.causal_mask(t, t + off, off, window=window)), want)
+
+
+@pytest.mark.parametrize("max_window_layers,want", [(1, (1,)), (0, None), (2, "none")])
+def test_qwen2_window_layers_with_and_without_layer_types(max_window_layers, want):
+    """Qwen2's sliding layers from its saved layer_types, and from max_window_layers alone (configs
+    written before layer_types): the layers from max_window_layers on slide (transformers' rule)."""
+    d = transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=8,
+                                 max_window_layers=max_window_layers).to_dict()
+    older = {k: v for k, v in d.items() if k != "layer_types"}
+    for cfg in (llama.config_from_hf(d, "Qwen2ForCausalLM"), llama.config_from_hf(older, "Qwen2ForCausalLM")):
+        assert (cfg.sliding_window, cfg.window_layers) == ((None, None) if want == "none" else (8, want))
 
 
 @pytest.mark.slow
@@ -46,13 +57,16 @@ def test_qwen2_mixed_sliding_layers(tmp_path):
         **SIZES, use_sliding_window=True, sliding_window=8, max_window_layers=1, attn_implementation="eager")),
         scale=0.5)
     assert hf.config.layer_types == ["full_attention", "sliding_attention"]
-    config, _ = check_family(hf, tmp_path, "Qwen2 sliding layer 1 of 2", prompt_lens=(5, 19), seq_len=24)
+    # the engine's pure-JAX pages ('gather': the window folded into the cache's mask); Mistral's ran the C++ kernel
+    config, _ = check_family(hf, tmp_path, "Qwen2 sliding layer 1 of 2", prompt_lens=(5, 19), seq_len=24,
+                             engine_kw={"paged_kernel": "gather"})
     assert config.sliding_window == 8 and config.window_layers == (1,)
     saved = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert saved["layer_types"] == hf.config.layer_types and saved["use_sliding_window"] is True
     assert saved["max_window_layers"] == 1
 
 
+@pytest.mark.slow
 def test_mixtral_sliding_window(tmp_path):
     """A Mixtral slides every layer as Mistral does: load_hf's logits are transformers' over 20
     positions (window 6), and save_hf writes the window back."""
