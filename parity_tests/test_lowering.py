@@ -79,6 +79,12 @@ PROGRAMS = {
                        {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}),
     "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}),
     "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)}),
+    # sliding windows: scanned layers mixing sliding and global ones (the window a scanned input), and the
+    # engine's step with the window operand of the paged kernel
+    "window-train-bf16": (lambda: _train(LLAMA.replace(sliding_window=8, window_layers=(1,)), "bfloat16"),
+                          {norm_ffi: ("jaxgpt_norm_fwd",)}),
+    "window-paged-f32": (lambda: _paged(LLAMA.replace(scan_layers=False, sliding_window=8)),
+                         {paged_ffi: ("jaxgpt_paged_attention",)}),
 }
 
 
