@@ -1,8 +1,9 @@
 """Sliding-window attention (ModelConfig.sliding_window / window_layers): the mask against
 transformers' own rule, every attention kernel against 'xla' with a window (static and traced, forward
-and gradients, decode offsets, the C++ cache and paged kernels), the C++ training kernel refused or
-routed away, and DecoderLM against torch_ref (forward, gradients, greedy decoding past the window) with
-every layer sliding and with sliding and global layers mixed, scanned and not."""
+and gradients, decode offsets, the C++ training, cache and paged kernels; a traced window the
+training kernel refuses or is routed away from), the engine's pages bounded by the window, and
+DecoderLM against torch_ref (forward, gradients, greedy decoding past the window) with every layer
+sliding and with sliding and global layers mixed, scanned and not."""
 import functools
 
 import jax
@@ -108,19 +109,35 @@ def test_cpu_cache_kernels_take_the_window():
         assert_close(gathered[0], got, f"paged gather path window={window} vs the C++ kernel")
 
 
-def test_the_cpu_training_kernel_is_refused_or_routed_away(monkeypatch):
-    """attention_impl='ffi' (the C++ causal training kernel, no window) refuses a window in one line;
-    'auto' runs a portable kernel instead (the C++ kernel is never called) with 'xla''s numbers."""
-    q, k, v = _qkv(1, 12, 12, 4, 2)
-    with pytest.raises(ValueError, match="attention_impl='ffi' .* has no sliding window"):
-        attend(q, k, v, impl="ffi", is_causal=True, window=4)
+def test_the_cpu_training_kernel_takes_a_static_window(monkeypatch):
+    """attention_impl='ffi' (the C++ causal training kernel) against 'xla' with a static window,
+    forward and gradients at 1e-5, alone and with packed documents; 'auto' runs it for a static window.
+    A traced window (scanned layers mixing kinds) it cannot take: 'ffi' refuses it in one line, 'auto'
+    runs a portable kernel (the C++ kernel is never called) with 'xla''s numbers."""
+    if not causal_ffi.available():
+        pytest.skip("the C++ kernels are not built here")
+    qkv = _qkv(2, 29, 29, 4, 2)
+    seg = jnp.asarray(np.repeat([0, 1, 2], 10)[None, :29].repeat(2, 0), jnp.int32)
+    for segments in (None, seg):
+        kw = dict(is_causal=True, segment_ids=segments)
+        want = _out_and_grads(functools.partial(attend, impl="xla", window=10, **kw), qkv)
+        got = _out_and_grads(functools.partial(attend, impl="ffi", window=10, **kw), qkv)
+        name = f"attention[ffi] window=10{' segments' if segments is not None else ''} vs xla"
+        assert_close(got[0], want[0], name)
+        assert_grads_close(dict(zip("qkv", got[1])), dict(zip("qkv", want[1])), name + " grads")
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="attention_impl='ffi' .* takes a static sliding window, not a traced one"):
+        jax.jit(lambda q, k, v, w: attend(q, k, v, impl="ffi", is_causal=True, window=w))(q, k, v, jnp.int32(4))
     with pytest.raises(ValueError, match="sliding window narrows causal attention"):
         attend(q, k, v, impl="xla", window=4)
     calls = []
-    monkeypatch.setattr(causal_ffi, "causal_attention", lambda *a, **k: calls.append(1))
-    got = attend(q, k, v, impl="auto", is_causal=True, window=4)
-    assert not calls
-    assert_close(got, sdpa(q, k, v, is_causal=True, window=4), "attention[auto] window=4 vs xla")
+    real = causal_ffi.causal_attention
+    monkeypatch.setattr(causal_ffi, "causal_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    attend(q, k, v, impl="auto", is_causal=True, window=4)
+    assert calls == [1]
+    got = jax.jit(lambda q, k, v, w: attend(q, k, v, impl="auto", is_causal=True, window=w))(q, k, v, jnp.int32(4))
+    assert calls == [1]
+    assert_close(got, sdpa(q, k, v, is_causal=True, window=4), "attention[auto] traced window=4 vs xla")
 
 
 def test_config_rules():

@@ -23,7 +23,8 @@ The C++ kernels are CPU kernels: 'auto' stages each beside the portable kernel i
 otherwise, and the platform the program is lowered for picks one (policy.py); an explicit 'ffi'
 fails to lower for another platform.
 
-Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at
+Every mask a kernel applies comes from masks.py, sliding windows included: every kernel takes
+``window`` (the C++ training kernel a static one only). The kernels are looked up on their modules at
 call time (``xla.scaled_dot_product_attention``, ...), so a test can count which one ran.
 """
 from __future__ import annotations
@@ -103,7 +104,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     them (memory-linear 'blocked' on a GPU).
     ``window`` W (int, or a traced int32 scalar: a scanned layer's; masks.NO_WINDOW where it does not
     slide): sliding-window causal attention, query position p over keys p - W < j <= p. Every kernel
-    applies it but the C++ training kernel ('ffi' refuses it; 'auto' runs the portable one).
+    applies it; the C++ training kernel only a static int ('ffi' refuses a traced one, 'auto' runs a
+    portable kernel for it).
     Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
     """
     if impl not in ATTENTION_IMPLS:
@@ -147,8 +149,8 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                                     dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
         if layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
             k, v, layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
-        if impl == "ffi":  # ffi_unsupported: never with a window
-            return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=seg)
+        if impl == "ffi":  # a static window only (below)
+            return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=seg, window=window)
         if impl == "blocked":
             return blocked.blocked_attention(q, k, v, block=block, kv_layout=layout, segment_ids=seg, **kw)
         return jax_sdpa.jax_attention(q, k, v, kv_layout=layout, implementation="cudnn" if impl == "cudnn" else None,
@@ -167,11 +169,13 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
         return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale, window=window),
                              portable, q, k, v)
     why = ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk)
-    ffi = why is None and window is None
+    static_window = window is None or (isinstance(window, int) and not isinstance(window, bool))
+    ffi = why is None and static_window
     if impl == "ffi":  # a cache, a mask, bf16: 'auto' without it
-        if why is None and window is not None:
-            raise ValueError("attention_impl='ffi' (the C++ causal training kernel) has no sliding window; "
-                             "use attention_impl='auto' (the C++ kernel where it can, the portable ones with a window)")
+        if why is None and not static_window:
+            raise ValueError("attention_impl='ffi' (the C++ causal training kernel) takes a static sliding window, "
+                             "not a traced one (scanned layers mixing sliding and global ones); use "
+                             "attention_impl='auto' or scan_layers=False")
         if not ffi:
             return portable(q, k, v)
         return policy.cpu_kernel(not return_weights, True, functools.partial(run, "ffi", False),
