@@ -132,6 +132,8 @@ def _hf_dict(config_cls, **kw):
     ("Qwen2Config", llama, {"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2},
      "need use_sliding_window"),
     ("MistralConfig", llama, {"sliding_window": 0}, "a window of >= 1 positions"),
+    ("Qwen2MoeConfig", qwen2_moe, {"use_sliding_window": True, "sliding_window": 8, "max_position_embeddings": 64},
+     "Qwen2-MoE's windows are not implemented"),
     ("BertConfig", bert, {"position_embedding_type": "relative_key"}, "'absolute'"),
     ("BertConfig", bert, {"hidden_act": "silu"}, "one of"),
     ("BertConfig", bert, {"is_decoder": True}, "False"),

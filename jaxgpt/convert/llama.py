@@ -99,7 +99,9 @@ _WINDOW = Option(lambda v, d: v is None or (isinstance(v, int) and not isinstanc
                  "None or a window of >= 1 positions")
 OPTIONS: dict[str, dict[str, Option]] = {
     "llama": {**_COMMON, "attention_bias": MAPPED, "mlp_bias": MAPPED},
-    "qwen2": {**_COMMON, "use_sliding_window": MAPPED, "sliding_window": _WINDOW,
+    "qwen2": {**_COMMON, "use_sliding_window": MAPPED,
+              "sliding_window": Option(lambda v, d: not d.get("use_sliding_window") or _WINDOW.ok(v, d),
+                                       _WINDOW.needs + " when use_sliding_window"),
               "max_window_layers": MAPPED,  # -> window_layers, where layer_types is absent
               "layer_types": Option(_qwen2_types_ok, f"one of {KINDS} per layer; sliding layers need "
                                                      "use_sliding_window and a sliding_window")},

@@ -40,6 +40,7 @@ OPTIONS = {
     "layer_types": Option(lambda v, d: all(t == "full_attention" for t in v) or not d.get("use_sliding_window")
                           or llama._window({**d, "model_type": "mistral"}) is None, "full_attention layers"),
     "max_window_layers": inert("which layers would slide; sliding windows are refused through use_sliding_window"),
+    "sliding_window": inert("its size; sliding windows are refused through use_sliding_window (0 when off)"),
 }
 _QWEN2 = set(llama.OPTIONS["qwen2"])
 RULES = [(r"model\.layers\.(\d+)\.mlp\.(.+)", r"layers.\1.mlp.\2")] + llama.RULES
@@ -48,8 +49,9 @@ RULES = [(r"model\.layers\.(\d+)\.mlp\.(.+)", r"layers.\1.mlp.\2")] + llama.RULE
 def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     """An HF Qwen2-MoE config dict -> ModelConfig; every unsupported option named at once."""
     check_options(d, OPTIONS, "Qwen2-MoE")
-    base = llama.config_from_hf({**{k: v for k, v in d.items() if k in _QWEN2}, "model_type": "qwen2"},
-                                "Qwen2ForCausalLM")
+    windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")  # refused above
+    base = llama.config_from_hf({**{k: v for k, v in d.items() if k in _QWEN2 and k not in windows},
+                                 "model_type": "qwen2"}, "Qwen2ForCausalLM")
     shared = d.get("shared_expert_intermediate_size", 5632)
     if not shared:
         raise ValueError("HF Qwen2-MoE config not supported exactly by jaxgpt: shared_expert_intermediate_size="
