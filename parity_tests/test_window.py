@@ -145,6 +145,12 @@ def test_config_rules():
     assert cfg.window_layers == (1, 3) and [cfg.layer_window(i) for i in range(4)] == [None, 8, None, 8]
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert ModelConfig(sliding_window=8).layer_window(0) == 8
+    from jaxgpt.config import BertConfig, EncDecConfig
+
+    with pytest.raises(ValueError, match="BERT attends both ways"):
+        BertConfig(encoder=ModelConfig(sliding_window=4))
+    with pytest.raises(ValueError, match="the encoder attends both ways"):
+        EncDecConfig(encoder=ModelConfig(sliding_window=4), decoder=ModelConfig())
     for bad, match in [(dict(window_layers=(0,)), "needs a sliding_window"), (dict(sliding_window=0), "positive"),
                        (dict(sliding_window=4, window_layers=(4,)), r"in \[0, n_layer=4\)"),
                        (dict(sliding_window=4, residual="full_attnres"), "needs residual='standard'")]:

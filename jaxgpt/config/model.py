@@ -295,6 +295,9 @@ class BertConfig(_Config):
             raise ValueError("BERT uses absolute positions: encoder.pos must not be 'rope'")
         if self.encoder.valid_vocab is not None:
             raise ValueError("BERT has no language-model head to mask: encoder.valid_vocab must be None")
+        if self.encoder.sliding_window is not None:
+            raise ValueError(f"BERT attends both ways: encoder.sliding_window={self.encoder.sliding_window} needs "
+                             "causal attention (set None)")
 
 
     @classmethod
@@ -320,6 +323,9 @@ class EncDecConfig(_Config):
         if self.encoder.valid_vocab is not None or self.decoder.valid_vocab is not None:
             raise ValueError("the encoder-decoder has no padded vocabulary: encoder.valid_vocab and "
                              "decoder.valid_vocab must be None")
+        if self.encoder.sliding_window is not None:
+            raise ValueError(f"the encoder attends both ways: encoder.sliding_window={self.encoder.sliding_window} "
+                             "needs causal attention (set None; the decoder's may slide)")
 
 
     @classmethod
