@@ -146,7 +146,7 @@ class Attention(nn.Module):
         segment_ids: (B, T) ids of packed documents (self-attention without a cache): a query
         sees only keys of its own document.
         window: this layer's sliding window (None, an int, or a traced int32 scalar under nn.scan;
-        kernels.NO_WINDOW for a layer that does not slide): causal attention over the last W positions.
+        kernels.masks.NO_WINDOW for a layer that does not slide): causal attention over the last W positions.
         Returns (y (B, T, d_model), new cache or None, weights (B, H, T, S) or None).
         """
         if self.head_dim is None and self.d_model % self.n_head:
