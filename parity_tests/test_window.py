@@ -237,3 +237,12 @@ def test_engine_pages_stay_bounded_by_the_window():
         held.append(max([sum(1 for pg in r.pages if pg) for r in eng.running] or [0]))
     assert max(held) <= 4 and eng.stats["preemptions"] == 0, (held, eng.stats)
     assert [out[i] for i in ids] == want.tolist()
+    # so a request needs pages for its window and one step's tokens, not for its whole context:
+    # ceil((8 - 1 + 16) / 4) + 1 = 7 pages by default, not 12, and a pool of 7 serves all three
+    kw = dict(page_size=4, max_seqs=3, max_tokens_per_step=16, max_model_len=48)
+    assert Engine(cfg, p, **kw).allocator.total == 3 * 7
+    assert Engine(cfg.replace(sliding_window=None), p, **kw).allocator.total == 3 * 12
+    small = Engine(cfg, p, num_pages=8, **kw)  # 7 pages for three requests: they wait or are preempted, tokens exact
+    assert small.generate([list(x) for x in prompts], SamplingParams(max_tokens=16)) == want[:, :16].tolist()
+    with pytest.raises(ValueError, match="num_pages=7 cannot hold one full context .* a sliding window"):
+        Engine(cfg, p, num_pages=7, **kw)
