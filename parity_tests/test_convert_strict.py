@@ -36,7 +36,7 @@ FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LL
 # Candidate values for a field, to find one its family's rule refuses.
 CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMENTS, "rope_layout": ROPE_LAYOUTS,
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
-              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "valid_vocab": (None, 40), "qk_norm": QK_NORMS, "rotary_dim": (None, 4), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
+              "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "sliding_window": (None, 8), "window_layers": (None, (0,)), "valid_vocab": (None, 40), "qk_norm": QK_NORMS, "rotary_dim": (None, 4), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
               "rope_scaling": (None, RopeScaling("linear", factor=2.0)),
               "attn_scale": (None, 0.3), "attn_softcap": (None, 50.0), "logit_softcap": (None, 30.0)}
 
@@ -160,9 +160,6 @@ def _hf_dict(config_cls, **kw):
     ("LlamaConfig", llama, {"pretraining_tp": 2}, "1"),
     ("LlamaConfig", llama, {"pruned_heads": {0: [1]}}, "pruned heads"),
     ("LlamaConfig", llama, {"quantization_config": {"bits": 4}}, "does not implement"),
-    ("Qwen2Config", llama, {"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 64},
-     ">= max_position_embeddings"),
-    ("MistralConfig", llama, {"sliding_window": 16, "max_position_embeddings": 64}, ">= max_position_embeddings"),
     ("GPTNeoXConfig", gpt_neox, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "default RoPE"),
     ("GPTNeoXConfig", gpt_neox, {"hidden_act": "gelu_fast"}, "one of"),
     ("Phi3Config", phi3, {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
@@ -173,6 +170,14 @@ def _hf_dict(config_cls, **kw):
     ("Gemma2Config", gemma, {"sliding_window": 16, "max_position_embeddings": 64}, ">= max_position_embeddings"),
     ("Gemma2Config", gemma, {"hidden_activation": "gelu"}, "'gelu_pytorch_tanh'"),
     ("GemmaConfig", gemma, {"use_bidirectional_attention": True}, "None or False"),
+    ("Qwen2Config", llama, {"use_sliding_window": True, "sliding_window": 0}, "a window of >= 1 positions"),
+    ("Qwen2Config", llama, {"layer_types": ["full_attention", "chunked_attention"], "num_hidden_layers": 2},
+     "per layer"),
+    ("Qwen2Config", llama, {"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2},
+     "need use_sliding_window"),
+    ("MistralConfig", llama, {"sliding_window": 0}, "a window of >= 1 positions"),
+    ("Qwen2MoeConfig", qwen2_moe, {"use_sliding_window": True, "sliding_window": 8, "max_position_embeddings": 64},
+     "Qwen2-MoE's windows are not implemented"),
     ("BertConfig", bert, {"position_embedding_type": "relative_key"}, "'absolute'"),
     ("BertConfig", bert, {"hidden_act": "silu"}, "one of"),
     ("BertConfig", bert, {"is_decoder": True}, "False"),
@@ -183,7 +188,7 @@ def test_importers_refuse_options_they_do_not_implement(config_cls, family, chan
     sizes = {} if family is gpt2 else dict(hidden_size=32, num_attention_heads=4)
     d = {**_hf_dict(config_cls, **sizes), **changes}
     arch = {"GPT2Config": "GPT2LMHeadModel", "BertConfig": "BertModel"}.get(config_cls)
-    key = [k for k in changes if k != "max_position_embeddings" and k != "use_sliding_window"][0]
+    key = [k for k in changes if k not in ("max_position_embeddings", "use_sliding_window", "num_hidden_layers")][0]
     with pytest.raises(ValueError, match="not supported exactly by jaxgpt") as err:
         family.config_from_hf(d, arch)
     assert f"{key}=" in str(err.value) and needs in str(err.value)

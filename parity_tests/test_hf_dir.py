@@ -216,8 +216,8 @@ def edited(src, dst, **changes):
       "rope_scaling": {"type": "dynamic", "factor": 2.0, "partial_rotary_factor": 0.5}},
      r"rope_scaling=\{'type': 'dynamic', 'factor': 2.0, 'partial_rotary_factor': 0.5\}"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' \(supported: 'silu'\)"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 16},
-     r"HF Mistral config .*sliding_window=16 \(supported: None or >= max_position_embeddings"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 0},
+     r"HF Mistral config .*sliding_window=0 \(supported: None or a window of >= 1 positions"),
 ])
 def test_load_hf_refusals(llama_dir, tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):

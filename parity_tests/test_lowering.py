@@ -97,6 +97,12 @@ PROGRAMS = {
                          ()),
     "paged-engine-bf16": (lambda: _paged(PAGED_BF16), {}, TPU_PAGED),
     "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(scan_layers=False, dtype="bfloat16"), "int8"), {}, ()),
+    # sliding windows: scanned layers mixing sliding and global ones (the window a scanned input; no flash
+    # kernel, which has no window), and the engine's step with the window operand of the paged kernel
+    "window-train-bf16": (lambda: _train(LLAMA.replace(sliding_window=8, window_layers=(1,)), "bfloat16"),
+                          {norm_ffi: ("jaxgpt_norm_fwd",)}, ()),
+    "window-paged-f32": (lambda: _paged(LLAMA.replace(scan_layers=False, sliding_window=8)),
+                         {paged_ffi: ("jaxgpt_paged_attention",)}, ()),
 }
 # name: {platform: what its program must hold there (custom-call targets, or RAGGED_DOT)}, beyond no CPU call
 ACCELERATOR_KERNELS = {

@@ -81,7 +81,7 @@ def test_qwen2_moe_directories(norm_topk, dense, tmp_path):
 
 @pytest.mark.parametrize("changes,message", [
     ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
-    ({"sliding_window": 8}, "sliding_window=8"),
+    ({"sliding_window": 0}, "sliding_window=0"),
 ])
 def test_mixtral_refusals_name_the_option(changes, message, tmp_path):
     path = hf_dirs.mixtral_dir(tmp_path / "hf", n_layer=1)

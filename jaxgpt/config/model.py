@@ -94,6 +94,11 @@ class ModelConfig(_Config):
     d_head: int | None = None  # width of each head; None: d_model // n_head (Gemma and Qwen3 set it apart)
     d_ff: int | None = None  # None: 4 * d_model (gated MLPs: 2/3 of that, rounded up to a multiple of 8)
     max_len: int = 256  # context window; sizes learned/sinusoidal tables and KV caches
+    # Sliding-window attention (Mistral, Qwen2): the query at position i sees the keys j with
+    # i - sliding_window < j <= i (transformers' rule). None: every layer attends to all earlier keys.
+    sliding_window: int | None = None
+    # The layers (0-based) that slide; the others attend globally. None: every layer, when sliding_window is set.
+    window_layers: tuple | list | None = None
     pos: str = "sinusoidal"
     rope_base: float = 10000.0
     rope_layout: str = "half"  # 'half' = HF LLaMA rotate_half, 'interleaved' = adjacent pairs (seed 000)
@@ -155,6 +160,7 @@ class ModelConfig(_Config):
             raise ValueError(f"pad_token_id={self.pad_token_id} is not a token id in [0, {self.token_vocab})")
         if self.d_ff is not None:
             _positive("d_ff", self.d_ff)
+        self._validate_window()
         for name, allowed in _CHOICES:
             _choice(name, getattr(self, name), allowed)
         _positive("attnres_blocks", self.attnres_blocks)
@@ -215,6 +221,29 @@ class ModelConfig(_Config):
         if self.parallel_residual and (self.norm_placement != "pre" or self.residual != "standard"):
             raise ValueError(f"parallel_residual=True needs norm_placement='pre' and residual='standard', got "
                              f"{self.norm_placement!r} and {self.residual!r}")
+
+    def _validate_window(self) -> None:
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
+            if self.residual != "standard":
+                raise ValueError(f"sliding_window={self.sliding_window} needs residual='standard' (the attention-"
+                                 f"residual layers have no window), got residual={self.residual!r}")
+        if self.window_layers is None:
+            return
+        object.__setattr__(self, "window_layers", tuple(self.window_layers))
+        if self.sliding_window is None:
+            raise ValueError(f"window_layers={list(self.window_layers)} needs a sliding_window (got None)")
+        bad = [i for i in self.window_layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.n_layer]
+        if bad or len(set(self.window_layers)) != len(self.window_layers):
+            raise ValueError(f"window_layers={list(self.window_layers)} must hold distinct layer indices in "
+                             f"[0, n_layer={self.n_layer})")
+        object.__setattr__(self, "window_layers", tuple(sorted(self.window_layers)))
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (0-based): ``sliding_window`` where it slides, else None."""
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
 
     def _validate_moe(self) -> None:
         moe = self.moe
@@ -305,6 +334,9 @@ class BertConfig(_Config):
             raise ValueError("BERT uses absolute positions: encoder.pos must not be 'rope'")
         if self.encoder.valid_vocab is not None:
             raise ValueError("BERT has no language-model head to mask: encoder.valid_vocab must be None")
+        if self.encoder.sliding_window is not None:
+            raise ValueError(f"BERT attends both ways: encoder.sliding_window={self.encoder.sliding_window} needs "
+                             "causal attention (set None)")
 
 
     @classmethod
@@ -330,6 +362,9 @@ class EncDecConfig(_Config):
         if self.encoder.valid_vocab is not None or self.decoder.valid_vocab is not None:
             raise ValueError("the encoder-decoder has no padded vocabulary: encoder.valid_vocab and "
                              "decoder.valid_vocab must be None")
+        if self.encoder.sliding_window is not None:
+            raise ValueError(f"the encoder attends both ways: encoder.sliding_window={self.encoder.sliding_window} "
+                             "needs causal attention (set None; the decoder's may slide)")
 
 
     @classmethod

@@ -51,6 +51,8 @@ _ENCODER: dict[str, Field] = {
     "valid_vocab": unused("BertConfig itself refuses a padded encoder vocabulary"),
     "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
     "d_head": Field(lambda v, c: v is None or v * c.n_head == c.d_model, "None or d_model // n_head"),
+    "sliding_window": unused("BertConfig itself refuses an encoder window (it attends both ways)"),
+    "window_layers": unused("sliding_window must be None"),
     "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
     "rope_scaling": unused("pos must be 'learned'"),
     "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),

@@ -164,6 +164,8 @@ UNPADDED = Field(lambda v, c: v is None, "None (save_hf / to_hf cut a padded tab
 ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
                   ("attnres_variant", "attnres_blocks", "attnres_eps", "attnres_key_gain")}
 # Gemma's fields (convert/gemma.py): every other family must leave them off.
+# Families whose exporters write no sliding window (their models would lose it).
+WINDOWLESS = {"sliding_window": must_be(None), "window_layers": must_be(None)}
 GEMMA_ONLY = {"norm_unit_offset": must_be(False), "attn_scale": must_be(None), "attn_softcap": must_be(None),
               "logit_softcap": must_be(None)}
 # How jaxgpt compiles the layer stack: the same weights and logits whatever their values.

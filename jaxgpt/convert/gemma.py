@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
+from jaxgpt.convert.common import (WINDOWLESS, ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
                                    check_options, equals, inert, load_ref, maps_to, must_be, padding_row, refuse, rename,
                                    rename_layers)
 
@@ -43,7 +43,7 @@ OPTIONS: dict[str, dict[str, Option]] = {
     "gemma": {**_COMMON, "hidden_act": equals(*_TANH), "hidden_activation": equals(None, "gelu_pytorch_tanh")},
     "gemma2": {**_COMMON, "hidden_activation": equals("gelu_pytorch_tanh"), "hidden_act": equals(None, *_TANH),
                "query_pre_attn_scalar": MAPPED, "attn_logit_softcapping": MAPPED, "final_logit_softcapping": MAPPED,
-               "sliding_window": llama._WINDOW, "layer_types": llama._LAYER_TYPES,
+               "sliding_window": llama.WINDOW_COVERS_CONTEXT, "layer_types": llama.LAYER_TYPES_COVER_CONTEXT,
                "cache_implementation": inert("the KV cache class transformers' generate uses")},
 }
 
@@ -78,7 +78,7 @@ FIELDS: dict[str, Field] = {
     "attn_softcap": Field(lambda v, c: v is None or _sandwich(c), "-> attn_logit_softcapping (Gemma 2; Gemma: None)"),
     "logit_softcap": Field(lambda v, c: v is None or _sandwich(c), "-> final_logit_softcapping (Gemma 2; Gemma: None)"),
     "rope_scaling": must_be(None), "rotary_dim": Field(lambda v, c: v is None or v == c.head_dim, "None or head_dim"),
-    "parallel_residual": must_be(False), "qk_norm": must_be(None),
+    "parallel_residual": must_be(False), "qk_norm": must_be(None), **WINDOWLESS,
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 

@@ -55,6 +55,7 @@ FIELDS: dict[str, Field] = {
     "pad_token_id": Field(lambda v, c: v is None, "None (its wte has no padding row: HF would train that row)"),
     "n_kv_head": Field(lambda v, c: v is None or v == c.n_head, "None or n_head (no GQA)"),
     "d_head": Field(lambda v, c: v is None or v * c.n_head == c.d_model, "None or d_model // n_head"),
+    "sliding_window": must_be(None), "window_layers": must_be(None),
     "pos": must_be("learned"), "rope_base": unused("pos must be 'learned'"),
     "rope_scaling": unused("pos must be 'learned'"),
     "rope_layout": unused("pos must be 'learned'"), "norm": must_be("layernorm"), "norm_bias": must_be(True),

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, GEMMA_ONLY, MAPPED, UNPADDED, Field, Option, check_fields,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, GEMMA_ONLY, MAPPED, WINDOWLESS, UNPADDED, Field, Option, check_fields,
                                    check_options, inert, load_ref, maps_to, must_be, refuse, rename,
                                    rename_layers)
 
@@ -52,7 +52,7 @@ OPTIONS: dict[str, Option] = {
     "classifier_dropout": inert("GPTNeoXForSequenceClassification / TokenClassification's head only"),
 }
 FIELDS: dict[str, Field] = {
-    **GEMMA_ONLY,
+    **GEMMA_ONLY, **WINDOWLESS,
     "vocab_size": maps_to("vocab_size"), "d_model": maps_to("hidden_size"), "n_layer": maps_to("num_hidden_layers"),
     "n_head": maps_to("num_attention_heads"), "d_ff": maps_to("intermediate_size"),
     "max_len": maps_to("max_position_embeddings"), "norm_eps": maps_to("layer_norm_eps"),

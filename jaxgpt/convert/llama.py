@@ -1,7 +1,9 @@
 """The LLaMA layout, shared by Hugging Face LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM:
 RoPE ('half' layout), RMSNorm, SwiGLU, GQA. The families differ only in options:
 LLaMA ``attention_bias`` (q, k, v and o biases) and ``mlp_bias``; Qwen2 always has q/k/v biases and
-no o bias; Mistral has a sliding window, exact here only when it covers the whole context.
+no o bias; Mistral slides every layer's attention over a window (``sliding_window``), Qwen2 the
+layers its ``layer_types`` (or use_sliding_window + max_window_layers) name: ModelConfig.sliding_window
+and window_layers, both ways (a window covering the whole context is plain causal attention: None).
 
 HF key                                                torch_ref key
 model.embed_tokens.weight                         <-> tok_embed.weight
@@ -55,14 +57,43 @@ def _context(d: Mapping[str, Any]) -> int:
     return d.get("max_position_embeddings", 2048)
 
 
-def _window_ok(window, d) -> bool:
-    # A sliding window at least as long as the context masks nothing: plain causal attention.
-    return window is None or window >= _context(d)
+KINDS = ("full_attention", "sliding_attention")
 
 
-def _sliding_layers_ok(types, d) -> bool:
-    return types is None or all(t == "full_attention" or (t == "sliding_attention" and _window_ok(
-        d.get("sliding_window"), d)) for t in types)
+def _window(d: Mapping[str, Any]) -> int | None:
+    """The window the family's model applies: Qwen2's only with use_sliding_window (its config sets
+    it to None otherwise); None where it covers the whole context (it masks nothing there)."""
+    w = d.get("sliding_window")
+    if d.get("model_type") == "qwen2" and not d.get("use_sliding_window"):
+        return None
+    return None if w is None or w >= _context(d) else w
+
+
+def _qwen2_types(d: Mapping[str, Any]) -> list:
+    """Qwen2's layer kinds: layer_types, else transformers' rule (layers >= max_window_layers slide)."""
+    if d.get("layer_types") is not None:
+        return list(d["layer_types"])
+    slide = d.get("use_sliding_window") and d.get("sliding_window") is not None
+    return [KINDS[bool(slide and i >= d.get("max_window_layers", 28))] for i in range(d.get("num_hidden_layers", 32))]
+
+
+def _qwen2_types_ok(types, d) -> bool:
+    kinds = _qwen2_types(d)
+    if len(kinds) != d.get("num_hidden_layers", 32) or not set(kinds) <= set(KINDS):
+        return False
+    # sliding layers need the window transformers applies (it refuses to build their mask without one)
+    return "sliding_attention" not in kinds or (d.get("use_sliding_window") and d.get("sliding_window") is not None)
+
+
+def _window_layers(d: Mapping[str, Any]) -> tuple[int | None, tuple | None]:
+    """(sliding_window, window_layers) of an HF config dict: Mistral slides every layer."""
+    window = _window(d)
+    if window is None or d.get("model_type") != "qwen2":
+        return window, None
+    sliding = tuple(i for i, t in enumerate(_qwen2_types(d)) if t == "sliding_attention")
+    if not sliding:
+        return None, None
+    return window, None if len(sliding) == d.get("num_hidden_layers", 32) else sliding
 
 
 _ROPE = Option(lambda v, d: _rope_problem(d) is None,
@@ -77,16 +108,27 @@ _COMMON: dict[str, Option] = {
     "head_dim": MAPPED,
     "pretraining_tp": equals(1, None),
 }
-_LAYER_TYPES = Option(_sliding_layers_ok, "full_attention layers, or a sliding window covering the context")
-_WINDOW = Option(lambda v, d: _window_ok(v, d), "None or >= max_position_embeddings (the context)")
+_WINDOW = Option(lambda v, d: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                 "None or a window of >= 1 positions")
+# Families that map no window (Phi-3, Gemma's until it maps layer kinds): a window covering the context
+# masks nothing, so it is accepted; a shorter one is refused by name.
+WINDOW_COVERS_CONTEXT = Option(lambda v, d: v is None or v >= _context(d),
+                               "None or >= max_position_embeddings (the context)")
+LAYER_TYPES_COVER_CONTEXT = Option(
+    lambda v, d: v is None or all(t == "full_attention" or (t == "sliding_attention" and WINDOW_COVERS_CONTEXT.ok(
+        d.get("sliding_window"), d)) for t in v),
+    "full_attention layers, or a sliding window covering the context")
 OPTIONS: dict[str, dict[str, Option]] = {
     "llama": {**_COMMON, "attention_bias": MAPPED, "mlp_bias": MAPPED},
     "qwen2": {**_COMMON, "use_sliding_window": MAPPED,
-              "sliding_window": Option(lambda v, d: not d.get("use_sliding_window") or _window_ok(v, d),
+              "sliding_window": Option(lambda v, d: not d.get("use_sliding_window") or _WINDOW.ok(v, d),
                                        _WINDOW.needs + " when use_sliding_window"),
-              "max_window_layers": inert("which layers slide; checked through layer_types / sliding_window"),
-              "layer_types": _LAYER_TYPES},
-    "mistral": {**_COMMON, "sliding_window": _WINDOW, "layer_types": _LAYER_TYPES},
+              "max_window_layers": MAPPED,  # -> window_layers, where layer_types is absent
+              "layer_types": Option(_qwen2_types_ok, f"one of {KINDS} per layer; sliding layers need "
+                                                     "use_sliding_window and a sliding_window")},
+    # MistralForCausalLM slides every layer whatever layer_types says (transformers warns and ignores it)
+    "mistral": {**_COMMON, "sliding_window": _WINDOW,
+                "layer_types": inert("MistralForCausalLM ignores it: every layer slides when sliding_window is set")},
 }
 _BIASES = {"llama": None, "qwen2": (True, False, False), "mistral": (False, False, False)}  # qkv, o, mlp
 
@@ -109,6 +151,10 @@ FIELDS: dict[str, Field] = {
     "lm_head_bias": must_be(False), "moe": must_be(None),
     "rotary_dim": Field(lambda v, c: v is None or v == c.head_dim, "None or head_dim (RoPE on the whole head)"),
     "parallel_residual": must_be(False), "qk_norm": must_be(None),
+    "sliding_window": Field(lambda v, c: v is None or not c.mlp_bias and (not c.qkv_bias or not c.o_bias),
+                            "-> sliding_window (Mistral: no biases; Qwen2: q/k/v biases)"),
+    "window_layers": Field(lambda v, c: v is None or (c.qkv_bias and not c.o_bias and not c.mlp_bias),
+                           "None (every layer slides), or Qwen2's q/k/v biases (-> layer_types)"),
     **ATTNRES_UNUSED, **ENGINE_UNUSED, **GEMMA_ONLY,
 }
 
@@ -129,7 +175,8 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     check_options(d, OPTIONS[family], NAMES[family])
     heads = d.get("num_attention_heads", 32)
     qkv, o, mlp = _BIASES[family] or (d.get("attention_bias", False),) * 2 + (d.get("mlp_bias", False),)
-    return ModelConfig(
+    window, window_layers = _window_layers({**d, "model_type": family})
+    return ModelConfig(sliding_window=window, window_layers=window_layers,
         vocab_size=d.get("vocab_size", 32000), max_len=_context(d), d_model=d.get("hidden_size", 4096),
         n_layer=d.get("num_hidden_layers", 32), n_head=heads, n_kv_head=d.get("num_key_value_heads") or heads,
         d_head=_head_dim(d),
@@ -148,10 +195,11 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, t
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """ModelConfig -> an HF LLaMA config dict (Qwen2 when q/k/v have biases and o has none), or one
-    ValueError naming every field neither can express."""
+    """ModelConfig -> an HF LLaMA config dict (Qwen2 when q/k/v have biases and o has none; Mistral
+    for a sliding window without biases), or one ValueError naming every field none can express."""
     refuse(check_fields(config, FIELDS, "LLaMA"), "LLaMA")
-    family = "qwen2" if config.qkv_bias and not config.o_bias else "llama"
+    family = "qwen2" if config.qkv_bias and not config.o_bias else \
+        "mistral" if config.sliding_window is not None else "llama"
     d = dict(model_type=family, architectures=[ARCHS[family]], vocab_size=config.vocab_size,
              hidden_size=config.d_model, intermediate_size=config.ffn_dim, num_hidden_layers=config.n_layer,
              num_attention_heads=config.n_head, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
@@ -162,8 +210,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              pad_token_id=config.pad_token_id)
     if family == "llama":
         d.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias, pretraining_tp=1)
+    elif family == "mistral":
+        d.update(sliding_window=config.sliding_window)
     else:
-        d.update(use_sliding_window=False, sliding_window=None)
+        sliding = [config.layer_window(i) is not None for i in range(config.n_layer)]
+        first = sliding.index(True) if any(sliding) else config.n_layer
+        # max_window_layers for transformers versions without layer_types: exact where the sliding layers are a suffix
+        d.update(use_sliding_window=config.sliding_window is not None, sliding_window=config.sliding_window,
+                 max_window_layers=first, layer_types=[KINDS[s] for s in sliding])
     return d
 
 

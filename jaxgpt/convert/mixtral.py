@@ -13,8 +13,8 @@ model.layers.{i}.mlp.experts.gate_up_proj (E, 2f, d)     <-> gate_proj = [:, :f]
 model.layers.{i}.mlp.experts.down_proj (E, d, f)         <-> down_proj (E, f, d), transposed per expert
 
 Everything else is llama.py's. Export writes the first layout, the one transformers saves.
-Refused by name: router_jitter_noise (training-time noise jaxgpt does not draw) and sliding windows
-shorter than the context.
+Refused by name: router_jitter_noise (training-time noise jaxgpt does not draw). A sliding_window
+slides every layer, as Mistral's (llama.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig, MoEConfig
 from jaxgpt.convert import llama
-from jaxgpt.convert.common import MAPPED, Field, check_fields, check_options, equals, inert, load_ref, refuse, rename
+from jaxgpt.convert.common import (MAPPED, Field, check_fields, check_options, equals, inert, load_ref, maps_to, must_be,
+                                   refuse, rename)
 from jaxgpt.convert.rule import to_numpy
 
 ARCHS = ("MixtralForCausalLM",)
@@ -117,6 +118,8 @@ FIELDS: dict[str, Field] = {
     "d_ff": Field(lambda v, c: True, "unused: every Mixtral layer is a MoE (moe.d_ff -> intermediate_size)"),
     "mlp_bias": Field(lambda v, c: True, "unused: experts have no biases"),
     "qkv_bias": Field(lambda v, c: not v, "False"), "o_bias": Field(lambda v, c: not v, "False"),
+    "sliding_window": maps_to("sliding_window (every layer)"),
+    "window_layers": must_be(None),  # MixtralForCausalLM slides every layer or none
     "moe": Field(_moe_field, "MoEConfig with norm_topk=True, shared_d_ff=0, every=1, dense_layers=(), "
                              "capacity_factor=None (HF Mixtral drops no token: export with moe.capacity_factor=None)"),
 }
@@ -129,7 +132,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     for k in ("attention_bias", "mlp_bias", "pretraining_tp"):
         d.pop(k, None)
     d.update(model_type="mixtral", architectures=list(ARCHS), num_local_experts=config.moe.n_experts,
-             num_experts_per_tok=config.moe.top_k, router_jitter_noise=0.0, sliding_window=None,
+             num_experts_per_tok=config.moe.top_k, router_jitter_noise=0.0, sliding_window=config.sliding_window,
              output_router_logits=False, router_aux_loss_coef=config.moe.aux_loss_coef)
     return d
 

@@ -17,13 +17,14 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
-from jaxgpt.convert.common import MAPPED, Field, check_fields, check_options, load_ref, must_be, refuse, rename
+from jaxgpt.convert.common import WINDOWLESS, MAPPED, Field, check_fields, check_options, load_ref, must_be, refuse, rename
 
 ARCHS = ("Olmo2ForCausalLM",)
 OPTIONS = {**llama.OPTIONS["llama"], "attention_bias": MAPPED}
 OPTIONS.pop("mlp_bias")
 FIELDS: dict[str, Field] = {
     **llama.FIELDS, "qk_norm": must_be("full"), "norm_placement": must_be("post_sublayer"),
+    **WINDOWLESS,
     "mlp_bias": must_be(False), "qkv_bias": Field(lambda v, c: True, "-> attention_bias"),
     "o_bias": Field(lambda v, c: v == c.qkv_bias, "qkv_bias (one attention_bias)"),
 }

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
-from jaxgpt.convert.common import (MAPPED, Field, Option, check_fields, check_options, equals, inert, load_ref,
+from jaxgpt.convert.common import (WINDOWLESS, MAPPED, Field, Option, check_fields, check_options, equals, inert, load_ref,
                                    maps_to, must_be, refuse, rename, split_packed)
 from jaxgpt.convert.gpt_neox import DEFAULT_ROPE, rope_params
 
@@ -31,10 +31,11 @@ OPTIONS: dict[str, Option] = {
     "rope_parameters": DEFAULT_ROPE, "rope_scaling": DEFAULT_ROPE, "hidden_act": equals("silu"),
     "resid_pdrop": equals(0.0, 0), "embd_pdrop": inert("not read by transformers' Phi3 (no embedding dropout)"),
     "original_max_position_embeddings": inert("read by 'longrope' scaling only, which is refused"),
-    "sliding_window": llama._WINDOW,
+    "sliding_window": llama.WINDOW_COVERS_CONTEXT,
 }
 FIELDS: dict[str, Field] = {
     **llama.FIELDS, "rotary_dim": maps_to("rope_parameters.partial_rotary_factor"), "rope_scaling": must_be(None),
+    **WINDOWLESS,
     "qkv_bias": must_be(False), "o_bias": must_be(False), "mlp_bias": must_be(False),
     "d_head": Field(lambda v, c: v is None or v * c.n_head == c.d_model, "None or d_model // n_head"),
 }

@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig, MoEConfig
 from jaxgpt.convert import llama, mixtral
-from jaxgpt.convert.common import (MAPPED, Field, check_fields, check_options, inert, load_ref, refuse, rename)
+from jaxgpt.convert.common import (MAPPED, Field, Option, check_fields, check_options, inert, load_ref, must_be, refuse,
+                                   rename)
 
 ARCHS = ("Qwen2MoeForCausalLM",)
 _NAMES = {n: n for n in ("gate_proj", "up_proj", "down_proj")}
@@ -32,6 +33,14 @@ OPTIONS = {
     "mlp_only_layers": MAPPED,
     "output_router_logits": inert("whether forward returns router logits (the aux loss is jaxgpt's TrainConfig)"),
     "router_aux_loss_coef": MAPPED,  # -> moe.aux_loss_coef
+    # Qwen2-MoE picks its sliding layers by a rule of its own (odd layers below max_window_layers): not implemented
+    "use_sliding_window": Option(lambda v, d: not v or llama._window({**d, "model_type": "mistral"}) is None,
+                                 "False, or a sliding_window covering the context (Qwen2-MoE's windows are not "
+                                 "implemented)"),
+    "layer_types": Option(lambda v, d: all(t == "full_attention" for t in v) or not d.get("use_sliding_window")
+                          or llama._window({**d, "model_type": "mistral"}) is None, "full_attention layers"),
+    "max_window_layers": inert("which layers would slide; sliding windows are refused through use_sliding_window"),
+    "sliding_window": inert("its size; sliding windows are refused through use_sliding_window (0 when off)"),
 }
 _QWEN2 = set(llama.OPTIONS["qwen2"])
 RULES = [(r"model\.layers\.(\d+)\.mlp\.(.+)", r"layers.\1.mlp.\2")] + llama.RULES
@@ -40,8 +49,9 @@ RULES = [(r"model\.layers\.(\d+)\.mlp\.(.+)", r"layers.\1.mlp.\2")] + llama.RULE
 def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     """An HF Qwen2-MoE config dict -> ModelConfig; every unsupported option named at once."""
     check_options(d, OPTIONS, "Qwen2-MoE")
-    base = llama.config_from_hf({**{k: v for k, v in d.items() if k in _QWEN2}, "model_type": "qwen2"},
-                                "Qwen2ForCausalLM")
+    windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")  # refused above
+    base = llama.config_from_hf({**{k: v for k, v in d.items() if k in _QWEN2 and k not in windows},
+                                 "model_type": "qwen2"}, "Qwen2ForCausalLM")
     shared = d.get("shared_expert_intermediate_size", 5632)
     if not shared:
         raise ValueError("HF Qwen2-MoE config not supported exactly by jaxgpt: shared_expert_intermediate_size="
@@ -66,6 +76,7 @@ FIELDS: dict[str, Field] = {
     **llama.FIELDS,
     "qkv_bias": Field(lambda v, c: True, "-> qkv_bias"), "o_bias": Field(lambda v, c: not v, "False"),
     "mlp_bias": Field(lambda v, c: not v, "False"),
+    "sliding_window": must_be(None), "window_layers": must_be(None),
     "moe": Field(lambda v, c: v is not None and v.shared_d_ff > 0 and v.capacity_factor is None,
                  "a MoEConfig with shared_d_ff > 0 and capacity_factor=None (HF Qwen2-MoE drops no token: export "
                  "with moe.capacity_factor=None)"),

@@ -14,13 +14,20 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
-from jaxgpt.convert.common import MAPPED, Field, check_fields, check_options, must_be, refuse
+from jaxgpt.convert.common import MAPPED, WINDOWLESS, Field, Option, check_fields, check_options, inert, must_be, refuse
 
 ARCHS = ("Qwen3ForCausalLM",)
-OPTIONS = {**llama.OPTIONS["qwen2"], "attention_bias": MAPPED}
+# Qwen3's sliding windows are not mapped (yet): a window covering the context masks nothing.
+OPTIONS = {**llama.OPTIONS["qwen2"], "attention_bias": MAPPED,
+           "sliding_window": Option(lambda v, d: not d.get("use_sliding_window") or llama.WINDOW_COVERS_CONTEXT.ok(v, d),
+                                    llama.WINDOW_COVERS_CONTEXT.needs + " when use_sliding_window"),
+           "max_window_layers": inert("which layers slide; no window shorter than the context is accepted"),
+           "layer_types": Option(lambda v, d: not d.get("use_sliding_window") or llama.LAYER_TYPES_COVER_CONTEXT.ok(v, d),
+                                 llama.LAYER_TYPES_COVER_CONTEXT.needs)}
 _LLAMA = set(llama.OPTIONS["llama"])
 FIELDS: dict[str, Field] = {
     **llama.FIELDS, "qk_norm": must_be("head"), "mlp_bias": must_be(False),
+    **WINDOWLESS,
     "qkv_bias": Field(lambda v, c: True, "-> attention_bias"),
     "o_bias": Field(lambda v, c: v == c.qkv_bias, "qkv_bias (one attention_bias)"),
 }

@@ -110,18 +110,22 @@ class Engine(Scheduler):
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {config.max_len}]: the model's "
                              f"context is {config.max_len} tokens, and a request needs a prompt token and an output")
         pages_per_seq = -(-max_model_len // page_size)
+        window = self._bounded_window(draft)
+        if window is not None:  # a request holds its window's pages and one step's chunk at most
+            pages_per_seq = min(pages_per_seq, -(-(window - 1 + max_tokens_per_step) // page_size) + 1)
         if num_pages is None:
             num_pages = max_seqs * pages_per_seq + 1
         if num_pages - 1 < pages_per_seq:
             raise ValueError(f"num_pages={num_pages} cannot hold one full context ({max_model_len} tokens = "
-                             f"{pages_per_seq} pages of {page_size}, plus the scratch page)")
+                             f"{pages_per_seq} pages of {page_size}, plus the scratch page"
+                             f"{'; a sliding window: its keys and one step' if window is not None else ''})")
         if not (spec_max_batch == "auto" or type(spec_max_batch) is int and spec_max_batch >= 1):  # not a bool
             raise ValueError(f"spec_max_batch must be 'auto' or an int >= 1, got {spec_max_batch!r}")
         # token_vocab: a padded table's extra rows are no tokens
         super().__init__(vocab=self.config.token_vocab, max_model_len=max_model_len, max_seqs=max_seqs,
                          page_size=page_size, num_pages=num_pages, budget=max_tokens_per_step,
                          prefix_caching=enable_prefix_caching, k=None if draft is None else num_speculative_tokens,
-                         spec_max_batch=spec_max_batch)
+                         spec_max_batch=spec_max_batch, window=window)
         self.kv_dtype = kv_dtype
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
         self.paged_kernel = resolve_paged_kernel(paged_kernel, self.config.dtype, self.pools[0][0].dtype,
@@ -134,6 +138,12 @@ class Engine(Scheduler):
         self.draft = None if draft is None else self._init_draft(*draft, kv_dtype=kv_dtype, paged_kernel=paged_kernel,
                                                                  head_kernel=head_kernel,
                                                                  num_pages=num_pages)
+
+    def _bounded_window(self, draft) -> int | None:
+        """The window past which a request's pages are released (Scheduler._drop_outside_window): the
+        model's, where every layer slides and no draft model (whose pools share the page ids) reads them."""
+        cfg = self.config
+        return cfg.sliding_window if cfg.window_layers is None and draft is None else None
 
     def _init_draft(self, config, params, *, kv_dtype, paged_kernel, head_kernel, num_pages):
         if config.vocab_size != self.config.vocab_size:

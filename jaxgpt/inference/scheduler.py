@@ -8,6 +8,10 @@ or where ``spec_policy.SpecPolicy``'s measurements say it pays) and the rest to 
 chunk length chosen by ``paged_cache.plan_prefill`` to waste few padded slots. When pages run out,
 the latest admitted request is preempted: its pages are freed (and stay cached) and it is
 recomputed from its prompt and outputs later. ``Engine`` (engine.py) runs the rows it plans.
+
+Sliding windows (``window``: every layer's, set only where every layer slides): a request's pages
+wholly before the window of its next query are released as it goes (``_drop_outside_window``), their
+page-table entries pointed at the scratch page, so its pages stop growing past the window.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ class Scheduler:
     ``SpecPolicy``) decides from measured acceptance and call times."""
 
     def __init__(self, *, vocab: int, max_model_len: int, max_seqs: int, page_size: int, num_pages: int, budget: int,
-                 prefix_caching: bool, k: int | None, spec_max_batch: int | str):
+                 prefix_caching: bool, k: int | None, spec_max_batch: int | str, window: int | None = None):
         self.vocab, self.max_model_len, self.max_seqs, self.page_size, self.budget = (vocab, max_model_len, max_seqs,
                                                                                        page_size, budget)
         self.max_pages_per_seq = -(-max_model_len // page_size)
@@ -51,6 +55,7 @@ class Scheduler:
         self.stats = dict(steps=0, preemptions=0, prompt_tokens=0, generated_tokens=0, calls=0)
         self.stats.update(prefix_queries=0, prefix_hits=0)  # tokens looked up in the prefix cache at admission, found
         self._draft_at: dict[str, int] = {}  # requests whose draft pages hold only their first n tokens
+        self.window = window
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -97,7 +102,7 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------------------------------
     def _free(self, req: Request) -> None:
         self._cache(req)  # a finished or preempted request's pages stay cached, evictable
-        self.allocator.release(req.pages)
+        self.allocator.release([p for p in req.pages if p])  # 0: a page already dropped outside the window
         req.pages, req.computed, req.chain = [], 0, []  # a recompute prefills the draft too
         self._draft_at.pop(req.id, None)
 
@@ -192,9 +197,25 @@ class Scheduler:
         live = set(id(r) for r in self.running)  # a later preemption may have hit an earlier row
         return tuple([x for x in rows if id(x[0]) in live] for rows in (spec, decode, prefill))
 
+    def _drop_outside_window(self, req: Request) -> None:
+        """Release req's pages whose every position is before the sliding window of its next query
+        (position req.computed sees keys > computed - window): no later query reads them. Their
+        entries become 0, the scratch page, which attention masks (or, in the C++ kernel, never
+        reads). With prefix caching, only pages already cached (they stay cached, evictable)."""
+        if self.window is None:
+            return
+        drop = max(0, req.computed - self.window + 1) // self.page_size
+        if self.prefix_caching:
+            drop = min(drop, len(req.chain))
+        gone = [p for p in req.pages[:drop] if p]
+        if gone:
+            self.allocator.release(gone)
+            req.pages[:drop] = [0] * drop
+
     def _take(self, req: Request, n: int) -> bool:
         """Pages for req's next n tokens, preempting the latest admitted requests while they run out;
         False when req itself was preempted."""
+        self._drop_outside_window(req)
         while req in self.running and not self._grow(req, req.computed + n):
             self._preempt()
         return req in self.running

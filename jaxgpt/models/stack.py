@@ -14,6 +14,7 @@ from jaxgpt.nn import checks
 from jaxgpt.core import validate
 from jaxgpt.nn.attention import KVCache
 from jaxgpt.nn.block import Block
+from jaxgpt.nn.kernels.masks import NO_WINDOW
 from jaxgpt.config import ModelConfig
 from jaxgpt.nn.positions import sinusoidal_table
 
@@ -79,6 +80,16 @@ def remat_policy(name: str):
     return None if name == "full" else getattr(jax.checkpoint_policies, name)
 
 
+def scanned_windows(config: ModelConfig):
+    """The sliding window of the one scanned layer body: (a static window (int or None) every layer
+    shares, None) or, where window_layers mixes sliding and global layers, (None, an (L,) int32 array
+    scanned as an input, masks.NO_WINDOW for the global layers)."""
+    windows = [config.layer_window(i) for i in range(config.n_layer)]
+    if len(set(windows)) == 1:
+        return windows[0], None
+    return None, jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
+
+
 def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None, mask=None,
                context_mask=None, positions=None, cache=None, return_weights=False, deterministic=True,
                name="layers", segment_ids=None):
@@ -87,13 +98,16 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     ``config.scan_layers``: one Block under nn.scan (params (L, ...) under ``name``, unrolled
     ``config.scan_unroll`` layers per loop iteration), or a Python loop over Blocks named
     ``{name}_0, {name}_1, ...`` (one compiled body per layer). Either way the cache and the
-    weights are stacked (L, ...). ``config.remat`` wraps each layer in nn.remat.
+    weights are stacked (L, ...). ``config.remat`` wraps each layer in nn.remat. Sliding windows: each
+    separate layer gets its own (``config.layer_window``); scanned layers share one body, so a mix of
+    sliding and global layers scans its windows as an input (``scanned_windows``).
     """
 
-    def body(block, h, layer_cache):
+    def body(block, h, xs):  # xs: (the layer's cache or None, its window: None, an int or a scanned int32)
+        layer_cache, window = xs
         h, new_cache, w = block(h, context, mask=mask, context_mask=context_mask, positions=positions,
                                 cache=layer_cache, return_weights=return_weights, deterministic=deterministic,
-                                segment_ids=segment_ids)
+                                segment_ids=segment_ids, window=window)
         return h, (new_cache, w)
 
     if cache is not None:
@@ -108,7 +122,7 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
         outs = []
         for i in range(config.n_layer):
             x, out = body(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
-                          x, None)
+                          x, (None, config.layer_window(i)))
             outs.append(out)
         cache, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
         return x, cache, weights
@@ -116,10 +130,12 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     # "intermediates": 0 stacks what capture_intermediates / sow record per layer (jaxgpt.tools.parity reads
     # each Block's output from it); without that collection mutable, nothing changes.
     # "router": 0 stacks the MoE router statistics (jaxgpt.nn.moe) the same way.
-    scan = nn.scan(body, variable_axes=SCANNED_COLLECTIONS, split_rngs={"params": True, "dropout": True},
+    static, windows = scanned_windows(config)
+    scan = nn.scan(lambda block, h, xs: body(block, h, (xs[0], static if xs[1] is None else xs[1])),
+                   variable_axes=SCANNED_COLLECTIONS, split_rngs={"params": True, "dropout": True},
                    in_axes=0, length=config.n_layer, unroll=scan_unroll(config))
     x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
-                               x, cache)
+                               x, (cache, windows))
     return x, cache, weights
 
 
@@ -149,7 +165,7 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
         new, ws = [], []
         for i, layer_cache in enumerate(cache):
             x, (c, w) = body(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
-                             x, layer_cache)
+                             x, (layer_cache, config.layer_window(i)))
             new.append(c)
             ws.append(w)
         weights = None if ws[0] is None else jnp.stack(ws)
@@ -158,25 +174,28 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
         raise ValueError(f"DecoderLM takes init_cache's caches: one 'stacked' KVCache or a tuple of n_layer "
                          f"one-layer KVCaches; got a single {cache.layout!r} KVCache")
 
-    def layer_body(block, carry, xs):  # carry: (h, k, v), xs: (layer, index) -> ys: (index, weights)
+    static, windows = scanned_windows(config)
+
+    def layer_body(block, carry, xs):  # carry: (h, k, v), xs: (layer, index, window) -> ys: (index, weights)
         h, k, v = carry
-        h, (new, w) = body(block, h, KVCache(k, v, xs[1], "stacked", xs[0]))
+        h, (new, w) = body(block, h, (KVCache(k, v, xs[1], "stacked", xs[0]), xs[2]))
         return (h, new.k, new.v), (new.index, w)
 
     if not config.scan_layers:
         carry, outs = (x, cache.k, cache.v), []
         for i in range(config.n_layer):  # a static layer index: plain slices of the stacked cache
             block = Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}")
-            carry, out = layer_body(block, carry, (i, cache.index[i]))
+            carry, out = layer_body(block, carry, (i, cache.index[i], config.layer_window(i)))
             outs.append(out)
         index, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
     else:
-        scan = nn.scan(layer_body, variable_axes=SCANNED_COLLECTIONS,
+        scan = nn.scan(lambda block, c, xs: layer_body(block, c, xs[:2] + (static if xs[2] is None else xs[2],)),
+                       variable_axes=SCANNED_COLLECTIONS,
                        split_rngs={"params": True, "dropout": True}, in_axes=0, length=config.n_layer,
                        unroll=scan_unroll(config))
         layers = jnp.arange(config.n_layer, dtype=jnp.int32)
         carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
                                        (x, cache.k, cache.v),
-                                       (layers, cache.index))
+                                       (layers, cache.index, windows))
     x, k, v = carry
     return x, KVCache(k, v, index, "stacked"), weights

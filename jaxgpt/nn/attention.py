@@ -61,13 +61,15 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[-2]  # S is the second-to-last axis in every layout
 
-    def write(self, k, v, mask=None, is_causal=True):
+    def write(self, k, v, mask=None, is_causal=True, window=None):
         """Write keys and values k, v (B, T, H_kv, D) at slots [index, index + T).
 
         The KV caches' one contract (kernels.paged.PagedKVCache.write too): returns (the cache after
         the write, keys, values to attend over (all S slots; those past the new index are empty),
         their kv_layout for ``kernels.attend``, the call's ``mask`` (broadcastable to (B, H, T, S))
         narrowed to the written slots where causality does not already hide the empty ones, is_causal).
+        ``window``: the layer's sliding window, which a cache that answers is_causal=False folds into
+        its mask (a paged cache's 'gather'); here causality by the cache offset carries it to attend.
         """
         t = k.shape[1]
         if mask is not None or not is_causal:  # causal from the cache offset already hides the empty slots
@@ -144,7 +146,7 @@ class Attention(nn.Module):
     @nn.compact
     @module_scope
     def __call__(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
-                 return_weights=False, deterministic=True, segment_ids=None):
+                 return_weights=False, deterministic=True, segment_ids=None, window=None):
         """x: (B, T, d_model); context: (B, S, d_model) for cross-attention.
 
         positions: (T,) or (B, T) absolute positions for RoPE (default: cache index + arange(T)).
@@ -152,6 +154,8 @@ class Attention(nn.Module):
         a mask then spans its S slots.
         segment_ids: (B, T) ids of packed documents (self-attention without a cache): a query
         sees only keys of its own document.
+        window: this layer's sliding window (None, an int, or a traced int32 scalar under nn.scan;
+        kernels.masks.NO_WINDOW for a layer that does not slide): causal attention over the last W positions.
         Returns (y (B, T, d_model), new cache or None, weights (B, H, T, S) or None).
         """
         if self.head_dim is None and self.d_model % self.n_head:
@@ -184,7 +188,9 @@ class Attention(nn.Module):
             if mask is not None:  # checked before the cache's `& written`, whose broadcast could hide a bad shape
                 mask = jnp.asarray(mask)
                 validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.capacity))
-            cache, k, v, kv_layout, mask, is_causal = cache.write(k, v, mask, is_causal)
+            cache, k, v, kv_layout, mask, causal = cache.write(k, v, mask, is_causal, window=window)
+            if is_causal and not causal:  # the cache folded causality, and the window, into its mask
+                is_causal, window = False, None
             if kv_layout == "pages":  # a paged cache read in place: attend follows its page table
                 pages = cache.pages
 
@@ -192,7 +198,8 @@ class Attention(nn.Module):
         out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,
                      q_offset=offset, return_weights=return_weights, kv_layout=kv_layout, pages=pages,
                      dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
-                     segment_ids=segment_ids, scale=self.scale, softcap=self.softcap)
+                     segment_ids=segment_ids, scale=self.scale, softcap=self.softcap,
+                     window=window)
         out, weights = out if return_weights else (out, None)
         y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
         return y, cache, weights

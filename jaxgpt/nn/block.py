@@ -30,9 +30,10 @@ class Block(nn.Module):
     @nn.compact
     @module_scope
     def __call__(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
-                 return_weights=False, deterministic=True, segment_ids=None):
+                 return_weights=False, deterministic=True, segment_ids=None, window=None):
         """mask: self-attention mask (True = attend); context (B, S, d_model) and context_mask
-        feed the cross-attention; segment_ids (B, T): packed documents in the self-attention. Returns (x, new cache or None, self-attention weights or None)."""
+        feed the cross-attention; segment_ids (B, T): packed documents in the self-attention; window: the
+        self-attention's sliding window (Attention's). Returns (x, new cache or None, self-attention weights or None)."""
         cfg = self.config
         if self.cross and context is None:
             raise ValueError("this Block has cross-attention: pass context=(B, S, d_model)")
@@ -50,7 +51,7 @@ class Block(nn.Module):
         def self_attn(h):
             y, out["cache"], out["weights"] = attention_from_config(cfg, "attn")(
                 h, mask=mask, is_causal=self.causal, positions=positions, cache=cache,
-                return_weights=return_weights, deterministic=deterministic, segment_ids=segment_ids)
+                return_weights=return_weights, deterministic=deterministic, segment_ids=segment_ids, window=window)
             return y
 
         x = residual(x, self_attn, "attn_norm")

@@ -65,7 +65,7 @@ class DecoderLM(nn.Module):
             new_cache, all_w = [], []
             for i, layer in enumerate(self.layers):
                 x, c, w = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i],
-                                return_weights=return_weights, segment_ids=segment_ids)
+                                return_weights=return_weights, segment_ids=segment_ids, window=cfg.layer_window(i))
                 new_cache.append(c)
                 all_w.append(w)
             cache = None if cache is None else new_cache

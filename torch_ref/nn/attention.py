@@ -35,17 +35,23 @@ class KVCache:
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), 0)
 
 
-def causal_mask(q_len: int, k_len: int, q_offset: int = 0, device=None) -> torch.Tensor:
-    """(q_len, k_len) bool, True where query i (absolute position q_offset + i) may see key j."""
-    return torch.arange(k_len, device=device)[None, :] <= torch.arange(q_len, device=device)[:, None] + q_offset
+def causal_mask(q_len: int, k_len: int, q_offset: int = 0, device=None, window: int | None = None) -> torch.Tensor:
+    """(q_len, k_len) bool, True where query i (absolute position q_offset + i) may see key j:
+    j <= q_offset + i, and (a sliding ``window`` W, transformers' rule) j > q_offset + i - W."""
+    keys = torch.arange(k_len, device=device)[None, :]
+    queries = torch.arange(q_len, device=device)[:, None] + q_offset
+    allowed = keys <= queries
+    return allowed if window is None else allowed & (keys > queries - window)
 
 
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
-                                 return_weights=False, kv_layout="tokens", dropout_rate=0.0, softcap=None):
+                                 return_weights=False, kv_layout="tokens", dropout_rate=0.0, softcap=None,
+                                 window=None):
     """Same contract as jaxgpt.nn.attention.scaled_dot_product_attention (q: (B, Tq, H, D);
     k, v: (B, Tk, H_kv, D) with kv_layout 'tokens', (B, H_kv, Tk, D) with 'heads'; mask bool,
     True = attend, other dtypes / shapes are a ValueError; rows with no visible key give zeros).
-    softcap: scores -> softcap * tanh(scores / softcap) before the mask (written out, not torch's SDPA).
+    softcap: scores -> softcap * tanh(scores / softcap) before the mask (written out, not torch's SDPA);
+    ``window``: a sliding window on the causal mask.
     Returns out (B, Tq, H, D) [, weights (B, H, Tq, Tk)]."""
     if kv_layout not in ("tokens", "heads"):
         raise ValueError(f"kv_layout={kv_layout!r} is not one of ('tokens', 'heads')")
@@ -59,8 +65,10 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
     if allowed is not None:
         validate.check_mask(allowed.shape, allowed.dtype, (b, h, tq, tk))
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    if window is not None and not is_causal:
+        raise ValueError("a sliding window narrows causal attention: pass is_causal=True (or window=None)")
     if is_causal:
-        c = causal_mask(tq, tk, q_offset, q.device)
+        c = causal_mask(tq, tk, q_offset, q.device, window)
         allowed = c if allowed is None else allowed & c
 
     if not return_weights and softcap is None:
@@ -108,8 +116,9 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = qk_norms(qk_norm, n_head, self.n_kv_head, self.head_dim, norm_eps)
 
     def forward(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
-                return_weights=False, segment_ids=None):
+                return_weights=False, segment_ids=None, window=None):
         """Returns (y (B, T, d_model), cache or None, weights (B, H, T, S) or None).
+        window: this layer's sliding window (None: causal attention over every earlier key).
         A given cache is written in place (its buffers) and returned with the index advanced.
         segment_ids (B, T): packed documents, attended as the mask seg_i == seg_j (no cache)."""
         b, t, _ = x.shape
@@ -155,7 +164,7 @@ class Attention(nn.Module):
         rate = self.attn_dropout if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, q_offset=offset,
                                            return_weights=return_weights, kv_layout=kv_layout,
-                                           dropout_rate=rate, scale=self.scale, softcap=self.softcap)
+                                           dropout_rate=rate, scale=self.scale, softcap=self.softcap, window=window)
         out, weights = out if return_weights else (out, None)
         return self.o_proj(out.reshape(b, t, self.n_head * d)), cache, weights
 

@@ -35,8 +35,8 @@ class Block(nn.Module):
         return residual(self.config.norm_placement, x, f, norm, self.drop, src, post)
 
     def forward(self, x, context=None, *, mask=None, context_mask=None, positions=None, cache=None,
-                return_weights=False, segment_ids=None):
-        """Returns (x, new cache or None, self-attention weights or None)."""
+                return_weights=False, segment_ids=None, window=None):
+        """Returns (x, new cache or None, self-attention weights or None); window: the self-attention's."""
         if self.cross and context is None:
             raise ValueError("this Block has cross-attention: pass context=(B, S, d_model)")
         out, layer_in = {}, x
@@ -44,7 +44,7 @@ class Block(nn.Module):
         def self_attn(h):
             y, out["cache"], out["weights"] = self.attn(h, mask=mask, is_causal=self.causal, positions=positions,
                                                         cache=cache, return_weights=return_weights,
-                                                        segment_ids=segment_ids)
+                                                        segment_ids=segment_ids, window=window)
             return y
 
         post = (lambda name: getattr(self, name + "_post_norm", None))

@@ -27,7 +27,8 @@ The C++ kernels are CPU kernels: 'auto' stages each beside the portable kernel i
 otherwise, and the platform the program is lowered for picks one (policy.py); an explicit 'ffi'
 fails to lower for another platform.
 
-Every mask a kernel applies comes from masks.py. The kernels are looked up on their modules at
+Every mask a kernel applies comes from masks.py, sliding windows included: every kernel takes
+``window`` (the C++ training kernel a static one only). The kernels are looked up on their modules at
 call time (``xla.scaled_dot_product_attention``, ...), so a test can count which one ran.
 """
 from __future__ import annotations
@@ -84,16 +85,18 @@ def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, p
     return "blocked" if tq > 1 and tk > block else "xla"
 
 
-def _plain(q, mask, is_causal, q_offset, kv_layout, tk) -> bool:
-    """Self-attention over the call's own keys without a mask (a train step's attention)."""
+def _plain(q, mask, is_causal, q_offset, kv_layout, tk, window=None) -> bool:
+    """Self-attention over the call's own keys without a mask (a train step's attention); a sliding
+    window only as a static int (cuDNN's local window)."""
     static_zero = isinstance(q_offset, int) and q_offset == 0
-    return kv_layout == "tokens" and mask is None and (not is_causal or (static_zero and q.shape[1] == tk))
+    return kv_layout == "tokens" and mask is None and (window is None or isinstance(window, int)) and \
+        (not is_causal or (static_zero and q.shape[1] == tk))
 
 
 @precision.float32_full  # alone: full-precision float32 matmuls off the CPU; in a model: the model's setting
 def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_offset=0, scale=None,
            return_weights=False, kv_layout="tokens", pages=None, dropout_rate=0.0, dropout_rng=None,
-           segment_ids=None, softcap=None):
+           segment_ids=None, softcap=None, window=None):
     """Attention of q (B, Tq, H, D) over k, v in ``kv_layout`` (KV_LAYOUTS), by the kernel ``impl``.
     kv_layout 'pages': k, v are a paged cache's pools (num_pages, H_kv, page_size, D) and ``pages``
     its paged.Pages (page_table (B, P), q_pos (B, Tq), int8 scales, kernel); the platform's kernel
@@ -112,6 +115,10 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     ``softcap``: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2). 'xla' and
     'blocked' have it; 'auto' runs one of them (never a C++ kernel or cuDNN); an explicit 'jax',
     'cudnn' or 'ffi' is refused (SOFTCAP_REFUSED), never run without the cap.
+    ``window`` W (int, or a traced int32 scalar: a scanned layer's; masks.NO_WINDOW where it does not
+    slide): sliding-window causal attention, query position p over keys p - W < j <= p. Every kernel
+    applies it; the C++ training kernel only a static int ('ffi' refuses a traced one, 'auto' runs a
+    portable kernel for it).
     Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
     """
     if impl not in ATTENTION_IMPLS:
@@ -123,13 +130,16 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
         if mask is not None or dropout_rate > 0.0 or segment_ids is not None:
             raise ValueError("kv_layout='pages' is causal by the query positions: no mask, segment ids or dropout")
         pages = paged.Pages(*pages)
-        gathered = functools.partial(_gathered, pages=pages, impl=impl, block=block, scale=scale, softcap=softcap)
+        gathered = functools.partial(_gathered, pages=pages, impl=impl, block=block, scale=scale, softcap=softcap,
+                                     window=window)
         if not return_weights and softcap is None:  # each platform's in-place kernel, or the pages gathered
-            return paged_dispatch.attend_pages(q, k, v, pages, scale=scale, gathered=gathered)
+            return paged_dispatch.attend_pages(q, k, v, pages, scale=scale, window=window, gathered=gathered)
         if not return_weights:  # no in-place kernel has soft-capping: the pages gathered (the engine's 'gather')
             return gathered(q, k, v)
-        k, v, mask = _gather(k, v, pages, q.dtype)  # the weights: the xla kernel over the gathered pages
-        kv_layout, is_causal = "rows", False
+        k, v, mask = _gather(k, v, pages, q.dtype, window)  # the weights: the xla kernel over the gathered pages
+        kv_layout, is_causal, window = "rows", False, None
+    if window is not None and not is_causal:
+        raise ValueError("a sliding window narrows causal attention: pass is_causal=True (or window=None)")
     b, tq, h, _ = q.shape
     h_kv, tk = kv_shape(k, kv_layout, b)
     if mask is not None:
@@ -141,7 +151,7 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                              f"(got kv_layout={kv_layout!r}, {tq} queries over {tk} keys)")
         segment_ids = jnp.asarray(segment_ids)
         validate.check_segment_ids(segment_ids.shape, segment_ids.dtype, (b, tq))
-    plain = segment_ids is None and _plain(q, mask, is_causal, q_offset, kv_layout, tk)
+    plain = segment_ids is None and _plain(q, mask, is_causal, q_offset, kv_layout, tk, window)
 
     def run(impl: str, picked: bool, q, k, v):
         """The kernel ``impl`` on this call; ``picked``: chosen by 'auto' (a rejected cuDNN call runs 'blocked')."""
@@ -152,7 +162,7 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
         m, seg, layout = mask, segment_ids, kv_layout
         if seg is not None and (return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
             m, seg = masks.both(m, segment_mask(seg, seg)), None
-        kw = dict(mask=m, is_causal=is_causal, q_offset=q_offset, scale=scale)
+        kw = dict(mask=m, is_causal=is_causal, q_offset=q_offset, scale=scale, window=window)
         if softcap is not None:  # only 'xla' and 'blocked' take it (auto_impl and the check above)
             kw["softcap"] = softcap
         if impl == "xla" or return_weights:
@@ -160,15 +170,15 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                                                     dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
         if layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
             k, v, layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
-        if impl == "ffi":
-            return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=seg)
+        if impl == "ffi":  # a static window only (below)
+            return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=seg, window=window)
         if impl == "blocked":
             return blocked.blocked_attention(q, k, v, block=block, kv_layout=layout, segment_ids=seg, **kw)
         return jax_sdpa.jax_attention(q, k, v, kv_layout=layout, implementation="cudnn" if impl == "cudnn" else None,
                                       fallback=functools.partial(blocked.blocked_attention, block=block)
                                       if fallback else None, **kw)
 
-    flash = softcap is None and tpu_flash.unsupported(
+    flash = softcap is None and window is None and tpu_flash.unsupported(
         q, k, mask=mask, is_causal=is_causal, q_offset=q_offset, kv_layout=kv_layout, scale=scale,
         dropout_rate=dropout_rate, return_weights=return_weights) is None
 
@@ -187,10 +197,16 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
 
     if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and softcap is None and \
             cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:  # k, v as stored: no reshape
-        return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale), portable,
-                             q, k, v)
-    ffi = softcap is None and ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk) is None
+        return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale, window=window),
+                             portable, q, k, v)
+    why = ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk)
+    static_window = window is None or (isinstance(window, int) and not isinstance(window, bool))
+    ffi = why is None and static_window and softcap is None
     if impl == "ffi":  # a cache, a mask, bf16: 'auto' without it
+        if why is None and not static_window:
+            raise ValueError("attention_impl='ffi' (the C++ causal training kernel) takes a static sliding window, "
+                             "not a traced one (scanned layers mixing sliding and global ones); use "
+                             "attention_impl='auto' or scan_layers=False")
         if not ffi:
             return portable(q, k, v)
         return policy.cpu_kernel(not return_weights, True, functools.partial(run, "ffi", False),
@@ -203,14 +219,15 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     return run(impl, False, q, k, v)
 
 
-def _gather(k_pool, v_pool, pages, dtype):
-    return paged.gather(k_pool, v_pool, pages.page_table, pages.q_pos, pages.k_scale, pages.v_scale, dtype)
+def _gather(k_pool, v_pool, pages, dtype, window=None):
+    return paged.gather(k_pool, v_pool, pages.page_table, pages.q_pos, pages.k_scale, pages.v_scale, dtype,
+                        window=window)
 
 
-def _gathered(q, k_pool, v_pool, *, pages, **kw):
+def _gathered(q, k_pool, v_pool, *, pages, window=None, **kw):
     """Attention over a paged cache's pages gathered into kv_layout 'rows' (kernels/paged.py), computed
     in q's dtype as the in-place kernels are (bfloat16 pools under float32 queries: an exact upcast)."""
-    k, v, mask = _gather(k_pool, v_pool, pages, q.dtype)
+    k, v, mask = _gather(k_pool, v_pool, pages, q.dtype, window)
     return attend(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask, kv_layout="rows", **kw)
 
 

@@ -30,16 +30,18 @@ available = native.kernels("causal_attention.cc", {FWD: "JaxgptCausalAttentionFw
                            "attention_impl='auto' runs the XLA kernels")
 
 
-# static: (scale, segments). segments False: seg is ignored (all zeros) and the kernel's compare compiled out
+# static: (scale, segments, window). segments False: seg is ignored (all zeros) and the kernel's compare
+# compiled out; window 0: no sliding window (its compare compiled out too)
 def _fwd_call(q, k, v, seg, static):
     b, t, h, _ = q.shape
     call = jax.ffi.ffi_call(FWD, (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)))
-    return call(q, k, v, seg, scale=np.float32(static[0]), segments=static[1])
+    return call(q, k, v, seg, scale=np.float32(static[0]), segments=static[1], window=np.int64(static[2]))
 
 
 def _bwd_call(q, k, v, seg, out, lse, dout, static):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return jax.ffi.ffi_call(BWD, shapes)(q, k, v, seg, out, lse, dout, scale=np.float32(static[0]), segments=static[1])
+    return jax.ffi.ffi_call(BWD, shapes)(q, k, v, seg, out, lse, dout, scale=np.float32(static[0]), segments=static[1],
+                                         window=np.int64(static[2]))
 
 
 def _batch_axis(arg_shapes):
@@ -86,14 +88,18 @@ def _attention_bwd(static, res, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def causal_attention(q, k, v, *, scale: float | None = None, segment_ids=None):
+def causal_attention(q, k, v, *, scale: float | None = None, segment_ids=None, window: int | None = None):
     """Causal self-attention of q (B, T, H, D) over k, v (B, T, H_kv, D), float32, T the same for
     all three (no cache offset, no mask): out (B, T, H, D). Differentiable. ``segment_ids`` (B, T)
-    int: packed documents, each query over its own segment's keys only (None: one segment)."""
+    int: packed documents, each query over its own segment's keys only (None: one segment).
+    ``window``: a sliding window, a static int >= 1 (query i over keys i - window < j <= i)."""
     if not available():
         raise RuntimeError("the CPU causal-attention kernel is unavailable here (see the warning above)")
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return _attention(q, k, v, seg, (float(q.shape[-1] ** -0.5 if scale is None else scale), segment_ids is not None))
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"the C++ causal kernel takes a static sliding window >= 1, got {window!r}")
+    static = (float(q.shape[-1] ** -0.5 if scale is None else scale), segment_ids is not None, window or 0)
+    return _attention(q, k, v, seg, static)
 
 
 __all__ = ["available", "causal_attention"]

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+NO_WINDOW = 2 ** 30  # a window past any context: a layer that attends globally, where windows are traced
 
 def _positions(n: int, start):
     # A literal 0 start adds no op: plain causal attention traces the same program as before.
     return jnp.arange(n) if isinstance(start, int) and start == 0 else start + jnp.arange(n)
 
 
-def causal_mask(q_len: int, k_len: int, q_offset=0, *, q_start=0, k_start=0):
+def causal_mask(q_len: int, k_len: int, q_offset=0, *, q_start=0, k_start=0, window=None):
     """(q_len, k_len) bool, True where query q_start + i (absolute position q_offset + q_start + i)
-    may see key k_start + j. The blocked kernel passes its block's starts."""
-    return _positions(k_len, k_start)[None, :] <= _positions(q_len, q_start)[:, None] + q_offset
+    may see key k_start + j: j <= that position, and (``window`` W) j > that position - W.
+    The blocked kernel passes its block's starts."""
+    keys, queries = _positions(k_len, k_start)[None, :], _positions(q_len, q_start)[:, None] + q_offset
+    allowed = keys <= queries
+    return allowed if window is None else allowed & (keys > queries - window)
 
 
 def keys_before(k_len: int, limit, *, k_start=0):

@@ -86,13 +86,14 @@ class PagedKVCache:
     def capacity(self) -> int:
         return self.page_table.shape[1] * self.k.shape[2]
 
-    def write(self, k, v, mask=None, is_causal=True):
+    def write(self, k, v, mask=None, is_causal=True, window=None):
         """Write k, v (B, T, H_kv, D) into their slots (the pools are updated in place when the caller
         donates them). The KV caches' one contract (attention.KVCache.write too): returns (the cache
         after the write, keys, values, their kv_layout, mask, is_causal) for ``kernels.attend``. The
         mask is built from the query positions ("written and causal"), so the call passes none.
-        kernel 'gather': each row's pages, layout 'rows'; any other: the pools themselves, kv_layout
-        'pages' (attend reads them in place through the page table, ``pages=cache.pages``)."""
+        kernel 'gather': each row's pages, layout 'rows', with a sliding ``window`` folded into the
+        mask; any other: the pools themselves, kv_layout 'pages' (attend reads them in place through
+        the page table, ``pages=cache.pages``, and takes the window itself)."""
         if mask is not None:
             raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
         n, h_kv, ps, d = self.k.shape
@@ -111,19 +112,20 @@ class PagedKVCache:
         cache = self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
         if self.kernel != "gather":
             return cache, cache.k, cache.v, "pages", None, True
-        k, v, mask = cache.gather()
+        k, v, mask = cache.gather(window)
         return cache, k, v, "rows", mask, False
 
-    def gather(self):
+    def gather(self, window=None):
         """Each row's pages, logically contiguous: (keys, values in kv_layout 'rows', the mask); ``gather``."""
-        return gather(self.k, self.v, self.page_table, self.q_pos, self.k_scale, self.v_scale, self.compute_dtype)
+        return gather(self.k, self.v, self.page_table, self.q_pos, self.k_scale, self.v_scale, self.compute_dtype,
+                      window=window)
 
 
-def gather(k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=None, dtype="float32"):
+def gather(k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=None, dtype="float32", *, window=None):
     """Each row's pages, logically contiguous: keys, values in kv_layout 'rows' (B * H_kv, P * page_size, D)
     and the mask (B, 1, T, S), key position <= query position. One gather indexed by (row, head, page)
     builds the 'rows' layout the decode kernel reads in place: no transpose. int8 pages (with their
-    scales) are dequantised to ``dtype``."""
+    scales) are dequantised to ``dtype``. A sliding ``window`` W also needs key position > query position - W."""
     n, h_kv, ps, d = k_pool.shape
     b, p = page_table.shape
     rows = page_table[:, None, :]  # (B, 1, P)
@@ -135,5 +137,8 @@ def gather(k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=None, dtype=
             return g
         return dequantize_int8(g, scale[rows, heads].reshape(b * h_kv, p * ps), dtype)
 
-    mask = jnp.arange(p * ps)[None, None, :] <= q_pos[:, :, None]  # (B, T, S): written and causal
+    key, query = jnp.arange(p * ps)[None, None, :], q_pos[:, :, None]
+    mask = key <= query  # (B, T, S): written and causal
+    if window is not None:
+        mask = mask & (key > query - window)
     return one(k_pool, k_scale), one(v_pool, v_scale), mask[:, None]

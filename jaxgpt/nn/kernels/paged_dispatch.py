@@ -29,16 +29,17 @@ def _ffi_takes(q, k_pool) -> bool:
     return q.dtype == jnp.float32 and k_pool.dtype == jnp.float32 and paged_ffi.available()
 
 
-def attend_pages(q, k_pool, v_pool, pages: Pages, *, scale, gathered: Callable):
+def attend_pages(q, k_pool, v_pool, pages: Pages, *, scale, gathered: Callable, window=None):
     """Attention of q (B, T, H, D) over a paged cache's pools read in place by ``pages.kernel``'s
-    kernel for the lowering platform; ``gathered(q, k_pool, v_pool)``: the gather path."""
+    kernel for the lowering platform; ``gathered(q, k_pool, v_pool)``: the gather path. A sliding
+    ``window``: the C++ kernel takes it; the Pallas kernels have none, so their platforms gather."""
     table, q_pos, ks, vs, kernel = pages
     if kernel not in PAGED_KERNELS or kernel == "gather":
         raise ValueError(f"kv_layout='pages' reads the pools with one of {PAGED_KERNELS[:1] + PAGED_KERNELS[2:]}, "
                          f"got paged kernel {kernel!r}")
 
     def ffi(q, k, v):
-        return paged_ffi.paged_attention(q, k, v, table, q_pos, scale=scale)
+        return paged_ffi.paged_attention(q, k, v, table, q_pos, scale=scale, window=window)
 
     def pallas(interpret: bool):
         return lambda q, k, v: gpu_paged.paged_attention(q, k, v, table, q_pos, ks, vs, scale=scale,
@@ -50,13 +51,15 @@ def attend_pages(q, k_pool, v_pool, pages: Pages, *, scale, gathered: Callable):
                              f"built (got {q.dtype} queries, {k_pool.dtype} pages); use 'auto' or 'gather'")
         return ffi(*policy.require_cpu(q, k_pool, v_pool, what="paged_kernel='ffi'"))
     if kernel == "pallas":
+        if window is not None:
+            raise ValueError("paged_kernel='pallas' has no sliding window; use 'auto' or 'gather'")
         q, k_pool, v_pool = policy.require_platforms(q, k_pool, v_pool, what="paged_kernel='pallas'",
                                                      platforms=("cpu", "cuda"))
         return policy.by_platform(q, k_pool, v_pool, cpu=pallas(True), default=pallas(False))
-    cuda = pallas(False) if gpu_paged.unsupported(q, k_pool) is None else gathered
+    cuda = pallas(False) if window is None and gpu_paged.unsupported(q, k_pool) is None else gathered
     cpu = ffi if ks is None and _ffi_takes(q, k_pool) else gathered
     def tpu_kernel(q, k, v):
         return tpu_paged.paged_attention(q, k, v, table, q_pos, scale=scale)
 
-    tpu = tpu_kernel if ks is None and tpu_paged.unsupported(q, k_pool) is None else gathered
+    tpu = tpu_kernel if window is None and ks is None and tpu_paged.unsupported(q, k_pool) is None else gathered
     return policy.by_platform(q, k_pool, v_pool, cpu=cpu, cuda=cuda, tpu=tpu, default=gathered)

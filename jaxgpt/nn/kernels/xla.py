@@ -31,14 +31,15 @@ def kv_shape(k, kv_layout: str, batch: int) -> tuple[int, int]:
 @precision.float32_full
 def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offset=0, scale=None,
                                  return_weights=False, kv_layout="tokens", dropout_rate=0.0, dropout_rng=None,
-                                 softcap=None):
+                                 softcap=None, window=None):
     """softmax(q k^T * scale + mask) v, per head, with grouped key/value heads.
 
     q: (B, Tq, H, D). k, v in ``kv_layout`` (KV_LAYOUTS). H must be a multiple of H_kv (GQA;
     H_kv = 1 is MQA).
     mask: bool, broadcastable to (B, H, Tq, Tk); True means *attend*. Any other dtype or shape is a
     ValueError (a float 0/-inf mask cast to bool would invert it; a (B, T) mask would be read as (Tq, Tk)).
-    is_causal: query i sees keys j <= q_offset + i (q_offset may be a traced cache index).
+    is_causal: query i sees keys j <= q_offset + i (q_offset may be a traced cache index), and with
+    a sliding ``window`` W (int or traced) only keys j > q_offset + i - W.
     scale: defaults to 1/sqrt(D). softcap: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2).
     A query row with no visible key returns zeros (as torch's SDPA does), not the mean of v.
     Returns out (B, Tq, H, D), and weights (B, H, Tq, Tk) float32 if ``return_weights``.
@@ -68,11 +69,11 @@ def scaled_dot_product_attention(q, k, v, *, mask=None, is_causal=False, q_offse
         validate.check_mask(m.shape, m.dtype, (b, h, tq, tk))
         allowed = grouped_mask(m, h_kv, g)  # (B|1, H_kv|1, G|1, Tq|1, Tk)
     if is_causal:
-        allowed = both(allowed, causal_mask(tq, tk, q_offset))
+        allowed = both(allowed, causal_mask(tq, tk, q_offset, window=window))
     if allowed is not None:
         scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # (B, H_kv, G, Tq, Tk)
-    if mask is not None:  # causal alone always leaves key 0 visible (q_offset >= 0): no empty rows
+    if mask is not None:  # causal alone always leaves the query's own key visible (q_offset >= 0): no empty rows
         weights = jnp.where(allowed.any(-1, keepdims=True), weights, 0.0)
     probs = weights
     if dropout_rate > 0.0:

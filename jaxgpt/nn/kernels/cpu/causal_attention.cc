@@ -13,6 +13,8 @@
 // Query head h reads key/value head h / (H / H_kv) (grouped-query attention).
 // Segment ids (B, T) pack documents into a row: s_ij counts only where seg_i == seg_j, so each
 // row's softmax and its backward see its own document's keys (all ids equal: plain causal).
+// A sliding window W > 0 (Mistral, Qwen2) also needs j > i - W: the weights outside it are zeros,
+// so the value mixes and the backward's products over the causal pairs add nothing for them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -49,6 +51,9 @@ const VI kIota = [] {
 
 // lanes j, j + 1, ... below n
 inline VI Below(int64_t j, int64_t n) { return (static_cast<int32_t>(j) + kIota) < static_cast<int32_t>(n); }
+
+// lanes j, j + 1, ... above lo (lo may be negative)
+inline VI Above(int64_t j, int64_t lo) { return (static_cast<int32_t>(j) + kIota) > static_cast<int32_t>(lo); }
 
 // Score rows have a padded stride, a multiple of kLanes, so every row is read and written in whole
 // vectors; lanes past the causal diagonal are masked where they would count.
@@ -176,13 +181,16 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
-// Lanes j, j + 1, ... that row i attends to: at or below the diagonal and (kSeg) in row i's
-// segment. seg: the batch row's ids, padded to a multiple of kLanes. Without segments the compare
-// is compiled out: it made a T 64 train step's attention (fwd + bwd) 1.04 -> 1.4 ms on AVX-512.
-template <bool kSeg>
-inline VI Visible(const int32_t* seg, int64_t j, int64_t i) {
-  if constexpr (kSeg) return Below(j, i + 1) & (LoadI(seg + j) == seg[i]);
-  return Below(j, i + 1);
+// Lanes j, j + 1, ... that row i attends to: at or below the diagonal, (kSeg) in row i's segment
+// and (kWin) inside its window of w keys. seg: the batch row's ids, padded to a multiple of kLanes.
+// Without segments the compare is compiled out: it made a T 64 train step's attention (fwd + bwd)
+// 1.04 -> 1.4 ms on AVX-512; so is the window's.
+template <bool kSeg, bool kWin>
+inline VI Visible(const int32_t* seg, int64_t j, int64_t i, int64_t w) {
+  VI v = Below(j, i + 1);
+  if constexpr (kSeg) v = v & (LoadI(seg + j) == seg[i]);
+  if constexpr (kWin) v = v & Above(j, i - w);
+  return v;
 }
 
 // Bring a batch row's segment ids into a buffer padded to ld (whole-vector loads stay inside it).
@@ -193,19 +201,19 @@ void CopySegments(const int32_t* from, int64_t T, std::vector<int32_t>& to) {
 
 // Causal softmax of row i (stride-padded, scaled in place into probabilities, zero past i and
 // outside its segment); returns the row's logsumexp.
-template <bool kSeg>
-float SoftmaxRow(float* s, int64_t i, float scale, const int32_t* seg) {
+template <bool kSeg, bool kWin>
+float SoftmaxRow(float* s, int64_t i, float scale, const int32_t* seg, int64_t w) {
   const int64_t n = i + 1;
   V mx = Splat(-INFINITY);
   for (int64_t j = 0; j < n; j += kLanes) {
     const V x = Load(s + j) * scale;
     Store(s + j, x);
-    mx = Visible<kSeg>(seg, j, i) ? (x > mx ? x : mx) : mx;
+    mx = Visible<kSeg, kWin>(seg, j, i, w) ? (x > mx ? x : mx) : mx;
   }
   const float m = Max(mx);
   V sm = {};
   for (int64_t j = 0; j < n; j += kLanes) {
-    const V e = Visible<kSeg>(seg, j, i) ? ExpNeg(Load(s + j) - m) : Splat(0.0f);
+    const V e = Visible<kSeg, kWin>(seg, j, i, w) ? ExpNeg(Load(s + j) - m) : Splat(0.0f);
     Store(s + j, e);
     sm += e;
   }
@@ -222,18 +230,33 @@ ffi::Error CheckSegments(const ffi::Buffer<ffi::S32>& seg, const Shape& s) {
 }
 
 // Row i of the backward: p = exp(s * scale - lse) where visible, ds = p (dp - dl) scale, in place.
-template <bool kSeg>
-void BackwardRow(float* pi, float* dpi, int64_t i, float scale, float lse, float dl, const int32_t* seg) {
+template <bool kSeg, bool kWin>
+void BackwardRow(float* pi, float* dpi, int64_t i, float scale, float lse, float dl, const int32_t* seg, int64_t w) {
   for (int64_t j = 0; j <= i; j += kLanes) {
-    const V pj = Visible<kSeg>(seg, j, i) ? ExpNeg(Load(pi + j) * scale - lse) : Splat(0.0f);
+    const V pj = Visible<kSeg, kWin>(seg, j, i, w) ? ExpNeg(Load(pi + j) * scale - lse) : Splat(0.0f);
     Store(pi + j, pj);
     Store(dpi + j, pj * (Load(dpi + j) - dl) * scale);  // ds
   }
 }
 
+// The row functions' four instantiations (segments, window), picked once per row.
+inline float Softmax(bool seg, int64_t w, float* s, int64_t i, float scale, const int32_t* sg) {
+  if (seg) return w > 0 ? SoftmaxRow<true, true>(s, i, scale, sg, w) : SoftmaxRow<true, false>(s, i, scale, sg, w);
+  return w > 0 ? SoftmaxRow<false, true>(s, i, scale, sg, w) : SoftmaxRow<false, false>(s, i, scale, sg, w);
+}
+
+inline void Backward(bool seg, int64_t w, float* pi, float* dpi, int64_t i, float scale, float lse, float dl,
+                     const int32_t* sg) {
+  if (seg)
+    return w > 0 ? BackwardRow<true, true>(pi, dpi, i, scale, lse, dl, sg, w)
+                 : BackwardRow<true, false>(pi, dpi, i, scale, lse, dl, sg, w);
+  return w > 0 ? BackwardRow<false, true>(pi, dpi, i, scale, lse, dl, sg, w)
+               : BackwardRow<false, false>(pi, dpi, i, scale, lse, dl, sg, w);
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::ResultBuffer<ffi::F32> out,
-                       ffi::ResultBuffer<ffi::F32> lse, float scale, bool segments) {
+                       ffi::ResultBuffer<ffi::F32> lse, float scale, bool segments, int64_t window) {
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
   if (auto e = CheckSegments(seg, s); e.failure()) return e;
@@ -253,9 +276,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       const float* vh = vp + (b * T * K + hk) * D;
       PackT(kh, K * D, kt.data(), ld, T, D);
       Scores(qh, H * D, kt.data(), ld, sc.data(), T, D);
-      for (int64_t i = 0; i < T; ++i)
-        lp[it * T + i] = segments ? SoftmaxRow<true>(sc.data() + i * ld, i, scale, sg.data())
-                                  : SoftmaxRow<false>(sc.data() + i * ld, i, scale, sg.data());
+      for (int64_t i = 0; i < T; ++i) lp[it * T + i] = Softmax(segments, window, sc.data() + i * ld, i, scale, sg.data());
       MixD<false>(sc.data(), ld, vh, K * D, op + (b * T * H + h) * D, H * D, T, D, false);
     }
   });
@@ -266,7 +287,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> out,
                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
                         ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
-                        bool segments) {
+                        bool segments, int64_t window) {
   Shape s;
   if (auto e = CheckShapes(q, k, v, &s); e.failure()) return e;
   if (auto e = CheckSegments(seg, s); e.failure()) return e;
@@ -301,10 +322,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
           for (int64_t d = 0; d < D; ++d) dl += oi[d] * gi[d];
           float* pi = p.data() + i * ld;
           float* dpi = dp.data() + i * ld;
-          if (segments)
-            BackwardRow<true>(pi, dpi, i, scale, l[i], dl, sg.data());
-          else
-            BackwardRow<false>(pi, dpi, i, scale, l[i], dl, sg.data());
+          Backward(segments, window, pi, dpi, i, scale, l[i], dl, sg.data());
         }
         MixD<false>(dp.data(), ld, kh, K * D, dqp + rq, H * D, T, D, false);  // dq = ds k
         MixD<true>(p.data(), ld, gp + rq, H * D, dvh, K * D, T, D, g > 0);   // dv = p^T dout
@@ -327,7 +345,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionFwd, ForwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, T, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (B, H, T)
                                   .Attr<float>("scale")
-                                  .Attr<bool>("segments"));
+                                  .Attr<bool>("segments")
+                                  .Attr<int64_t>("window"));  // 0: no sliding window
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBwd, BackwardImpl,
                               ffi::Ffi::Bind()
@@ -343,4 +362,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBwd, BackwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dk
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dv
                                   .Attr<float>("scale")
-                                  .Attr<bool>("segments"));
+                                  .Attr<bool>("segments")
+                                  .Attr<int64_t>("window"));  // 0: no sliding window

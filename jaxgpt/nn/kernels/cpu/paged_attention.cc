@@ -8,9 +8,11 @@
 //   einsum reads (and masks) all S slots on every decode step; this reads only the written ones, up to
 //   each query's position (a 1,024-slot cache is empty for most of a generation).
 //
-// out[b, t, h] = softmax_j(q[b, t, h] . k_j * scale) v_j over keys j = 0 .. q_pos[b, t], the keys of
-// (b, h / (H / H_kv)). q_pos < 0 (padding) -> zeros. The float32 arithmetic of kernels/xla.py: scores
+// out[b, t, h] = softmax_j(q[b, t, h] . k_j * scale) v_j over keys j = lo .. q_pos[b, t], the keys of
+// (b, h / (H / H_kv)), lo = max(0, q_pos - window + 1) (a sliding window; a scalar operand, so a
+// scanned layer's traced window works too). q_pos < 0 (padding) -> zeros. The float32 arithmetic of kernels/xla.py: scores
 // scaled after the dot, max-subtracted exp, weights normalised before the value sum.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -95,34 +97,39 @@ void AttendOne(const float* qv, int64_t n, KeyAt key, ValAt val, int64_t D, floa
 // against 74 on the calling thread alone: waking a sleeping pool thread costs more than half the reads.
 constexpr int64_t kMinParallelFloats = int64_t(1) << 20;
 
+// The first key a query at position p reads: the window's lower edge (window >= 1).
+inline int64_t FirstKey(int64_t p, int64_t window) { return std::max<int64_t>(0, p - window + 1); }
+
 // Every (row, query, head) item over the caller and XLA's intra-op threads. rows(b, h) -> the (key,
 // value) accessors of batch row b's keys for query head h.
 template <typename Rows>
 void AttendAll(ffi::ThreadPool& pool, const float* qp, const int32_t* pos, float* op, int64_t B, int64_t T,
-               int64_t H, int64_t D, int64_t S, float scale, Rows rows) {
+               int64_t H, int64_t D, int64_t S, float scale, int64_t window, Rows rows) {
   const int64_t items = B * T * H;
   int64_t work = 0;  // keys read
-  for (int64_t i = 0; i < B * T; ++i) work += std::max<int64_t>(pos[i] + 1, 0) * H;
+  for (int64_t i = 0; i < B * T; ++i) work += std::max<int64_t>(pos[i] + 1 - FirstKey(pos[i], window), 0) * H;
   const int64_t parts = std::min(items, Parts(pool, 2 * work * D, kMinParallelFloats));
   ParallelParts(pool, parts, items, [&](int64_t, int64_t lo, int64_t hi) {
     std::vector<float> w(S > 0 ? S : 1);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t bt = i / H, h = i % H;
-      const int64_t n = int64_t(pos[bt]) + 1;
+      const int64_t lo = FirstKey(pos[bt], window), n = int64_t(pos[bt]) + 1 - lo;
       float* oh = op + i * D;
-      if (n <= 0) {
+      if (pos[bt] < 0) {
         for (int64_t d = 0; d < D; ++d) oh[d] = 0.0f;
         continue;
       }
-      auto [key, val] = rows(bt / T, h);
-      AttendOne(qp + i * D, n, key, val, D, scale, w.data(), oh);
+      const auto kv = rows(bt / T, h);  // keys from the window's first: j -> lo + j
+      AttendOne(qp + i * D, n, [&](int64_t j) { return kv.first(lo + j); },
+                [&](int64_t j) { return kv.second(lo + j); }, D, scale, w.data(), oh);
     }
   });
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
                               ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> table,
-                              ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out, float scale) {
+                              ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> window_buf,
+                              ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions();       // (B, T, H, D)
   auto pd = k_pool.dimensions();  // (N, H_kv, page_size, D)
   auto td = table.dimensions();   // (B, P)
@@ -138,14 +145,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const float* vp = v_pool.typed_data();
   const int32_t* tp = table.typed_data();
   const int32_t* pos = q_pos.typed_data();
+  const int64_t window = window_buf.typed_data()[0];
+  if (window < 1) return ffi::Error::InvalidArgument("paged attention: the window must be >= 1");
   for (int64_t i = 0; i < B * T; ++i) {  // every page a query reads exists: checked before any work
     const int64_t n = int64_t(pos[i]) + 1;
     if (n > S) return ffi::Error::InvalidArgument("paged attention: a query position is past its page table");
     const int32_t* row = tp + (i / T) * P;
-    for (int64_t j = 0; j < n; j += PS)
+    for (int64_t j = FirstKey(pos[i], window) / PS * PS; j < n; j += PS)  // pages before the window may be freed
       if (row[j / PS] < 0 || row[j / PS] >= N) return ffi::Error::InvalidArgument("paged attention: page id out of range");
   }
-  AttendAll(pool, q.typed_data(), pos, out->typed_data(), B, T, H, D, S, scale, [=](int64_t b, int64_t h) {
+  AttendAll(pool, q.typed_data(), pos, out->typed_data(), B, T, H, D, S, scale, window, [=](int64_t b, int64_t h) {
     const int32_t* row = tp + b * P;
     const int64_t hk = h / G;
     auto at = [=](const float* base) {
@@ -165,7 +174,7 @@ bool SameDims(const A& a, const B& b) {
 }
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_pos,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> window_buf,
                                ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions();  // (B, T, H, D)
   auto kd = k.dimensions();  // (B * H_kv, S, D) or (B, H_kv, S, D): the same memory
@@ -182,10 +191,12 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   // such a write (eagerly, or as a checkify error in checked mode, which still runs the program).
   std::vector<int32_t> pos(q_pos.typed_data(), q_pos.typed_data() + B * T);
   for (auto& p : pos) p = int32_t(std::min<int64_t>(p, S - 1));
-  const int64_t G = H / Hkv;
+  const int64_t G = H / Hkv, window = window_buf.typed_data()[0];
+  if (window < 1) return ffi::Error::InvalidArgument("cached attention: the window must be >= 1");
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
-  AttendAll(pool, q.typed_data(), pos.data(), out->typed_data(), B, T, H, D, S, scale, [=](int64_t b, int64_t h) {
+  AttendAll(pool, q.typed_data(), pos.data(), out->typed_data(), B, T, H, D, S, scale, window,
+            [=](int64_t b, int64_t h) {
     const int64_t row = (b * Hkv + h / G) * S * D;
     auto at = [=](const float* base) { return [=](int64_t j) { return base + j * D; }; };
     return std::make_pair(at(kp + row), at(vp + row));
@@ -203,6 +214,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v pool
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page table (B, P)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_pos (B, T)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sliding window () (>= 1; huge: none)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, T, H, D)
                                   .Attr<float>("scale"));
 
@@ -213,5 +225,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCachedAttention, CachedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k (B * H_kv, S, D) or (B, H_kv, S, D)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v, the same shape
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_pos (B, T)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sliding window ()
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, T, H, D)
                                   .Attr<float>("scale"));
