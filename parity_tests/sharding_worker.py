@@ -18,7 +18,7 @@ import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.config import ModelConfig, MoEConfig, RopeScaling, TrainConfig  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.parallel.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.train.step import init_state, make_train_step  # noqa: E402 - after the setup above, which must run first
 
@@ -31,6 +31,16 @@ MODELS = {  # tiny, so the 8 compilations per model stay a few seconds each
     # Mixture of Experts: 8 experts, top-2, the router losses in the objective (TrainConfig defaults)
     "moe": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_ff=48, max_len=16, pos="rope",
                        moe=MoEConfig(n_experts=8, top_k=2, d_ff=16)),
+    # The newer layer options at once (Qwen3 / Gemma 2 / Llama 3 / Mistral): q/k norms, heads apart from d_model,
+    # (1 + w) sandwich norms, GeGLU, soft-caps, a sliding layer beside a global one, llama3 RoPE scaling
+    "modern": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=8, n_kv_head=2, d_head=8, d_ff=48, max_len=16,
+                          pos="rope", rope_scaling=RopeScaling("llama3", factor=4.0, original_max_position_embeddings=4,
+                                                              low_freq_factor=1.0, high_freq_factor=4.0),
+                          norm="rmsnorm", norm_unit_offset=True, norm_placement="sandwich", qk_norm="head",
+                          mlp="geglu_tanh", attn_softcap=50.0, logit_softcap=30.0, sliding_window=4, window_layers=(1,)),
+    # GPT-NeoX: parallel residual, partial rotary, biased LayerNorms
+    "neox": ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_ff=48, max_len=16, pos="rope", rotary_dim=4,
+                        norm="layernorm", mlp="gelu", mlp_bias=True, qkv_bias=True, o_bias=True, parallel_residual=True),
 }
 MODELS["moe-grouped"] = MODELS["moe"].replace(moe=MODELS["moe"].moe.replace(impl="grouped"))
 # Rolled layer scans (not the CPU's 'auto' unrolling), so FSDP's per-layer gathers sit in the while body

@@ -30,7 +30,8 @@ from jaxgpt.parallel.sharding import logical_axes, parse_mesh
 WORKER = Path(__file__).with_name("sharding_worker.py")
 TOL = 1e-5
 MESHES = ("data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", "tensor=8")
-CI_CASES = {"gpt": MESHES, "llama": ("data=2,fsdp=2,tensor=2", "tensor=8")}  # GQA with TP in CI
+CI_CASES = {"gpt": MESHES, "llama": ("data=2,fsdp=2,tensor=2", "tensor=8"),  # GQA with TP in CI
+            "modern": ("data=2,fsdp=2,tensor=2",), "neox": ("data=2,fsdp=2,tensor=2",)}  # the newer layer options
 SLOW_CASES = {"llama": ("data=8", "data=2,fsdp=4")}
 # Expert parallelism (MoE, 8 experts): alone, with data + tensor, with FSDP; the grouped implementation too
 MOE_CASES = {"moe": ("expert=8", "data=2,expert=2,tensor=2", "fsdp=2,expert=4"), "moe-grouped": ("data=2,expert=4",)}
