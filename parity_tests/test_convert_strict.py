@@ -27,7 +27,7 @@ OLMO2 = LLAMA.replace(qk_norm="full", norm_placement="post_sublayer")
 NEOX = PRESETS["pythia-160m"].replace(**TINY, rotary_dim=2)
 PHI3 = LLAMA.replace(rotary_dim=4)
 GEMMA = PRESETS["gemma-2b"].replace(**TINY, n_kv_head=1, d_head=8, d_ff=48)
-GEMMA2 = PRESETS["gemma2-2b"].replace(**TINY, n_kv_head=2, d_head=8, d_ff=48, attn_scale=0.25)
+GEMMA2 = PRESETS["gemma2-2b"].replace(**TINY, n_kv_head=2, d_head=8, d_ff=48, attn_scale=0.25, window_layers=(0,))
 FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LLAMA),
             "mixtral": (mixtral, mixtral.FIELDS, MIXTRAL), "qwen2_moe": (qwen2_moe, qwen2_moe.FIELDS, QWEN2_MOE),
             "qwen3": (qwen3, qwen3.FIELDS, QWEN3), "olmo2": (olmo2, olmo2.FIELDS, OLMO2),
@@ -167,7 +167,9 @@ def _hf_dict(config_cls, **kw):
     ("Phi3Config", phi3, {"resid_pdrop": 0.1}, "0.0"),
     ("Qwen3Config", qwen3, {"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 64},
      ">= max_position_embeddings"),
-    ("Gemma2Config", gemma, {"sliding_window": 16, "max_position_embeddings": 64}, ">= max_position_embeddings"),
+    ("Gemma2Config", gemma, {"sliding_window": 0}, "a window of >= 1 positions"),
+    ("Gemma2Config", gemma, {"layer_types": ["chunked_attention", "full_attention"], "num_hidden_layers": 2},
+     "per layer"),
     ("Gemma2Config", gemma, {"hidden_activation": "gelu"}, "'gelu_pytorch_tanh'"),
     ("GemmaConfig", gemma, {"use_bidirectional_attention": True}, "None or False"),
     ("Qwen2Config", llama, {"use_sliding_window": True, "sliding_window": 0}, "a window of >= 1 positions"),

@@ -3,7 +3,7 @@ transformers' config classes (random weights perturbed to unit scale, eager atte
 
 Gemma 2's model has every Gemma 2 feature on: (1 + w) norms, a norm before and after each sublayer,
 query_pre_attn_scalar apart from head_dim, both soft-caps set low enough to bite (logits reach the
-caps), alternating sliding/full layer types with a window covering the context, and an untied head
+caps), alternating sliding/full layer types with a window (8) shorter than the prompts, and an untied head
 (the other model ties it). The presets are checked against the published config.json files."""
 import pytest
 
@@ -27,22 +27,27 @@ def test_gemma_everywhere(tmp_path):
 def test_gemma2_everywhere(tmp_path):
     hf = perturb(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         **SIZES, query_pre_attn_scalar=12, attn_logit_softcapping=1.5, final_logit_softcapping=3.0,
-        sliding_window=32, tie_word_embeddings=False)))
+        sliding_window=8, tie_word_embeddings=False)))
     # the packed head caps its logits too; the pages are gathered ('auto' would say so in a warning)
     engine = dict(paged_kernel="gather", **(dict(head_kernel="panel") if panel_ffi.available() else {}))
     config, _ = check_family(hf, tmp_path, "Gemma 2", engine_kw=engine)
     assert config.norm_placement == "sandwich" and config.attn_scale == 12 ** -0.5
     assert (config.attn_softcap, config.logit_softcap) == (1.5, 3.0)
+    assert (config.sliding_window, config.window_layers) == (8, (0,))
 
 
-def test_gemma2_shorter_sliding_window_is_refused(tmp_path):
-    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**SIZES, "sliding_window": 8}))
-    hf.save_pretrained(tmp_path)
-    from jaxgpt.convert import load_hf
+def test_gemma2_window_round_trips():
+    """A window covering the context masks nothing (None); exported layer kinds are the config's."""
+    from jaxgpt.convert import gemma
 
-    with pytest.raises(ValueError, match=r"HF Gemma2 config not supported exactly by jaxgpt: .*sliding_window=8 "
-                                         r"\(supported: None or >= max_position_embeddings"):
-        load_hf(tmp_path)
+    d = {**SIZES, "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 3}
+    d.pop("attn_implementation")
+    config = gemma.config_from_hf({**d, "sliding_window": 8}, "Gemma2ForCausalLM")
+    assert (config.sliding_window, config.window_layers) == (8, (0, 2))
+    assert gemma.config_from_hf({**d, "sliding_window": 32}, "Gemma2ForCausalLM").sliding_window is None
+    out = gemma.config_to_hf(config)
+    assert out["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert gemma.config_from_hf(out, "Gemma2ForCausalLM") == config
 
 
 # config.json of google/gemma-2b and google/gemma-2-2b (as published; weights not needed)
@@ -66,15 +71,10 @@ HUB = {
 
 @pytest.mark.parametrize("name", sorted(HUB))
 def test_presets_are_the_published_configs(name):
-    """The presets' shapes are the published models'; Gemma 2's 4,096-token window is refused by name, and
-    with a window covering the context the config is the preset's."""
+    """The presets' shapes (and Gemma 2's alternating 4,096-token window) are the published models'."""
     from jaxgpt import PRESETS
     from jaxgpt.convert import gemma
 
     d = HUB[name]
-    if name == "gemma2-2b":
-        with pytest.raises(ValueError, match=r"sliding_window=4096 \(supported: None or >= max_position_embeddings"):
-            gemma.config_from_hf(d, d["architectures"][0])
-        d = {**d, "sliding_window": 8192}
     config, preset = gemma.config_from_hf(d, d["architectures"][0]), PRESETS[name]
     assert config.replace(d_head=config.head_dim) == preset.replace(d_head=preset.head_dim)

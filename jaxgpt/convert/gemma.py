@@ -4,8 +4,8 @@ Gemma: RMSNorm scaling by (1 + w) (``norm_unit_offset``; HF stores w, initialise
 with the tanh GELU (``mlp='geglu_tanh'``), token embeddings times sqrt(hidden_size) (``embed_scale``),
 q/k/v/o biases from ``attention_bias``. Gemma 2 adds a norm after each sublayer
 (``norm_placement='sandwich'``), the score multiplier query_pre_attn_scalar ** -0.5 (``attn_scale``) and
-two soft-caps (``attn_softcap``, ``logit_softcap``). Its sliding layers are exact here only when the
-window covers the whole context (masks nothing); a shorter sliding_window is refused by name.
+two soft-caps (``attn_softcap``, ``logit_softcap``), and its ``layer_types`` (default: even layers
+slide) with ``sliding_window`` map to ModelConfig.sliding_window / window_layers both ways.
 
 HF key                                                  torch_ref key
 model.embed_tokens.weight                           <-> tok_embed.weight
@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import llama
-from jaxgpt.convert.common import (WINDOWLESS, ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
+from jaxgpt.convert.common import (ATTNRES_UNUSED, ENGINE_UNUSED, MAPPED, UNPADDED, Field, Option, check_fields,
                                    check_options, equals, inert, load_ref, maps_to, must_be, padding_row, refuse, rename,
                                    rename_layers)
 
@@ -43,7 +43,10 @@ OPTIONS: dict[str, dict[str, Option]] = {
     "gemma": {**_COMMON, "hidden_act": equals(*_TANH), "hidden_activation": equals(None, "gelu_pytorch_tanh")},
     "gemma2": {**_COMMON, "hidden_activation": equals("gelu_pytorch_tanh"), "hidden_act": equals(None, *_TANH),
                "query_pre_attn_scalar": MAPPED, "attn_logit_softcapping": MAPPED, "final_logit_softcapping": MAPPED,
-               "sliding_window": llama.WINDOW_COVERS_CONTEXT, "layer_types": llama.LAYER_TYPES_COVER_CONTEXT,
+               "sliding_window": llama._WINDOW,
+               "layer_types": Option(lambda v, d: v is None or (len(v) == d.get("num_hidden_layers", 26) and set(v) <= set(
+                   llama.KINDS) and ("sliding_attention" not in v or d.get("sliding_window") is not None)),
+                   f"one of {llama.KINDS} per layer; sliding layers need a sliding_window"),
                "cache_implementation": inert("the KV cache class transformers' generate uses")},
 }
 
@@ -78,7 +81,9 @@ FIELDS: dict[str, Field] = {
     "attn_softcap": Field(lambda v, c: v is None or _sandwich(c), "-> attn_logit_softcapping (Gemma 2; Gemma: None)"),
     "logit_softcap": Field(lambda v, c: v is None or _sandwich(c), "-> final_logit_softcapping (Gemma 2; Gemma: None)"),
     "rope_scaling": must_be(None), "rotary_dim": Field(lambda v, c: v is None or v == c.head_dim, "None or head_dim"),
-    "parallel_residual": must_be(False), "qk_norm": must_be(None), **WINDOWLESS,
+    "parallel_residual": must_be(False), "qk_norm": must_be(None),
+    "sliding_window": Field(lambda v, c: v is None or _sandwich(c), "-> sliding_window (Gemma 2; Gemma: None)"),
+    "window_layers": Field(lambda v, c: v is None or _sandwich(c), "-> layer_types (Gemma 2; Gemma: None)"),
     **ATTNRES_UNUSED, **ENGINE_UNUSED,
 }
 
@@ -107,9 +112,21 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
     if family == "gemma":
         return config
     scalar = d.get("query_pre_attn_scalar", 256)
+    window, window_layers = _window_layers(d, config.n_layer, config.max_len)
     return config.replace(
-        norm_placement="sandwich", attn_scale=None if scalar == config.head_dim else scalar ** -0.5,
+        sliding_window=window, window_layers=window_layers, norm_placement="sandwich", attn_scale=None if scalar == config.head_dim else scalar ** -0.5,
         attn_softcap=d.get("attn_logit_softcapping"), logit_softcap=d.get("final_logit_softcapping"))
+
+
+def _window_layers(d: Mapping[str, Any], n_layer: int, context: int) -> tuple[int | None, tuple | None]:
+    """(sliding_window, window_layers) of a Gemma 2 config: transformers' default layer_types slides the
+    even layers (0, 2, ...); a window covering the context masks nothing (None)."""
+    window = d.get("sliding_window", 4096)
+    types = d.get("layer_types") or [llama.KINDS[(i + 1) % 2] for i in range(n_layer)]
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if window is None or window >= context or not sliding:
+        return None, None
+    return window, None if len(sliding) == n_layer else sliding
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, template=None) -> dict:
@@ -142,10 +159,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              eos_token_id=None, pad_token_id=config.pad_token_id)
     if family == "gemma":
         return {**d, "hidden_act": "gelu_pytorch_tanh"}
-    # every layer attends over the whole context: a window as long as it masks nothing
+    # layers without a window attend over the whole context: transformers' full_attention
+    sliding = [config.layer_window(i) is not None for i in range(config.n_layer)]
     return {**d, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _query_scalar(config),
             "attn_logit_softcapping": config.attn_softcap, "final_logit_softcapping": config.logit_softcap,
-            "sliding_window": config.max_len, "layer_types": ["full_attention"] * config.n_layer}
+            "sliding_window": config.sliding_window or config.max_len, "layer_types": [llama.KINDS[s] for s in sliding]}
 
 
 def params_to_hf(config: ModelConfig, ref: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
