@@ -38,7 +38,8 @@ CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMEN
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
               "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "sliding_window": (None, 8), "window_layers": (None, (0,)), "valid_vocab": (None, 40), "qk_norm": QK_NORMS, "rotary_dim": (None, 4), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
               "rope_scaling": (None, RopeScaling("linear", factor=2.0)),
-              "attn_scale": (None, 0.3), "attn_softcap": (None, 50.0), "logit_softcap": (None, 30.0)}
+              "attn_scale": (None, 0.3), "attn_softcap": (None, 50.0), "logit_softcap": (None, 30.0),
+              "rope_local_base": (None, 100.0)}
 
 
 def _params(config):

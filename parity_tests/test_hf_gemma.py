@@ -1,10 +1,11 @@
-"""HF Gemma and Gemma 2 (issue 53): ``hf_family.check_family`` on one tiny model of each, built from
+"""HF Gemma, Gemma 2 and Gemma 3 text (issue 53): ``hf_family.check_family`` on one tiny model of each, built from
 transformers' config classes (random weights perturbed to unit scale, eager attention).
 
 Gemma 2's model has every Gemma 2 feature on: (1 + w) norms, a norm before and after each sublayer,
 query_pre_attn_scalar apart from head_dim, both soft-caps set low enough to bite (logits reach the
 caps), alternating sliding/full layer types with a window (8) shorter than the prompts, and an untied head
-(the other model ties it). The presets are checked against the published config.json files."""
+(the other model ties it). Gemma 3's adds (1 + w) q/k norms and a sliding-layer RoPE base apart from the
+global layers' (which are scaled, linear). The presets are checked against the published config.json files."""
 import pytest
 
 from conftest import require_module
@@ -50,7 +51,18 @@ def test_gemma2_window_round_trips():
     assert gemma.config_from_hf(out, "Gemma2ForCausalLM") == config
 
 
-# config.json of google/gemma-2b and google/gemma-2-2b (as published; weights not needed)
+@pytest.mark.slow  # the Gemma 2 model above runs the shared Gemma numerics; this adds q/k norms and two RoPE bases
+def test_gemma3_everywhere(tmp_path):
+    hf = perturb(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **SIZES, query_pre_attn_scalar=12, sliding_window=8, sliding_window_pattern=2, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})))
+    config, _ = check_family(hf, tmp_path, "Gemma 3", engine_kw=dict(paged_kernel="gather"))
+    assert config.qk_norm == "head" and (config.rope_base, config.rope_local_base) == (1e5, 100.0)
+    assert (config.sliding_window, config.window_layers, config.rope_scaling.factor) == (8, (0,), 4.0)
+
+
+# config.json of google/gemma-2b, google/gemma-2-2b and google/gemma-3-1b-pt (as published; weights not needed)
 HUB = {
     "gemma-2b": dict(architectures=["GemmaForCausalLM"], model_type="gemma", attention_bias=False,
                      attention_dropout=0.0, bos_token_id=2, eos_token_id=1, pad_token_id=0, head_dim=256,
@@ -66,6 +78,14 @@ HUB = {
                       num_attention_heads=8, num_hidden_layers=26, num_key_value_heads=4, pad_token_id=0,
                       query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
                       torch_dtype="float32", use_cache=True, vocab_size=256000),
+    "gemma3-1b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", attention_bias=False,
+                      attention_dropout=0.0, attn_logit_softcapping=None, bos_token_id=2, cache_implementation="hybrid",
+                      eos_token_id=1, final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                      hidden_size=1152, initializer_range=0.02, intermediate_size=6912, max_position_embeddings=32768,
+                      num_attention_heads=4, num_hidden_layers=26, num_key_value_heads=1, pad_token_id=0,
+                      query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_local_base_freq=10000, rope_scaling=None,
+                      rope_theta=1000000, sliding_window=512, sliding_window_pattern=6, torch_dtype="bfloat16",
+                      use_cache=True, vocab_size=262144),
 }
 
 
