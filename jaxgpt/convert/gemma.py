@@ -39,6 +39,11 @@ ARCHS = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_tex
 NAMES = {"gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
 _TANH = ("gelu_pytorch_tanh", "gelu")  # transformers reads a Gemma config's legacy 'gelu' as the tanh GELU
 
+def _layer_types_ok(types, d: Mapping[str, Any]) -> bool:
+    return len(types) == d.get("num_hidden_layers", 26) and set(types) <= set(llama.KINDS) and (
+        "sliding_attention" not in types or d.get("sliding_window") is not None)
+
+
 _COMMON: dict[str, Option] = {
     **{k: v for k, v in llama._COMMON.items() if k not in ("hidden_act", "pretraining_tp")},
     "attention_bias": MAPPED,
@@ -49,15 +54,14 @@ OPTIONS: dict[str, dict[str, Option]] = {
     "gemma2": {**_COMMON, "hidden_activation": equals("gelu_pytorch_tanh"), "hidden_act": equals(None, *_TANH),
                "query_pre_attn_scalar": MAPPED, "attn_logit_softcapping": MAPPED, "final_logit_softcapping": MAPPED,
                "sliding_window": llama._WINDOW,
-               "layer_types": Option(lambda v, d: v is None or (len(v) == d.get("num_hidden_layers", 26) and set(v) <= set(
-                   llama.KINDS) and ("sliding_attention" not in v or d.get("sliding_window") is not None)),
-                   f"one of {llama.KINDS} per layer; sliding layers need a sliding_window"),
+               "layer_types": Option(lambda v, d: v is None or _layer_types_ok(v, d),
+                                     f"one of {llama.KINDS} per layer; sliding layers need a sliding_window"),
                "cache_implementation": inert("the KV cache class transformers' generate uses")},
 }
 OPTIONS["gemma3_text"] = {
     **OPTIONS["gemma2"], "use_bidirectional_attention": equals(None, False),
     "rope_parameters": Option(lambda v, d: _gemma3_rope_problem(d) is None,
-                              lambda v, d: f"per-layer-type RoPE parameters jaxgpt runs exactly; here: {_gemma3_rope_problem(d)}"),
+                              lambda v, d: f"RoPE per layer type that jaxgpt runs exactly; here: {_gemma3_rope_problem(d)}"),
     "rope_scaling": Option(lambda v, d: _gemma3_rope_problem(d) is None, "a RoPE scaling jaxgpt runs exactly"),
     "rope_local_base_freq": MAPPED, "sliding_window_pattern": MAPPED}
 
@@ -150,7 +154,8 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
         vocab_size=d.get("vocab_size", 256000), max_len=llama._context(d), d_model=d.get("hidden_size", 3072),
         n_layer=d.get("num_hidden_layers", 28), n_head=heads, n_kv_head=d.get("num_key_value_heads") or heads,
         d_head=llama._head_dim(d), d_ff=d.get("intermediate_size", 24576), pos="rope", rope_layout="half",
-        rope_base=(_gemma3_rope(d) if family == "gemma3_text" else llama._rope(d))[1], norm="rmsnorm", norm_eps=d.get("rms_norm_eps", 1e-6), norm_unit_offset=True,
+        rope_base=(_gemma3_rope(d) if family == "gemma3_text" else llama._rope(d))[1], norm="rmsnorm",
+        norm_eps=d.get("rms_norm_eps", 1e-6), norm_unit_offset=True,
         mlp="geglu_tanh", mlp_bias=False, qkv_bias=bias, o_bias=bias, embed_scale=True,
         tie_embeddings=d.get("tie_word_embeddings", True), attn_dropout=d.get("attention_dropout", 0.0),
         init_std=d.get("initializer_range", 0.02), pad_token_id=padding_row(d))
@@ -163,7 +168,8 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
         config = config.replace(qk_norm="head", rope_scaling=scaling, rope_base=base,
                                 rope_local_base=None if local == base and scaling is None else local)
     return config.replace(
-        sliding_window=window, window_layers=window_layers, norm_placement="sandwich", attn_scale=None if scalar == config.head_dim else scalar ** -0.5,
+        sliding_window=window, window_layers=window_layers, norm_placement="sandwich",
+        attn_scale=None if scalar == config.head_dim else scalar ** -0.5,
         attn_softcap=d.get("attn_logit_softcapping"), logit_softcap=d.get("final_logit_softcapping"))
 
 
