@@ -27,7 +27,9 @@ OLMO2 = LLAMA.replace(qk_norm="full", norm_placement="post_sublayer")
 NEOX = PRESETS["pythia-160m"].replace(**TINY, rotary_dim=2)
 PHI3 = LLAMA.replace(rotary_dim=4)
 GEMMA = PRESETS["gemma-2b"].replace(**TINY, n_kv_head=1, d_head=8, d_ff=48)
-GEMMA2 = PRESETS["gemma2-2b"].replace(**TINY, n_kv_head=2, d_head=8, d_ff=48, attn_scale=0.25)
+GEMMA2 = PRESETS["gemma2-2b"].replace(**TINY, n_kv_head=2, d_head=8, d_ff=48, attn_scale=0.25, window_layers=(0,))
+GEMMA3 = GEMMA2.replace(qk_norm="head", rope_local_base=100.0, attn_softcap=None, logit_softcap=None, sliding_window=8,
+                        d_head=None)
 FAMILIES = {"gpt2": (gpt2, gpt2.FIELDS, GPT2), "llama": (llama, llama.FIELDS, LLAMA),
             "mixtral": (mixtral, mixtral.FIELDS, MIXTRAL), "qwen2_moe": (qwen2_moe, qwen2_moe.FIELDS, QWEN2_MOE),
             "qwen3": (qwen3, qwen3.FIELDS, QWEN3), "olmo2": (olmo2, olmo2.FIELDS, OLMO2),
@@ -38,7 +40,8 @@ CANDIDATES = {"pos": POS, "norm": NORMS, "mlp": MLPS, "norm_placement": PLACEMEN
               "residual": RESIDUALS, "dropout": (0.0, 0.1), "n_kv_head": (None, 1, 2, 4), "type_vocab_size": (0, 2),
               "pooler": ("cls", "tanh"), "pad_token_id": (None, 0), "d_head": (None, 4, 100), "sliding_window": (None, 8), "window_layers": (None, (0,)), "valid_vocab": (None, 40), "qk_norm": QK_NORMS, "rotary_dim": (None, 4), "moe": (None, MoEConfig(n_experts=4), MoEConfig(n_experts=4, norm_topk=False)),
               "rope_scaling": (None, RopeScaling("linear", factor=2.0)),
-              "attn_scale": (None, 0.3), "attn_softcap": (None, 50.0), "logit_softcap": (None, 30.0)}
+              "attn_scale": (None, 0.3), "attn_softcap": (None, 50.0), "logit_softcap": (None, 30.0),
+              "rope_local_base": (None, 100.0)}
 
 
 def _params(config):
@@ -104,6 +107,18 @@ def test_gemma_exporter_refuses_gemma2_fields_in_a_gemma_config():
         to_hf(config, _params(config))
 
 
+def test_gemma3_export_and_its_refusals():
+    """qk_norm='head' makes the export Gemma 3, RoPE nested by layer type; a scaled RoPE on sliding layers
+    without rope_local_base (Gemma 3's local layers are unscaled) is refused, as is rope_local_base on Gemma 2."""
+    d = gemma.config_to_hf(GEMMA3.replace(rope_scaling=RopeScaling("linear", factor=8.0)))
+    assert d["model_type"] == "gemma3_text" and d["rope_parameters"]["sliding_attention"]["rope_theta"] == 100.0
+    assert gemma.config_from_hf(d, "Gemma3ForCausalLM") == GEMMA3.replace(rope_scaling=RopeScaling("linear", factor=8.0))
+    for config, name in [(GEMMA3.replace(rope_local_base=None, rope_scaling=RopeScaling("linear", factor=8.0)),
+                          "rope_scaling"), (GEMMA2.replace(rope_local_base=100.0), "rope_local_base")]:
+        with pytest.raises(ValueError, match=rf"cannot export this config as HF Gemma\d exactly: .*\b{name}="):
+            gemma.config_to_hf(config)
+
+
 def test_bert_exporter_refuses_each_field_it_cannot_express():
     bert.config_to_hf(BERT)
     cases = [(n, c) for n, c in _violations(bert.FIELDS, BERT)]
@@ -167,8 +182,12 @@ def _hf_dict(config_cls, **kw):
     ("Phi3Config", phi3, {"resid_pdrop": 0.1}, "0.0"),
     ("Qwen3Config", qwen3, {"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 64},
      ">= max_position_embeddings"),
-    ("Gemma2Config", gemma, {"sliding_window": 16, "max_position_embeddings": 64}, ">= max_position_embeddings"),
+    ("Gemma2Config", gemma, {"sliding_window": 0}, "a window of >= 1 positions"),
+    ("Gemma2Config", gemma, {"layer_types": ["chunked_attention", "full_attention"], "num_hidden_layers": 2},
+     "per layer"),
     ("Gemma2Config", gemma, {"hidden_activation": "gelu"}, "'gelu_pytorch_tanh'"),
+    ("Gemma3TextConfig", gemma, {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "only 'default'"),
     ("GemmaConfig", gemma, {"use_bidirectional_attention": True}, "None or False"),
     ("Qwen2Config", llama, {"use_sliding_window": True, "sliding_window": 0}, "a window of >= 1 positions"),
     ("Qwen2Config", llama, {"layer_types": ["full_attention", "chunked_attention"], "num_hidden_layers": 2},

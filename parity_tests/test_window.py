@@ -15,7 +15,7 @@ import torch
 from conftest import (assert_as_accurate_as_torch, assert_close, assert_grads_close, float64_module, float64_torch,
                       load_into, random_params, torch_grads)
 from jaxgpt import PRESETS, build
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import ModelConfig, RopeScaling
 from jaxgpt.inference.generate import generate
 from jaxgpt.nn import kernels
 from jaxgpt.nn.kernels import attend, causal_ffi, paged, paged_ffi, scaled_dot_product_attention as sdpa
@@ -163,6 +163,11 @@ MODELS = {
     "all-slide": BASE.replace(sliding_window=3),  # one static window in the scanned body
     "mixed-scanned": BASE.replace(sliding_window=3, window_layers=(0, 2)),  # the windows scanned (traced)
     "mixed-layers": BASE.replace(sliding_window=4, window_layers=(1,), scan_layers=False),  # a window per layer
+    # Gemma 3: the sliding layers' own RoPE base (selected per scanned layer, or static per layer), (1 + w) q/k norms
+    "local-base-scanned": BASE.replace(sliding_window=3, window_layers=(0, 2), rope_local_base=100.0, qk_norm="head",
+                                       norm_unit_offset=True),
+    "local-base-layers": BASE.replace(sliding_window=3, window_layers=(1,), rope_local_base=100.0, scan_layers=False,
+                                      rope_scaling=RopeScaling("linear", factor=2.0)),
 }
 
 
@@ -180,7 +185,7 @@ def _torch_loss(t, x, y):
     return logits, loss
 
 
-@pytest.mark.parametrize("name", ["all-slide", "mixed-scanned"])
+@pytest.mark.parametrize("name", ["all-slide", "mixed-scanned", "local-base-scanned", "local-base-layers"])
 def test_decoder_matches_torch_ref(name):
     """Logits, loss and every parameter's gradient against torch_ref (float32 at 1e-5, and float64 as
     in test_decoder.py) over 12 positions, four times the window."""

@@ -101,6 +101,9 @@ class ModelConfig(_Config):
     window_layers: tuple | list | None = None
     pos: str = "sinusoidal"
     rope_base: float = 10000.0
+    # The RoPE base of sliding layers (layer_window(i) not None), which take no rope_scaling (Gemma 3's
+    # local layers). None: every layer uses rope_base and rope_scaling.
+    rope_local_base: float | None = None
     rope_layout: str = "half"  # 'half' = HF LLaMA rotate_half, 'interleaved' = adjacent pairs (seed 000)
     rope_scaling: RopeScaling | None = None  # RoPE scaling variant (jaxgpt/config/rope.py); None: plain RoPE
     rotary_dim: int | None = None  # RoPE rotates only the first rotary_dim dims of each head (GPT-NeoX); None: all
@@ -187,6 +190,8 @@ class ModelConfig(_Config):
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.rope_base <= 1:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base}")
+        if self.rope_local_base is not None and not self.rope_local_base > 1:
+            raise ValueError(f"rope_local_base must be None or > 1, got {self.rope_local_base}")
         if self.rope_scaling is not None:
             if self.pos != "rope":
                 raise ValueError(f"rope_scaling={self.rope_scaling.rope_type!r} needs pos='rope', got pos={self.pos!r}")

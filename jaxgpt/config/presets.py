@@ -79,10 +79,16 @@ PRESETS: dict[str, ModelConfig | BertConfig | EncDecConfig] = {
                                pos="rope", rotary_dim=16, norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True,
                                qkv_bias=True, o_bias=True, parallel_residual=True),
     "phi3-mini": _llama(32064, 3072, 32, 32, 32, 8192, 4096).replace(norm_eps=1e-5),
-    # Gemma 2B / Gemma 2 2B shapes (HF google/gemma-2b, google/gemma-2-2b). gemma2-2b attends over the whole
-    # context in every layer: HF's sliding layers (window 4096) match it only up to 4,096 tokens.
+    # Gemma 2B / Gemma 2 2B shapes (HF google/gemma-2b, google/gemma-2-2b); gemma2-2b's even layers slide (4096).
     "gemma-2b": _gemma(2048, 18, 8, 1, 16384),
-    "gemma2-2b": _gemma(2304, 26, 8, 4, 9216, norm_placement="sandwich", attn_softcap=50.0, logit_softcap=30.0),
+    "gemma2-2b": _gemma(2304, 26, 8, 4, 9216, norm_placement="sandwich", attn_softcap=50.0, logit_softcap=30.0,
+                        sliding_window=4096, window_layers=tuple(range(0, 26, 2))),
+    # Gemma 3 1B shapes (HF google/gemma-3-1b-pt): every sixth layer global, the others slide over 512 positions
+    # with RoPE base 1e4 (the global layers' 1e6).
+    "gemma3-1b": _gemma(1152, 26, 4, 1, 6912, norm_placement="sandwich", qk_norm="head", rope_base=1_000_000.0,
+                        rope_local_base=10_000.0, sliding_window=512,
+                        window_layers=tuple(i for i in range(26) if (i + 1) % 6)).replace(vocab_size=262144,
+                                                                                          max_len=32768),
     "seed-attnres-standard": _SEED_ATTNRES,
     "seed-attnres-full": _SEED_ATTNRES.replace(residual="full_attnres"),
     "seed-attnres-block": _SEED_ATTNRES.replace(residual="block_attnres", attnres_blocks=3),

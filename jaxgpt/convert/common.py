@@ -167,7 +167,7 @@ ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
 # Families whose exporters write no sliding window (their models would lose it).
 WINDOWLESS = {"sliding_window": must_be(None), "window_layers": must_be(None)}
 GEMMA_ONLY = {"norm_unit_offset": must_be(False), "attn_scale": must_be(None), "attn_softcap": must_be(None),
-              "logit_softcap": must_be(None)}
+              "logit_softcap": must_be(None), "rope_local_base": must_be(None)}
 # How jaxgpt compiles the layer stack: the same weights and logits whatever their values.
 ENGINE_UNUSED = {name: unused("engine knob (how jaxgpt compiles and computes), not part of the exported weights") for name in
                  ("scan_layers", "scan_unroll", "remat", "attention_impl", "attention_block", "norm_impl", "act_impl", "matmul_precision",

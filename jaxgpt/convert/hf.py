@@ -24,7 +24,7 @@ from jaxgpt.models import abstract_params, stacked_paths
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert, "mixtral": mixtral,
             "qwen2_moe": qwen2_moe, "qwen3": qwen3, "olmo2": olmo2,
-            "gpt_neox": gpt_neox, "phi3": phi3, "gemma": gemma, "gemma2": gemma}
+            "gpt_neox": gpt_neox, "phi3": phi3, "gemma": gemma, "gemma2": gemma, "gemma3_text": gemma}
 ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert": bert.ARCHS,
          "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS, "qwen3": qwen3.ARCHS, "olmo2": olmo2.ARCHS,
          "gpt_neox": gpt_neox.ARCHS, "phi3": phi3.ARCHS, **{k: (v,) for k, v in gemma.ARCHS.items()}}

@@ -110,7 +110,7 @@ _COMMON: dict[str, Option] = {
 }
 _WINDOW = Option(lambda v, d: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
                  "None or a window of >= 1 positions")
-# Families that map no window (Phi-3, Gemma's until it maps layer kinds): a window covering the context
+# Families that map no window (Phi-3, Qwen3): a window covering the context
 # masks nothing, so it is accepted; a shorter one is refused by name.
 WINDOW_COVERS_CONTEXT = Option(lambda v, d: v is None or v >= _context(d),
                                "None or >= max_position_embeddings (the context)")

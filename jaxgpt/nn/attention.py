@@ -17,7 +17,7 @@ from jaxgpt.nn import checks
 from jaxgpt.nn.kernels import attend, keys_before
 from jaxgpt.nn.kernels import causal_mask, scaled_dot_product_attention  # noqa: F401  (public names)
 from jaxgpt.nn.mlp import dense
-from jaxgpt.nn.positions import apply_rope
+from jaxgpt.nn.positions import layer_rope
 from jaxgpt.nn.precision import module_scope
 from jaxgpt.nn.qk_norm import qk_norm
 
@@ -127,9 +127,11 @@ class Attention(nn.Module):
     rope_base: float = 10000.0
     rope_layout: str = "half"
     rope_scaling: RopeScaling | None = None  # config.RopeScaling; None: plain RoPE
+    rope_local_base: float | None = None  # sliding layers' base, without scaling (ModelConfig.rope_local_base)
     rotary_dim: int | None = None  # partial RoPE: the first rotary_dim dims of each head (None: all)
     qk_norm: str | None = None  # config.QK_NORMS: RMSNorm q_norm / k_norm (eps norm_eps) before RoPE
     norm_eps: float = 1e-6
+    norm_unit_offset: bool = False  # q_norm / k_norm scale by 1 + scale (Gemma 3)
     norm_impl: str = "auto"  # config.NORM_IMPLS, for q_norm / k_norm
     attn_dropout: float = 0.0
     init_std: float = 0.02
@@ -170,16 +172,16 @@ class Attention(nn.Module):
         k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
         v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
 
-        q, k = qk_norm(self.qk_norm, q, k, eps=self.norm_eps, param_dtype=self.param_dtype, impl=self.norm_impl)
+        q, k = qk_norm(self.qk_norm, q, k, eps=self.norm_eps, param_dtype=self.param_dtype, impl=self.norm_impl,
+                       unit_offset=self.norm_unit_offset)
         offset = 0 if cache is None else cache.index
         if self.rope:
             if context is not None:
                 raise ValueError("RoPE applies to self-attention only")
             if positions is None:
                 positions = offset + jnp.arange(t)
-            rope = dict(base=self.rope_base, layout=self.rope_layout, scaling=self.rope_scaling,
-                        rotary_dim=self.rotary_dim)
-            q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+            q, k = layer_rope(q, k, positions, window, base=self.rope_base, scaling=self.rope_scaling,
+                              local_base=self.rope_local_base, layout=self.rope_layout, rotary_dim=self.rotary_dim)
 
         kv_layout, pages = "tokens", None
         if cache is not None:  # the caches' one contract: keys, values, layout and mask to attend over
@@ -212,7 +214,8 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         qkv_bias=config.qkv_bias, o_bias=config.o_bias,
         rope=(config.pos == "rope") if rope is None else rope, rope_base=config.rope_base,
         rope_layout=config.rope_layout, rope_scaling=config.rope_scaling, rotary_dim=config.rotary_dim,
-        qk_norm=config.qk_norm, norm_eps=config.norm_eps,
+        rope_local_base=config.rope_local_base, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
+        norm_unit_offset=config.norm_unit_offset,
         norm_impl=config.norm_impl, attn_dropout=config.attention_dropout, init_std=config.init_std,
         out_init_std=config.out_init_std, attention_impl=config.attention_impl, attention_block=config.attention_block,
         dtype=config.dtype, param_dtype=config.param_dtype, matvec=not config.scan_layers,

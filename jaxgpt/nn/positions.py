@@ -68,3 +68,23 @@ def apply_rope(x, positions, *, base: float = 10000.0, layout: str = "half", sca
     else:
         raise ValueError(f"unknown rope layout {layout!r}; expected 'half' or 'interleaved'")
     return out.astype(x.dtype)
+
+
+def layer_rope(q, k, positions, window, *, base: float, scaling, local_base: float | None, layout: str,
+               rotary_dim: int | None):
+    """(q, k) rotated by one layer's RoPE: a sliding layer (``window`` an int, or a traced int32 other
+    than kernels.masks.NO_WINDOW) with ``local_base`` set uses base local_base and no scaling (Gemma 3's
+    local layers); every other layer base and scaling. q: (B, T, H, D), k: (B, T, H_kv, D)."""
+    from jaxgpt.nn.kernels.masks import NO_WINDOW
+
+    def rotate(b, s):
+        kw = dict(base=b, layout=layout, scaling=s, rotary_dim=rotary_dim)
+        return apply_rope(q, positions, **kw), apply_rope(k, positions, **kw)
+
+    if local_base is None or window is None:
+        return rotate(base, scaling)
+    if isinstance(window, (int, np.integer)):
+        return rotate(local_base, None)
+    slides = window != NO_WINDOW  # a scanned layer's window: compute both, keep this layer's
+    (ql, kl), (qg, kg) = rotate(local_base, None), rotate(base, scaling)
+    return jnp.where(slides, ql, qg), jnp.where(slides, kl, kg)

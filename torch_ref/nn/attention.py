@@ -99,7 +99,8 @@ class Attention(nn.Module):
                  rope_layout: str = "half", attn_dropout: float = 0.0, init_std: float = 0.02,
                  out_init_std: float = 0.02, head_dim: int | None = None, rotary_dim: int | None = None,
                  qk_norm: str | None = None, norm_eps: float = 1e-6, rope_scaling=None,
-                 scale: float | None = None, softcap: float | None = None):
+                 scale: float | None = None, softcap: float | None = None, rope_local_base: float | None = None,
+                 norm_unit_offset: bool = False):
         super().__init__()
         if head_dim is None and d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head} (or set head_dim)")
@@ -107,13 +108,15 @@ class Attention(nn.Module):
         self.head_dim = head_dim or d_model // n_head
         self.rope, self.rope_base, self.rope_layout, self.rotary_dim = rope, rope_base, rope_layout, rotary_dim
         self.rope_scaling = rope_scaling  # a jaxgpt RopeScaling (framework-free); None: plain RoPE
+        self.rope_local_base = rope_local_base  # sliding layers' base, without scaling (Gemma 3); None: rope_base
         self.attn_dropout, self.scale, self.softcap = attn_dropout, scale, softcap
         self.q_proj = linear(d_model, n_head * self.head_dim, qkv_bias, init_std)
         self.k_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
         self.v_proj = linear(d_model, self.n_kv_head * self.head_dim, qkv_bias, init_std)
         self.o_proj = linear(n_head * self.head_dim, d_model, o_bias, out_init_std)
         self.qk_norm = qk_norm
-        self.q_norm, self.k_norm = qk_norms(qk_norm, n_head, self.n_kv_head, self.head_dim, norm_eps)
+        self.q_norm, self.k_norm = qk_norms(qk_norm, n_head, self.n_kv_head, self.head_dim, norm_eps,
+                                              norm_unit_offset)
 
     def forward(self, x, context=None, *, mask=None, is_causal=False, positions=None, cache=None,
                 return_weights=False, segment_ids=None, window=None):
@@ -135,8 +138,9 @@ class Attention(nn.Module):
                 raise ValueError("RoPE applies to self-attention only")
             if positions is None:
                 positions = offset + torch.arange(t, device=x.device)
-            rope = dict(base=self.rope_base, layout=self.rope_layout, scaling=self.rope_scaling,
-                        rotary_dim=self.rotary_dim)
+            local = self.rope_local_base is not None and window is not None
+            rope = dict(base=self.rope_local_base if local else self.rope_base, layout=self.rope_layout,
+                        scaling=None if local else self.rope_scaling, rotary_dim=self.rotary_dim)
             q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
 
         kv_layout = "tokens"
@@ -178,4 +182,5 @@ def attention_from_config(config, rope: bool | None = None) -> Attention:
                      init_std=config.init_std, out_init_std=config.out_init_std, head_dim=config.d_head,
                      rotary_dim=config.rotary_dim, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
                      rope_scaling=config.rope_scaling,
-                     scale=config.attn_scale, softcap=config.attn_softcap)
+                     scale=config.attn_scale, softcap=config.attn_softcap, rope_local_base=config.rope_local_base,
+                     norm_unit_offset=config.norm_unit_offset)

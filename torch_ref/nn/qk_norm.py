@@ -7,15 +7,16 @@ from jaxgpt.config import QK_NORMS
 from torch_ref.nn.norms import RMSNorm
 
 
-def qk_norms(kind: str | None, n_head: int, n_kv_head: int, head_dim: int, eps: float):
-    """(q_norm, k_norm) modules for an Attention, or (None, None) when ``kind`` is None."""
+def qk_norms(kind: str | None, n_head: int, n_kv_head: int, head_dim: int, eps: float, unit_offset: bool = False):
+    """(q_norm, k_norm) modules for an Attention, or (None, None) when ``kind`` is None (``unit_offset``:
+    scale by 1 + scale, Gemma 3's)."""
     if kind not in QK_NORMS:
         raise ValueError(f"qk_norm={kind!r} is not one of {QK_NORMS}")
     if kind is None:
         return None, None
     if kind == "head":
-        return RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
-    return RMSNorm(n_head * head_dim, eps), RMSNorm(n_kv_head * head_dim, eps)
+        return RMSNorm(head_dim, eps, unit_offset), RMSNorm(head_dim, eps, unit_offset)
+    return RMSNorm(n_head * head_dim, eps, unit_offset), RMSNorm(n_kv_head * head_dim, eps, unit_offset)
 
 
 def qk_norm(kind: str | None, q, k, q_norm, k_norm):
