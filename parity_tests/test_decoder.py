@@ -27,10 +27,10 @@ VARIANTS = {
     "gpt2": PRESETS["gpt2-small"].replace(**TINY, dropout=0.0, attn_dropout=0.0),
     "llama-gqa": PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48),
     "llama-mqa-tied": PRESETS["llama-tiny"].replace(**TINY, n_kv_head=1, d_ff=48, tie_embeddings=True),
-    # Model-level wiring of the newer layer options (each layer's own parity: test_rope_scaling, test_block_variants).
+    # Model-level wiring of the newer layer options (each layer's own parity: test_rope_scaling, test_block_variants;
+    # NeoX's parallel residual and partial rotary: test_hf_famb's whole models).
     "llama3-rope-qknorm": PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48, qk_norm="head", rope_scaling=RopeScaling(
         "llama3", factor=8.0, original_max_position_embeddings=8, low_freq_factor=1.0, high_freq_factor=4.0)),
-    "neox-parallel-partial": PRESETS["pythia-160m"].replace(**TINY, d_ff=64, rotary_dim=4),
 }
 
 
