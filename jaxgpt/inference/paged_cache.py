@@ -212,9 +212,10 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: 
     platform's kernel for 'auto' when the program is lowered). 'auto' stays 'auto', with one warning
     per reason where this machine's platform gathers (a fallback is never silent): on the CPU the
     C++ kernel needs float32 pages in a float32 model and a compiler; on a GPU the Pallas kernel
-    needs power-of-two head_dim and page_size; on a TPU, bfloat16 pools with head_dim a multiple of 128. An explicit 'ffi' or 'pallas' that
-    cannot run here is an error; 'pallas' on the CPU runs in Pallas' interpret mode (tests). No
-    in-place kernel has score soft-capping: with ``attn_softcap`` 'auto' gathers."""
+    needs power-of-two head_dim and page_size; on a TPU, bfloat16 pools with head_dim a multiple of
+    128. An explicit 'ffi' or 'pallas' that cannot run here is an error; 'pallas' on the CPU runs in
+    Pallas' interpret mode (tests). No in-place kernel has score soft-capping: with ``attn_softcap``
+    'auto' gathers."""
     if kernel not in PAGED_KERNELS:
         raise ValueError(f"paged_kernel={kernel!r} is not one of {PAGED_KERNELS}")
     if kernel == "gather":
@@ -234,16 +235,16 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: 
     elif not paged_ffi.available():
         ffi_why = f"it is unavailable on this {backend} backend (see the warning)"
     q = jax.ShapeDtypeStruct((1, 1, 1, head_dim), jnp.dtype(compute_dtype))
-    pallas_why = gpu_paged.unsupported(q, jax.ShapeDtypeStruct((1, 1, page_size, head_dim), np.dtype(pool_dtype)))
+    pool = jax.ShapeDtypeStruct((1, 1, page_size, head_dim), np.dtype(pool_dtype))
+    pallas_why = gpu_paged.unsupported(q, pool)
     if kernel == "ffi" and ffi_why is not None:
         raise ValueError(f"paged_kernel='ffi' cannot run: {ffi_why}; use 'gather' or 'auto'")
     if kernel == "pallas" and (pallas_why is not None or backend not in ("cpu", "gpu")):
         why = pallas_why or f"it runs on CUDA (interpreted on the CPU), and this backend is {backend!r}"
         raise ValueError(f"paged_kernel='pallas' cannot run: {why}; use 'gather' or 'auto'")
     if kernel == "auto":
-        why = ffi_why if backend == "cpu" else pallas_why if backend == "gpu" else \
-            tpu_paged.unsupported(q, jax.ShapeDtypeStruct((1, 1, page_size, head_dim), np.dtype(pool_dtype))) \
-            if backend == "tpu" else f"no in-place paged kernel runs on {backend!r} yet"
+        why = {"cpu": ffi_why, "gpu": pallas_why, "tpu": tpu_paged.unsupported(q, pool)}.get(
+            backend, f"no in-place paged kernel runs on {backend!r} yet")
         if why is not None:
             _fallback_warning(why)
     return kernel

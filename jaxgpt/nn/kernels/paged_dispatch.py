@@ -41,6 +41,9 @@ def attend_pages(q, k_pool, v_pool, pages: Pages, *, scale, gathered: Callable, 
     def ffi(q, k, v):
         return paged_ffi.paged_attention(q, k, v, table, q_pos, scale=scale, window=window)
 
+    def tpu(q, k, v):
+        return tpu_paged.paged_attention(q, k, v, table, q_pos, scale=scale)
+
     def pallas(interpret: bool):
         return lambda q, k, v: gpu_paged.paged_attention(q, k, v, table, q_pos, ks, vs, scale=scale,
                                                          interpret=interpret)
@@ -56,10 +59,8 @@ def attend_pages(q, k_pool, v_pool, pages: Pages, *, scale, gathered: Callable, 
         q, k_pool, v_pool = policy.require_platforms(q, k_pool, v_pool, what="paged_kernel='pallas'",
                                                      platforms=("cpu", "cuda"))
         return policy.by_platform(q, k_pool, v_pool, cpu=pallas(True), default=pallas(False))
-    cuda = pallas(False) if window is None and gpu_paged.unsupported(q, k_pool) is None else gathered
-    cpu = ffi if ks is None and _ffi_takes(q, k_pool) else gathered
-    def tpu_kernel(q, k, v):
-        return tpu_paged.paged_attention(q, k, v, table, q_pos, scale=scale)
-
-    tpu = tpu_kernel if window is None and ks is None and tpu_paged.unsupported(q, k_pool) is None else gathered
-    return policy.by_platform(q, k_pool, v_pool, cpu=cpu, cuda=cuda, tpu=tpu, default=gathered)
+    # int8 pools (with scales) fail the C++ and TPU kernels' dtype rules; only the CUDA kernel dequantises
+    in_place = dict(cpu=ffi if _ffi_takes(q, k_pool) else gathered,
+                    cuda=pallas(False) if window is None and gpu_paged.unsupported(q, k_pool) is None else gathered,
+                    tpu=tpu if window is None and tpu_paged.unsupported(q, k_pool) is None else gathered)
+    return policy.by_platform(q, k_pool, v_pool, default=gathered, **in_place)

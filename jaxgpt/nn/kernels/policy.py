@@ -36,19 +36,6 @@ __all__ = ["by_platform", "cpu_kernel", "on_cpu", "on_cuda", "on_tpu", "pallas_m
            "require_platforms"]
 
 
-def on_cpu(kernel: Callable, portable: Callable, *args):
-    """``kernel(*args)`` in a program lowered for the CPU, ``portable(*args)`` on every other
-    platform (both traced here; the lowering keeps one)."""
-    # fresh closures: each call traced anew, as a direct call is (platform_dependent caches branches by function)
-    return jax.lax.platform_dependent(*args, cpu=lambda *a: kernel(*a), default=lambda *a: portable(*a))
-
-
-def on_cuda(kernel: Callable, portable: Callable, *args):
-    """``kernel(*args)`` (cuDNN) in a program lowered for CUDA, ``portable(*args)`` elsewhere. Staged
-    only where cuDNN can be traced (a GPU host): JAX cannot build a cuDNN call without it."""
-    return jax.lax.platform_dependent(*args, cuda=lambda *a: kernel(*a), default=lambda *a: portable(*a))
-
-
 def by_platform(*args, default: Callable, **kernels: Callable):
     """``kernels[p](*args)`` in a program lowered for platform p ('cpu', 'cuda', 'rocm', 'tpu'),
     ``default(*args)`` on the others (all traced here; the lowering keeps one)."""
@@ -60,10 +47,21 @@ def _fresh(f: Callable) -> Callable:
     return lambda *a: f(*a)
 
 
+def on_cpu(kernel: Callable, portable: Callable, *args):
+    """``kernel(*args)`` in a program lowered for the CPU, ``portable(*args)`` on every other platform."""
+    return by_platform(*args, cpu=kernel, default=portable)
+
+
+def on_cuda(kernel: Callable, portable: Callable, *args):
+    """``kernel(*args)`` (cuDNN) in a program lowered for CUDA, ``portable(*args)`` elsewhere. Staged
+    only where cuDNN can be traced (a GPU host): JAX cannot build a cuDNN call without it."""
+    return by_platform(*args, cuda=kernel, default=portable)
+
+
 def on_tpu(kernel: Callable, portable: Callable, *args):
     """``kernel(*args)`` (a Pallas TPU kernel) in a program lowered for a TPU, ``portable(*args)``
     elsewhere. Both are traced on any host; a CPU runs the kernel only in TPU interpret mode."""
-    return jax.lax.platform_dependent(*args, tpu=lambda *a: kernel(*a), default=lambda *a: portable(*a))
+    return by_platform(*args, tpu=kernel, default=portable)
 
 
 def pallas_mesh():
