@@ -197,6 +197,11 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, t
     return load_ref(config, rename(tensors, rules, skip=skip), template)
 
 
+def claims(config: ModelConfig) -> bool:
+    """Whether save_hf writes ``config`` as a Gemma: (1 + w) norms are Gemma's alone."""
+    return config.norm_unit_offset
+
+
 def _family(config: ModelConfig) -> str:
     return ("gemma3_text" if config.qk_norm is not None else "gemma2") if _sandwich(config) else "gemma"
 

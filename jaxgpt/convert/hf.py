@@ -29,7 +29,7 @@ ARCHS = {"gpt2": gpt2.ARCHS, **{k: (v,) for k, v in llama.ARCHS.items()}, "bert"
          "mixtral": mixtral.ARCHS, "qwen2_moe": qwen2_moe.ARCHS, "qwen3": qwen3.ARCHS, "olmo2": olmo2.ARCHS,
          "gpt_neox": gpt_neox.ARCHS, "phi3": phi3.ARCHS, **{k: (v,) for k, v in gemma.ARCHS.items()}}
 # Decoder families that claim a config (``claims(config)``) before the LLaMA / GPT-2 defaults, on export
-CLAIMING = (qwen3, olmo2, gpt_neox, phi3)
+CLAIMING = (gemma, qwen3, olmo2, gpt_neox, phi3)  # in order: Gemma 3's q/k norms would read as Qwen3's
 SUPPORTED = tuple(a for archs in ARCHS.values() for a in archs)
 _DTYPES = ("float32", "bfloat16", "float16")  # what params may be loaded as and exported in
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -149,8 +149,6 @@ def _family_of(config) -> Any:
                          f"{type(config).__name__}")
     if config.moe is not None:  # a shared expert is Qwen2-MoE's; Mixtral has none
         return qwen2_moe if config.moe.shared_d_ff else mixtral
-    if config.norm_unit_offset:  # (1 + w) norms: Gemma's alone
-        return gemma
     for family in CLAIMING:
         if family.claims(config):
             return family
