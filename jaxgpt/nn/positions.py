@@ -11,6 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.nn.kernels.masks import NO_WINDOW
 from jaxgpt.nn.rope_scaling import rope_frequencies
 
 
@@ -22,11 +23,6 @@ def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> np.nd
     table[:, 0::2] = np.sin(pos * div)
     table[:, 1::2] = np.cos(pos * div)
     return table.astype(np.float32)
-
-
-def rope_inv_freq(head_dim: int, base: float = 10000.0) -> np.ndarray:
-    """(head_dim // 2,) float32: theta_i = base^(-2i / head_dim)."""
-    return (1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32)
 
 
 def rope_cos_sin(positions, head_dim: int, base: float = 10000.0, scaling=None):
@@ -75,8 +71,6 @@ def layer_rope(q, k, positions, window, *, base: float, scaling, local_base: flo
     """(q, k) rotated by one layer's RoPE: a sliding layer (``window`` an int, or a traced int32 other
     than kernels.masks.NO_WINDOW) with ``local_base`` set uses base local_base and no scaling (Gemma 3's
     local layers); every other layer base and scaling. q: (B, T, H, D), k: (B, T, H_kv, D)."""
-    from jaxgpt.nn.kernels.masks import NO_WINDOW
-
     def rotate(b, s):
         kw = dict(base=b, layout=layout, scaling=s, rotary_dim=rotary_dim)
         return apply_rope(q, positions, **kw), apply_rope(k, positions, **kw)

@@ -1,8 +1,8 @@
 """RoPE scaling variants (``ModelConfig.rope_scaling``, jaxgpt/config/rope.py): their inverse frequencies
 and the factor cos and sin are multiplied by, as transformers' ``ROPE_INIT_FUNCTIONS`` compute them.
 
-Computed once in float64 NumPy and rounded to float32, like ``positions.rope_inv_freq``: they are
-constants at trace time, so a scaled model runs exactly the ops of a plain one.
+Computed once in float64 NumPy and rounded to float32 (plain RoPE's too): they are constants at
+trace time, so a scaled model runs exactly the ops of a plain one.
 """
 from __future__ import annotations
 

@@ -18,11 +18,6 @@ def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch
     return table.float()
 
 
-def rope_inv_freq(head_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """(head_dim // 2,) float32: theta_i = base^(-2i / head_dim)."""
-    return (1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
-
-
 def rope_cos_sin(positions, head_dim: int, base: float = 10000.0, scaling=None):
     """cos and sin of position * theta, each (..., head_dim // 2) float32 (times ``scaling``'s attention scaling)."""
     positions = torch.as_tensor(positions)
