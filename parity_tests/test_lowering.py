@@ -65,22 +65,24 @@ def _decode(config):
                                   temperature=0.0, top_k=None, top_p=None, eos_id=None)
 
 
-def _paged(config, kv_dtype="auto", kernel="auto"):
-    """The engine's step (engine.paged_forward) with the kernels the Engine resolves on this host: the
-    in-place paged attention (each platform's, for 'auto') and the packed panel head."""
+def _paged(config, kv_dtype="auto", kernel="auto", t=1):
+    """The engine's step (engine.paged_forward) of t tokens a row (1: decode; more: a prefill chunk or
+    a mixed step) with the kernels the Engine resolves on this host: the in-place paged attention
+    (each platform's, for 'auto') and the packed panel head."""
     params = abstract_params(config)
     head = jax.eval_shape(functools.partial(pack_head, config), params)
     pools = jax.eval_shape(lambda: init_pools(config, 16, 8, kv_dtype))
     rows, pages = 4, 4
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     kernel = resolve_paged_kernel(kernel, config.dtype, pools[0][0].dtype, config.head_dim, 8)
-    return paged_forward.trace(params, pools, i32(rows, 1), i32(rows, 1), i32(rows, 1), i32(rows, pages), i32(rows),
+    return paged_forward.trace(params, pools, i32(rows, t), i32(rows, t), i32(rows, t), i32(rows, pages), i32(rows),
                                head, config=config, kernel=kernel)
 
 
 FLASH = ("_flash_attention_kernel", "_flash_attention_dkv_kernel", "_flash_attention_dq_kernel")  # fwd, bwd
 GMM = ("kernel",)  # megablox's gmm and tgmm name their Pallas kernel 'kernel' (the dense MoE has none)
-TPU_PAGED = ("paged_flash_attention_kernel_inline_seq_dim",)
+TPU_PAGED = ("paged_flash_attention_kernel_inline_seq_dim",)  # JAX's decode kernel (tpu_paged.py)
+TPU_RAGGED = ("jaxgpt_tpu_ragged_paged_attention",)  # ours, for mixed steps and other pools (tpu_ragged.py)
 
 # name: (traced program, the CPU kernels 'auto' puts in its CPU program where they are built, the
 # Pallas kernels (tpu_custom_call kernel_name) its TPU program holds)
@@ -91,23 +93,26 @@ PROGRAMS = {
     "gpt2-train-f32": (lambda: _train(EXACT_GELU, "float32"),
                        {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}, FLASH),
     "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}, ()),
-    # float32 pools: the TPU's Pallas paged kernel reads bfloat16 K/V only (it gathers); bfloat16 pools of
-    # head_dim 128: Pallas on a TPU; int8 pools: gathered on a TPU
+    # on a TPU a decode step over bfloat16 pools of head_dim 128 runs JAX's decode kernel; a mixed step
+    # (t > 1), float32 or int8 pools and windows our ragged kernel
     "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)},
-                         ()),
+                         TPU_RAGGED),
     "paged-engine-bf16": (lambda: _paged(PAGED_BF16), {}, TPU_PAGED),
-    "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(scan_layers=False, dtype="bfloat16"), "int8"), {}, ()),
+    "paged-engine-bf16-mixed": (lambda: _paged(PAGED_BF16, t=8), {}, TPU_RAGGED),
+    "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(scan_layers=False, dtype="bfloat16"), "int8"), {},
+                               TPU_RAGGED),
     # sliding windows: scanned layers mixing sliding and global ones (the window a scanned input; no flash
     # kernel, which has no window), and the engine's step with the window operand of the paged kernel
     "window-train-bf16": (lambda: _train(LLAMA.replace(sliding_window=8, window_layers=(1,)), "bfloat16"),
                           {norm_ffi: ("jaxgpt_norm_fwd",)}, ()),
     "window-paged-f32": (lambda: _paged(LLAMA.replace(scan_layers=False, sliding_window=8)),
-                         {paged_ffi: ("jaxgpt_paged_attention",)}, ()),
+                         {paged_ffi: ("jaxgpt_paged_attention",)}, TPU_RAGGED),
 }
 # name: {platform: what its program must hold there (custom-call targets, or RAGGED_DOT)}, beyond no CPU call
 ACCELERATOR_KERNELS = {
     "paged-engine-f32": {"cuda": {TRITON}},
     "paged-engine-bf16": {"cuda": {TRITON}},
+    "paged-engine-bf16-mixed": {"cuda": {TRITON}},
     "paged-engine-bf16-int8": {"cuda": {TRITON}},
     "moe-train-bf16": {"cuda": {RAGGED_DOT}},  # the TPU runs megablox's gmm (GMM) instead
 }
@@ -121,6 +126,16 @@ def custom_calls(text: str) -> set[str]:
 def tpu_kernels(text: str) -> list[str]:
     """The Pallas kernels (kernel_name of each tpu_custom_call) in a lowered module's text, one entry a call."""
     return [m for line in text.splitlines() if "@tpu_custom_call" in line for m in KERNEL_NAME.findall(line)]
+
+
+def tpu_target(device_kind: str = "TPU v5 lite"):
+    """The context to trace and lower a program for a TPU in from a host without one: a one-device
+    abstract mesh naming the TPU, so Mosaic lowerings that ask for the chip generation get it
+    (pltpu's ``get_device_kind`` reads the abstract mesh's device before the host's). jaxgpt's own
+    programs lower without it (none of their kernels asks); tracing each program twice to use it
+    everywhere would cost CI time for nothing, so only JAX's ragged kernel is lowered in it."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("target",), abstract_device=device))
 
 
 @functools.cache
@@ -193,3 +208,21 @@ def test_sharded_train_step_runs_the_tpu_kernels_per_device():
     tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
     assert "sdy.manual_computation" in tpu and set(FLASH + GMM) == set(tpu_kernels(tpu))
     assert "tpu_custom_call" not in custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())
+
+
+def test_jax_ragged_paged_attention_lowers_only_for_a_named_tpu():
+    """JAX's ragged_paged_attention asks for the TPU generation while lowering: from this host it
+    lowers inside ``tpu_target`` and not without it. It still fails in TPU interpret mode
+    (test_tpu_kernels.py's canary), so the engine runs our kernel (kernels/tpu_ragged.py)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    args = (jax.ShapeDtypeStruct((16, 4, 128), jnp.float32), jax.ShapeDtypeStruct((12, 8, 4, 128), jnp.float32),
+            i32(4), i32(4, 4), i32(5), i32(1))  # q, kv pages (pages, page_size, 2 H_kv, D), lens, table, cu_q, seqs
+    f = jax.jit(lambda q, kv, *a: ragged_paged_attention(q, kv, *a, num_kv_pages_per_block=2,
+                                                          num_queries_per_block=8))
+    with pytest.raises(ValueError, match="Unsupported TPU device kind"):
+        f.trace(*args).lower(lowering_platforms=("tpu",))
+    with tpu_target():
+        text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert tpu_kernels(text) == ["ragged_paged_attention_kernel"]

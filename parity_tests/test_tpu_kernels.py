@@ -20,9 +20,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxgpt.config.mesh import AXES, BATCH_AXES
+from test_engine import _hf_greedy, _run_staggered, llama  # noqa: F401  (the module fixture: HF LLaMA, jaxgpt params)
 
 from jaxgpt.nn import moe
-from jaxgpt.nn.kernels import attend, paged, policy, tpu_flash, tpu_gmm, tpu_paged, xla
+from jaxgpt.inference.engine import Engine
+from jaxgpt.nn.kernels import attend, paged, policy, tpu_flash, tpu_gmm, tpu_paged, tpu_ragged, xla
 
 pytestmark = pytest.mark.cpu_only  # TPU interpret mode and the lowering canary are checked on the CPU backend
 
@@ -191,11 +193,14 @@ def _paged_inputs(q_dtype):
     return q, *pools, jnp.asarray(PAGE_TABLE, jnp.int32), jnp.asarray(Q_POS, jnp.int32)
 
 
-def test_paged_attention_reads_the_pools_in_place(on_tpu):
+@pytest.mark.parametrize("t", [4, 1], ids=["mixed-ragged", "decode-jax"])
+def test_paged_attention_reads_the_pools_in_place(t, on_tpu):
     """kv_layout 'pages' through attend on bfloat16 pools, float32 queries, against the 'xla' path
-    over the gathered pages (the same bfloat16 values, float32 arithmetic: 1e-5)."""
+    over the gathered pages (the same bfloat16 values, float32 arithmetic: 1e-5). A 4-token step runs
+    our ragged kernel (tpu_ragged.py), a decode step (T == 1) JAX's decode kernel (tpu_paged.py)."""
     q, k_pool, v_pool, table, q_pos = _paged_inputs(jnp.float32)
-    assert tpu_paged.unsupported(q, k_pool) is None
+    q, q_pos = q[:, :t], q_pos[:, :t]
+    assert tpu_paged.unsupported(q, k_pool) is None and tpu_ragged.unsupported(q, k_pool) is None
     run = jax.jit(lambda q, k, v, t, p: attend(q, k, v, kv_layout="pages", pages=(t, p), scale=0.1))
     got = run(q, k_pool, v_pool, table, q_pos)
     k, v, mask = paged.gather(k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), table, q_pos)
@@ -206,26 +211,118 @@ def test_paged_attention_reads_the_pools_in_place(on_tpu):
 
 @pytest.mark.slow
 def test_paged_attention_bfloat16_within_bound(on_tpu):
+    """JAX's decode kernel (a decode step, T == 1) on bfloat16 queries; ours: test_ragged_kernel_bfloat16_within_bound."""
     q, k_pool, v_pool, table, q_pos = _paged_inputs(jnp.float32)
+    q, q_pos = q[:, :1], q_pos[:, :1]
     k, v, mask = paged.gather(k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), table, q_pos)
     want = xla.scaled_dot_product_attention(q, k, v, mask=mask, kv_layout="rows", scale=0.1)
     got16 = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=(table, q_pos), scale=0.1))(
         q.astype(jnp.bfloat16)).astype(jnp.float32)
     err = float(jnp.abs(got16 - want).max())
-    print(f"\npaged bf16 max error from float32: {err:.2e}")
+    print(f"\ndecode kernel bf16 max error from float32: {err:.2e}")
     assert err < BF16_TOL
 
 
-def test_ragged_paged_attention_still_does_not_lower_from_a_cpu_host():
-    """Why the engine's paged step has no Pallas kernel on a TPU (docs/performance.md): JAX's ragged
-    paged attention asks the host for its TPU generation while lowering. When this fails, JAX lowers
-    it: wire it in (its pool layout (pages, page_size, 2 H_kv, D), K and V interleaved, differs)."""
+def _ragged_case(seed, b=3, t=6, h=6, h_kv=2, d=16, ps=4, p=5, dtype=jnp.float32):
+    """float32 pools with a page table of out-of-order pages and holes (entries past a row's last page
+    point to the scratch page 0 or to another row's pages), ragged positions (a prefill chunk, a chunk
+    mid-sequence), a padding row and a padded tail; GQA of G = h / h_kv (3: rows are no multiple of 8)."""
+    rng = np.random.default_rng(seed)
+    n = b * p + 3
+    k_pool, v_pool = (rng.standard_normal((n, h_kv, ps, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(np.arange(1, n))[:b * p].reshape(b, p).astype(np.int32)
+    length = np.array([t, p * ps - 2, 9])[:b]  # row 0 from position 0, row 1 near the end of its pages
+    q_pos = (length[:, None] - t + np.arange(t)[None]).astype(np.int32)
+    for i in range(b):
+        table[i, q_pos[i].max() // ps + 1:] = 0 if i % 2 else table[(i + 1) % b, q_pos[i].max() // ps + 1:]
+    q_pos[2] = -1  # a padding row
+    q_pos[1, t - 2:] = -1  # a padded tail
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    return jnp.asarray(q, dtype), jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(table), jnp.asarray(q_pos)
+
+
+def _gathered(q, k_pool, v_pool, table, q_pos, ks=None, vs=None, window=None, scale=None):
+    """The reference: each row's pages gathered (paged.gather), then the 'xla' kernel; padding rows zeros."""
+    k, v, mask = paged.gather(k_pool, v_pool, table, q_pos, ks, vs, q.dtype, window=window)
+    out = xla.scaled_dot_product_attention(q, k, v, mask=mask, kv_layout="rows", scale=scale)
+    return jnp.where((q_pos >= 0)[:, :, None, None], out, 0)
+
+
+def test_ragged_kernel_matches_the_gather_path_float32(on_tpu):
+    """Our ragged kernel against the gather path, 1e-5: through attend's 'pages' layout (the dispatch's
+    TPU branch for T > 1) with a sliding window of 5, and called with query blocks of 16 rows (two
+    blocks a row, each with its own span of pages) without one."""
+    q, k_pool, v_pool, table, q_pos = _ragged_case(4)
+    assert tpu_ragged.unsupported(q, k_pool) is None
+    got = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=paged.Pages(table, q_pos),
+                                   scale=0.3, window=5))(q)
+    np.testing.assert_allclose(got, _gathered(q, k_pool, v_pool, table, q_pos, window=5, scale=0.3), atol=1e-5, rtol=0)
+    assert not np.asarray(got[2]).any() and not np.asarray(got[1, -2:]).any()  # padding: zeros
+    blocks = tpu_ragged.paged_attention(q, k_pool, v_pool, table, q_pos, scale=0.3, block_m=16)
+    np.testing.assert_allclose(blocks, _gathered(q, k_pool, v_pool, table, q_pos, scale=0.3), atol=1e-5, rtol=0)
+
+
+def test_ragged_kernel_int8_pages(on_tpu):
+    """int8 pools with their per-token scales, dequantised in the kernel: float32 queries 1e-5 from
+    the gather path, which dequantises the same way."""
+    q, k_pool, v_pool, table, q_pos = _ragged_case(5, t=3)
+    (kq, ks), (vq, vs) = paged.quantize_int8(k_pool), paged.quantize_int8(v_pool)
+    got = jax.jit(lambda q: attend(q, kq, vq, kv_layout="pages", pages=paged.Pages(table, q_pos, ks, vs)))(q)
+    np.testing.assert_allclose(got, _gathered(q, kq, vq, table, q_pos, ks, vs), atol=1e-5, rtol=0)
+
+
+def test_ragged_kernel_bfloat16_within_bound(on_tpu):
+    """bfloat16 queries and pools against the float32 reference on the same (bfloat16-rounded) values:
+    the kernel rounds the probabilities to bfloat16 before the value product, as the 'xla' path in
+    bfloat16 does. Bound: 2**-6 of the largest output (measured: RAGGED_BF16 in docs/performance.md)."""
+    q, k_pool, v_pool, table, q_pos = (a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a
+                                       for a in _ragged_case(6))
+    got = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=paged.Pages(table, q_pos)))(q)
+    assert got.dtype == jnp.bfloat16
+    f32 = [a.astype(jnp.float32) for a in (q, k_pool, v_pool)]
+    want = _gathered(*f32, table, q_pos)
+    same = _gathered(q, k_pool, v_pool, table, q_pos).astype(jnp.float32)  # the gather path in bfloat16
+    err, xla_err = (float(jnp.abs(a.astype(jnp.float32) - want).max()) for a in (got, same))
+    print(f"\nragged bf16 max error from float32: {err:.2e} (the xla path in bf16: {xla_err:.2e}; "
+          f"outputs up to {float(jnp.abs(want).max()):.2f})")
+    assert err <= 2.0 ** -6 * max(1.0, float(jnp.abs(want).max()))
+
+
+def test_ragged_kernel_refusals():
+    """What the kernel refuses, each in one line (the dispatch gathers instead)."""
+    q, k_pool, *_ = _ragged_case(7, t=1)
+    assert "pools (got float16)" in tpu_ragged.unsupported(q, k_pool.astype(jnp.float16))
+    assert "(got int32 queries)" in tpu_ragged.unsupported(q.astype(jnp.int32), k_pool)
+    assert "multiple of key/value heads (4)" in tpu_ragged.unsupported(q, jnp.zeros((3, 4, 4, 16)))
+    with pytest.raises(ValueError, match="int8 pools need their scales"):
+        tpu_ragged.paged_attention(q, k_pool.astype(jnp.int8), k_pool.astype(jnp.int8), *_ragged_case(7, t=1)[3:])
+
+
+@pytest.mark.slow
+def test_engine_with_the_ragged_kernel_matches_transformers(llama, on_tpu):  # noqa: F811 - the fixture
+    """The engine (paged_kernel 'auto', float32 pools: every step, prefill chunks and decode, runs our
+    ragged kernel in TPU interpret mode) gives transformers' greedy tokens on 8 ragged requests, some
+    arriving mid-flight."""
+    model, config, params = llama
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(3, 96, int(rng.integers(1, 14)))] for _ in range(8)]
+    news = [int(rng.integers(2, 9)) for _ in range(8)]
+    eng = Engine(config, params, max_seqs=8, page_size=8, num_pages=24, max_tokens_per_step=64, head_kernel="xla")
+    got = _run_staggered(eng, prompts, news)
+    assert got == [_hf_greedy(model, p, n) for p, n in zip(prompts, news)]
+
+
+def test_jax_ragged_paged_attention_still_fails_in_interpret_mode():
+    """Why the engine's mixed steps run our kernel (kernels/tpu_ragged.py) and not JAX's
+    ragged_paged_attention: JAX's lowers for a TPU named by an abstract mesh (test_lowering.py) but
+    fails in TPU interpret mode here, so nothing on this host could prove it. When this fails (JAX's
+    kernel interprets), prove it against the gather path and consider switching (its pool layout
+    (pages, page_size, 2 H_kv, D), K and V interleaved, differs from the engine's)."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-    f = jax.jit(lambda q, kv, *a: ragged_paged_attention(q, kv, *a, num_kv_pages_per_block=2,
-                                                          num_queries_per_block=8))
-    traced = f.trace(jax.ShapeDtypeStruct((16, 4, 128), jnp.float32), jax.ShapeDtypeStruct((12, 8, 4, 128), jnp.float32),
-                     i32(4), i32(4, 4), i32(5), i32(1))
-    with pytest.raises(ValueError, match="Unsupported TPU device kind"):
-        traced.lower(lowering_platforms=("tpu",))
+    q, kv = jnp.ones((16, 4, 128)), jnp.ones((12, 8, 4, 128))  # 4 query heads, 2 K/V heads interleaved
+    lens, table = jnp.asarray([5, 3, 0, 0], jnp.int32), jnp.arange(16, dtype=jnp.int32).reshape(4, 4) % 12
+    cu_q, seqs = jnp.asarray([0, 4, 5, 5, 5], jnp.int32), jnp.asarray([2], jnp.int32)
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()), pytest.raises(Exception, match="ReshapeTransform"):
+        ragged_paged_attention(q, kv, lens, table, cu_q, seqs, num_kv_pages_per_block=2,
+                               num_queries_per_block=8).block_until_ready()

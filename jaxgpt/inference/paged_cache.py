@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.nn.kernels import gpu_paged, paged_ffi, tpu_paged
+from jaxgpt.nn.kernels import gpu_paged, paged_ffi, tpu_ragged
 from jaxgpt.nn.kernels.paged import PAGED_KERNELS
 
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")
@@ -212,8 +212,8 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: 
     platform's kernel for 'auto' when the program is lowered). 'auto' stays 'auto', with one warning
     per reason where this machine's platform gathers (a fallback is never silent): on the CPU the
     C++ kernel needs float32 pages in a float32 model and a compiler; on a GPU the Pallas kernel
-    needs power-of-two head_dim and page_size; on a TPU, bfloat16 pools with head_dim a multiple of
-    128. An explicit 'ffi' or 'pallas' that cannot run here is an error; 'pallas' on the CPU runs in
+    needs power-of-two head_dim and page_size; on a TPU, float32, bfloat16 or int8 pools (tpu_ragged.py).
+    An explicit 'ffi' or 'pallas' that cannot run here is an error; 'pallas' on the CPU runs in
     Pallas' interpret mode (tests). No in-place kernel has score soft-capping: with ``attn_softcap``
     'auto' gathers."""
     if kernel not in PAGED_KERNELS:
@@ -243,7 +243,7 @@ def resolve_paged_kernel(kernel: str, compute_dtype: str, pool_dtype, head_dim: 
         why = pallas_why or f"it runs on CUDA (interpreted on the CPU), and this backend is {backend!r}"
         raise ValueError(f"paged_kernel='pallas' cannot run: {why}; use 'gather' or 'auto'")
     if kernel == "auto":
-        why = {"cpu": ffi_why, "gpu": pallas_why, "tpu": tpu_paged.unsupported(q, pool)}.get(
+        why = {"cpu": ffi_why, "gpu": pallas_why, "tpu": tpu_ragged.unsupported(q, pool)}.get(
             backend, f"no in-place paged kernel runs on {backend!r} yet")
         if why is not None:
             _fallback_warning(why)

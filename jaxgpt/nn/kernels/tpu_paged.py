@@ -2,21 +2,28 @@
 the engine's page pools in place, for kv_layout 'pages' in a program lowered for a TPU
 (kernels.attend, policy.on_tpu).
 
-Why this kernel and not ``ragged_paged_attention`` (the one built for mixed prefill + decode): on
-JAX 0.10 the ragged kernel neither lowers from a host without a TPU (its lowering asks the host for
-the TPU generation) nor runs in TPU interpret mode, so nothing here could prove it; and it reads one
-pool of (pages, page_size, 2 H_kv, D) with K and V interleaved by head, where the engine keeps
-(pages, H_kv, page_size, D) pools for K and V apart: a layout change everywhere (docs/performance.md).
+Where it runs: decode steps (one query token a row) over bfloat16 pools of head_dim a multiple of
+128, without a sliding window (paged_dispatch.py). Mixed prefill + decode steps, and the pools and
+windows it refuses, run our ragged kernel (tpu_ragged.py), which reads each page once per block of
+queries where this one rereads it per query.
 
-How the decode kernel serves a mixed step, in place:
+Why not JAX's ``ragged_paged_attention`` (the kernel built for mixed steps): on JAX 0.10 it lowers
+for a TPU from a CPU host only when traced inside an abstract mesh naming a TPU device (its lowering
+asks for the TPU generation; test_lowering.py), but it fails in TPU interpret mode
+(``ReshapeTransform``), so nothing on a CPU host can prove its numbers (the canary in
+test_tpu_kernels.py fails when it interprets); and it reads one pool of (pages, page_size, 2 H_kv, D)
+with K and V interleaved by head, where the engine keeps (pages, H_kv, page_size, D) pools for K and V
+apart (docs/performance.md).
+
+How the decode kernel reads the engine's pools in place (it can serve a mixed step too, as below):
 - Pools: it wants (H_kv, pages, page_size, D). The engine's (pages, H_kv, page_size, D) pool is,
   without a copy, one K/V head of pages * H_kv pages, page p of head h being p * H_kv + h.
 - Queries: each (query, K/V head) pair is one "sequence" of the kernel: that head's G query heads
   (padded to a multiple of 8, the kernel's grouping), the row's page table offset to that head, and
   length q_pos + 1. So a prefill query sees keys up to its own position: the engine's "written and
   causal" mask, the same one paged.gather builds; padding (q_pos -1) has length 0 and returns zeros.
-- Precision: the kernel reads K and V as bfloat16, so it takes bfloat16 pools only (a float32
-  pool runs the gathered path); queries and the softmax stay float32.
+- Precision: the kernel reads K and V as bfloat16, so it takes bfloat16 pools only (other pools run
+  the ragged kernel); queries and the softmax stay float32.
 """
 from __future__ import annotations
 
