@@ -223,7 +223,7 @@ def test_paged_attention_bfloat16_within_bound(on_tpu):
     assert err < BF16_TOL
 
 
-def _ragged_case(seed, b=3, t=6, h=6, h_kv=2, d=16, ps=4, p=5, dtype=jnp.float32):
+def _ragged_case(seed, b=3, t=10, h=6, h_kv=2, d=16, ps=4, p=5, dtype=jnp.float32):
     """float32 pools with a page table of out-of-order pages and holes (entries past a row's last page
     point to the scratch page 0 or to another row's pages), ragged positions (a prefill chunk, a chunk
     mid-sequence), a padding row and a padded tail; GQA of G = h / h_kv (3: rows are no multiple of 8)."""
@@ -250,8 +250,9 @@ def _gathered(q, k_pool, v_pool, table, q_pos, ks=None, vs=None, window=None, sc
 
 def test_ragged_kernel_matches_the_gather_path_float32(on_tpu):
     """Our ragged kernel against the gather path, 1e-5: through attend's 'pages' layout (the dispatch's
-    TPU branch for T > 1) with a sliding window of 5, and called with query blocks of 16 rows (two
-    blocks a row, each with its own span of pages) without one."""
+    TPU branch for T > 1) with a sliding window of 5, and called with query blocks of 16 rows without
+    one: row 0's first block ends at position 5 (page 1), its second at 9 (page 2), so each block
+    needs its own span of pages."""
     q, k_pool, v_pool, table, q_pos = _ragged_case(4)
     assert tpu_ragged.unsupported(q, k_pool) is None
     got = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=paged.Pages(table, q_pos),
