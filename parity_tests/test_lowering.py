@@ -4,8 +4,9 @@ Kernel choices are made per lowering platform (jaxgpt/nn/kernels/policy.py): a C
 (custom call ``jaxgpt_*``) may appear only in the CPU program; the CUDA and TPU programs get the
 portable paths, or their own kernels: on CUDA the engine's paged attention the Pallas (Triton) kernel
 (``__gpu$xla.gpu.triton``, kernels/gpu_paged.py) and MoE experts ``ragged_dot`` ('grouped', where the
-CPU keeps 'dense'); on a TPU the Pallas TPU kernels (``tpu_custom_call``: flash attention, paged
-attention over bfloat16 pools, megablox's grouped matmul for MoE). Each program is traced once on
+CPU keeps 'dense'); on a TPU the Pallas TPU kernels (``tpu_custom_call``: flash attention, JAX's
+paged decode kernel over bfloat16 pools, our ragged paged kernel for mixed steps and other pools,
+megablox's grouped matmul for MoE). Each program is traced once on
 abstract inputs (jax.ShapeDtypeStruct, eval_shape: nothing is allocated) and lowered three times;
 the test prints the custom calls each platform got.
 

@@ -1,7 +1,8 @@
 """The Pallas TPU kernels jaxgpt runs in a program lowered for a TPU, run here on the CPU in TPU
 interpret mode (``pltpu.force_tpu_interpret_mode``) and compared with the 'xla' path on the same
-inputs: flash attention (kernels/tpu_flash.py), paged attention over the engine's pools
-(kernels/tpu_paged.py) and megablox's grouped matmul (kernels/tpu_gmm.py).
+inputs: flash attention (kernels/tpu_flash.py), paged attention over the engine's pools (JAX's
+decode kernel, kernels/tpu_paged.py, and our ragged kernel, kernels/tpu_ragged.py) and megablox's
+grouped matmul (kernels/tpu_gmm.py).
 
 A CPU program never holds these kernels (policy.on_tpu keeps them for TPU programs), so each test
 makes ``policy.on_tpu`` pick the kernel branch and calls the public entry (``kernels.attend``,
@@ -275,7 +276,8 @@ def test_ragged_kernel_int8_pages(on_tpu):
 def test_ragged_kernel_bfloat16_within_bound(on_tpu):
     """bfloat16 queries and pools against the float32 reference on the same (bfloat16-rounded) values:
     the kernel rounds the probabilities to bfloat16 before the value product, as the 'xla' path in
-    bfloat16 does. Bound: 2**-6 of the largest output (measured: RAGGED_BF16 in docs/performance.md)."""
+    bfloat16 does. Bound: 2**-7 of the largest output, one bfloat16 ulp at 1-2 (over seeds 6-29 measured
+    at most 9.3e-3, 0.48 of the bound at worst, never above the 'xla' path's own bfloat16 error)."""
     q, k_pool, v_pool, table, q_pos = (a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a
                                        for a in _ragged_case(6))
     got = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=paged.Pages(table, q_pos)))(q)
@@ -286,7 +288,7 @@ def test_ragged_kernel_bfloat16_within_bound(on_tpu):
     err, xla_err = (float(jnp.abs(a.astype(jnp.float32) - want).max()) for a in (got, same))
     print(f"\nragged bf16 max error from float32: {err:.2e} (the xla path in bf16: {xla_err:.2e}; "
           f"outputs up to {float(jnp.abs(want).max()):.2f})")
-    assert err <= 2.0 ** -6 * max(1.0, float(jnp.abs(want).max()))
+    assert err <= 2.0 ** -7 * max(1.0, float(jnp.abs(want).max()))
 
 
 def test_ragged_kernel_refusals():
