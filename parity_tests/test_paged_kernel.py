@@ -137,8 +137,11 @@ def test_resolve_paged_kernel(monkeypatch):
     with pytest.raises(ValueError, match="'ffi' cannot run: it is a CPU kernel and this backend is 'gpu'"):
         resolve_paged_kernel("ffi", "float32", jnp.float32)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with pytest.warns(UserWarning, match="it reads K and V as bfloat16: a bfloat16 pool only"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a TPU: the ragged kernel (tpu_ragged.py) reads float32 pools too
         assert resolve_paged_kernel("auto", "float32", jnp.float32) == "auto"
+    with pytest.warns(UserWarning, match=r"pools \(got float16\)"):
+        assert resolve_paged_kernel("auto", "float16", jnp.float16) == "auto"
     with pytest.raises(ValueError, match="'pallas' cannot run: it runs on CUDA"):
         resolve_paged_kernel("pallas", "float32", jnp.float32)
     monkeypatch.undo()
