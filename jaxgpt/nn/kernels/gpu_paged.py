@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxgpt.nn.kernels.paged import require_scales
+
 __all__ = ["paged_attention", "unsupported"]
 
 DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -119,9 +121,7 @@ def paged_attention(q, k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=
     why = unsupported(q, k_pool)
     if why is not None:
         raise ValueError(f"the Pallas paged-attention kernel cannot run this call: {why}")
-    if (k_pool.dtype == jnp.int8) != (k_scale is not None):
-        raise ValueError(f"int8 pools need their scales and other pools none (pools {k_pool.dtype}, "
-                         f"scales {'given' if k_scale is not None else 'none'})")
+    require_scales(k_pool, k_scale)
     b, t, h, d = q.shape
     n, h_kv, ps, _ = k_pool.shape
     g = h // h_kv

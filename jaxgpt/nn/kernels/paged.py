@@ -55,6 +55,13 @@ def dequantize_int8(q, scale, dtype):
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
+def require_scales(k_pool, k_scale):
+    """The in-place kernels' contract: int8 pools come with their scales, other pools with none."""
+    if (k_pool.dtype == jnp.int8) != (k_scale is not None):
+        raise ValueError(f"int8 pools need their scales and other pools none (pools {k_pool.dtype}, "
+                         f"scales {'given' if k_scale is not None else 'none'})")
+
+
 @struct.dataclass
 class PagedKVCache:
     """One layer's page pools plus the step's page table and write slots (shared by all layers)."""

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxgpt.nn.kernels import policy
+from jaxgpt.nn.kernels.paged import require_scales
 
 __all__ = ["paged_attention", "unsupported"]
 
@@ -104,9 +105,7 @@ def paged_attention(q, k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=
     why = unsupported(q, k_pool)
     if why is not None:
         raise ValueError(f"the Pallas TPU ragged paged-attention kernel cannot run this call: {why}")
-    if (k_pool.dtype == jnp.int8) != (k_scale is not None):
-        raise ValueError(f"int8 pools need their scales and other pools none (pools {k_pool.dtype}, "
-                         f"scales {'given' if k_scale is not None else 'none'})")
+    require_scales(k_pool, k_scale)
     b, t, h, d = q.shape
     n, h_kv, ps, _ = k_pool.shape
     g, pages = h // h_kv, page_table.shape[1]
