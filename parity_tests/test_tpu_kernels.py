@@ -25,7 +25,7 @@ from test_engine import _hf_greedy, _run_staggered, llama  # noqa: F401  (the mo
 
 from jaxgpt.nn import moe
 from jaxgpt.inference.engine import Engine
-from jaxgpt.nn.kernels import attend, paged, policy, tpu_flash, tpu_gmm, tpu_paged, tpu_ragged, xla
+from jaxgpt.nn.kernels import attend, masks, paged, policy, tpu_flash, tpu_gmm, tpu_paged, tpu_ragged, xla
 
 pytestmark = pytest.mark.cpu_only  # TPU interpret mode and the lowering canary are checked on the CPU backend
 
@@ -251,16 +251,17 @@ def _gathered(q, k_pool, v_pool, table, q_pos, ks=None, vs=None, window=None, sc
 
 def test_ragged_kernel_matches_the_gather_path_float32(on_tpu):
     """Our ragged kernel against the gather path, 1e-5: through attend's 'pages' layout (the dispatch's
-    TPU branch for T > 1) with a sliding window of 5, and called with query blocks of 16 rows without
-    one: row 0's first block ends at position 5 (page 1), its second at 9 (page 2), so each block
-    needs its own span of pages."""
+    TPU branch for T > 1) with a sliding window of 5, and called with query blocks of 16 rows and the
+    traced window of a scanned global layer (masks.NO_WINDOW): row 0's first block ends at position 5
+    (page 1), its second at 9 (page 2), so each block needs its own span of pages."""
     q, k_pool, v_pool, table, q_pos = _ragged_case(4)
     assert tpu_ragged.unsupported(q, k_pool) is None
     got = jax.jit(lambda q: attend(q, k_pool, v_pool, kv_layout="pages", pages=paged.Pages(table, q_pos),
                                    scale=0.3, window=5))(q)
     np.testing.assert_allclose(got, _gathered(q, k_pool, v_pool, table, q_pos, window=5, scale=0.3), atol=1e-5, rtol=0)
     assert not np.asarray(got[2]).any() and not np.asarray(got[1, -2:]).any()  # padding: zeros
-    blocks = tpu_ragged.paged_attention(q, k_pool, v_pool, table, q_pos, scale=0.3, block_m=16)
+    blocks = jax.jit(lambda w: tpu_ragged.paged_attention(q, k_pool, v_pool, table, q_pos, scale=0.3, window=w,
+                                                          block_m=16))(jnp.int32(masks.NO_WINDOW))
     np.testing.assert_allclose(blocks, _gathered(q, k_pool, v_pool, table, q_pos, scale=0.3), atol=1e-5, rtol=0)
 
 

@@ -2,9 +2,9 @@
 steps, reading the page pools (num_pages, H_kv, page_size, D) in place (kernels/paged.py).
 
 One grid step is (row, K/V head, query block, page); the page axis is last and sequential. The
-page table and each query block's first and last visible page are prefetched to SMEM, so the K/V
-BlockSpecs' index maps look the page up (``table[row, page]``) and the pipeline DMAs that page of
-that head straight from the pools. An online softmax (m, l, acc in VMEM scratch) runs over the
+page table, each query block's first and last visible page and the window are prefetched to SMEM,
+so the K/V BlockSpecs' index maps look the page up (``table[row, page]``) and the pipeline DMAs that
+page of that head straight from the pools. An online softmax (m, l, acc in VMEM scratch) runs over the
 pages; pages outside the block's span (past its last query position, or before its sliding window)
 are neither computed nor fetched (their index clamps to a page already in VMEM). A query block is
 block_m rows of (token, query head) for one K/V head's G query heads (GQA), so each page a prefill
@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxgpt.nn.kernels import policy
+from jaxgpt.nn.kernels.masks import NO_WINDOW
 from jaxgpt.nn.kernels.paged import require_scales
 
 __all__ = ["paged_attention", "unsupported"]
@@ -46,7 +47,7 @@ def unsupported(q, k_pool) -> str | None:
     return policy.pallas_unsupported()
 
 
-def _kernel(table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v_ref, *rest, scale, window, pages, blocks):
+def _kernel(table_ref, lo_ref, hi_ref, window_ref, pos_ref, q_ref, k_ref, v_ref, *rest, scale, pages, blocks):
     """Grid step (r, kv, qb, p): q_ref (block_m, D), pos_ref (block_m, 1) positions (-1: padding),
     k_ref / v_ref (page_size, D) page table[r, p] of head kv; int8: ks_ref / vs_ref (page_size, 1)."""
     ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest if len(rest) == 6 else (None, None, *rest)
@@ -75,9 +76,7 @@ def _kernel(table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v_ref, *rest, scal
         k, v = load(k_ref, ks_ref), load(v_ref, vs_ref)
         s = dot(q, k, ((1,), (1,))) * scale  # (block_m, page_size)
         key, pos = p * ps + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1), pos_ref[...]
-        seen = key <= pos
-        if window is not None:
-            seen = seen & (key > pos - window)
+        seen = (key <= pos) & (key > pos - window_ref[0])  # written and causal, inside the window
         s = jnp.where(seen, s, -jnp.inf)
         m_prev = m_ref[...]  # (block_m, 1)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -94,14 +93,15 @@ def _kernel(table_ref, lo_ref, hi_ref, pos_ref, q_ref, k_ref, v_ref, *rest, scal
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "block_m"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_m"))
 def paged_attention(q, k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=None, *, scale=None, window=None,
                     block_m=None):
     """q (B, T, H, D) at positions q_pos (B, T) (-1: padding, zeros out) over pools (num_pages, H_kv,
     page_size, D) through page_table (B, P): causal by position (and within ``window``), out (B, T, H, D)
-    in q's dtype. int8 pools take their scales k_scale, v_scale (num_pages, H_kv, page_size).
-    ``block_m``: (token, query head) rows a query block, a multiple of 16 (default: T * G rounded up
-    to 16, at most MAX_BLOCK_M)."""
+    in q's dtype. int8 pools take their scales k_scale, v_scale (num_pages, H_kv, page_size). ``window``:
+    an int or a traced int32 scalar (a scanned layer's; None or masks.NO_WINDOW: none). ``block_m``:
+    (token, query head) rows a query block, a multiple of 16 (default: T * G rounded up to 16, at most
+    MAX_BLOCK_M)."""
     why = unsupported(q, k_pool)
     if why is not None:
         raise ValueError(f"the Pallas TPU ragged paged-attention kernel cannot run this call: {why}")
@@ -121,11 +121,12 @@ def paged_attention(q, k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=
     pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), g, axis=1), ((0, 0), (0, m - rows)), constant_values=-1)
     last = jnp.max(pos.reshape(b, blocks, block_m), axis=2)  # (B, blocks): -1 for a block of padding
     first = jnp.min(jnp.where(pos < 0, last.max() + 1, pos).reshape(b, blocks, block_m), axis=2)
-    lo = jnp.zeros_like(last) if window is None else jnp.maximum(first - window + 1, 0) // ps
+    window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
+    lo = jnp.maximum(first - window + 1, 0) // ps
     hi = jnp.where(last < 0, -1, jnp.minimum(last // ps, pages - 1))  # the block's visible pages: lo..hi
     flat = page_table.astype(jnp.int32).reshape(-1)  # 1-D in SMEM (a 2-D array pads to (8, 128) tiles)
 
-    def page(r, kv, qb, p, table, lo, hi):  # the pool page step p reads: outside lo..hi, one already fetched
+    def page(r, kv, qb, p, table, lo, hi, _):  # the pool page step p reads: outside lo..hi, one already fetched
         i = r * blocks + qb
         return table[r * pages + jnp.minimum(jnp.maximum(p, lo[i]), jnp.maximum(hi[i], lo[i]))]
 
@@ -134,16 +135,16 @@ def paged_attention(q, k_pool, v_pool, page_table, q_pos, k_scale=None, v_scale=
     row_spec = pl.BlockSpec((None, None, block_m, d), lambda r, kv, qb, p, *_: (r, kv, qb, 0))
     scales = () if k_scale is None else (k_scale[..., None], v_scale[..., None])  # (pages, H_kv, page_size, 1)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(b, h_kv, blocks, pages),
+        num_scalar_prefetch=4, grid=(b, h_kv, blocks, pages),
         in_specs=[pl.BlockSpec((None, block_m, 1), lambda r, kv, qb, p, *_: (r, qb, 0)), row_spec, pool_spec,
                   pool_spec, *(scale_spec for _ in scales)],
         out_specs=row_spec,
         scratch_shapes=[pltpu.VMEM((block_m, 1), jnp.float32), pltpu.VMEM((block_m, 1), jnp.float32),
                         pltpu.VMEM((block_m, d), jnp.float32)])
     call = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), window=window, pages=pages, blocks=blocks),
+        functools.partial(_kernel, scale=float(scale), pages=pages, blocks=blocks),
         grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype), name="jaxgpt_tpu_ragged_paged_attention",
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
-    operands = (flat, lo.reshape(-1), hi.reshape(-1), pos[:, :, None], qr, k_pool, v_pool, *scales)
+    operands = (flat, lo.reshape(-1), hi.reshape(-1), window[None], pos[:, :, None], qr, k_pool, v_pool, *scales)
     out = policy.replicated(call, *operands)  # (B, H_kv, M, D); under a mesh: per device
     return out[:, :, :rows].reshape(b, h_kv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
