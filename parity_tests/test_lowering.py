@@ -129,14 +129,14 @@ def tpu_kernels(text: str) -> list[str]:
     return [m for line in text.splitlines() if "@tpu_custom_call" in line for m in KERNEL_NAME.findall(line)]
 
 
-def tpu_target(device_kind: str = "TPU v5 lite"):
-    """The context to trace and lower a program for a TPU in from a host without one: a one-device
-    abstract mesh naming the TPU, so Mosaic lowerings that ask for the chip generation get it
+def tpu_target(device_kind: str = "TPU v5 lite", shape=(1,), axes=("target",)):
+    """The context to trace and lower a program for a TPU in from a host without one: an abstract
+    mesh (one device unless ``shape`` says more) naming the TPU, so Mosaic lowerings that ask for the chip generation get it
     (pltpu's ``get_device_kind`` reads the abstract mesh's device before the host's). jaxgpt's own
     programs lower without it (none of their kernels asks); tracing each program twice to use it
     everywhere would cost CI time for nothing, so only JAX's ragged kernel is lowered in it."""
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("target",), abstract_device=device))
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(shape, axes, abstract_device=device))
 
 
 @functools.cache
@@ -227,3 +227,17 @@ def test_jax_ragged_paged_attention_lowers_only_for_a_named_tpu():
     with tpu_target():
         text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert tpu_kernels(text) == ["ragged_paged_attention_kernel"]
+
+
+def test_ragged_paged_kernel_lowers_under_a_mesh_for_a_named_tpu():
+    """Our ragged paged kernel (kernels/tpu_ragged.py) traced under a 2-device abstract mesh naming a
+    TPU: it runs replicated inside a shard_map (XLA cannot partition a Pallas call; policy.replicated).
+    No devices are needed: the mesh is abstract."""
+    from jaxgpt.nn.kernels import tpu_ragged
+
+    s = jax.ShapeDtypeStruct
+    pool = s((12, 2, 16, 64), jnp.bfloat16)  # (pages, H_kv, page_size, D)
+    args = (s((4, 4, 4, 64), jnp.bfloat16), pool, pool, s((4, 4), jnp.int32), s((4, 4), jnp.int32))
+    with tpu_target(shape=(2,), axes=("fsdp",)):
+        text = jax.jit(tpu_ragged.paged_attention).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "sdy.manual_computation" in text and tpu_kernels(text) == list(TPU_RAGGED)
