@@ -77,7 +77,7 @@ def test_import_changes_no_environment_variable():
 
 def test_fit_splits_the_cpu_before_jax_starts(tmp_path):
     code = ("import jaxgpt, jax; from jaxgpt.train.loop import fit; "
-            "from jaxgpt.train.tasks import fit_config, load_task; from jaxgpt.config import TrainConfig, get_preset; "
+            "from jaxgpt.data.tasks import fit_config, load_task; from jaxgpt.config import TrainConfig, get_preset; "
             "tc = TrainConfig(steps=1, batch_size=2, seq_len=8); "
             "task = load_task(get_preset('seed-minigpt'), tc, corpus='seed-synthetic'); "
             "cfg = fit_config(get_preset('seed-minigpt').replace(max_len=8, n_layer=1), task); "
@@ -283,7 +283,7 @@ def test_fit_resolves_the_mesh_once_and_trains_and_evaluates_on_it(monkeypatch):
     program and the eval step all get that one mesh, not a decision of their own."""
     from jaxgpt.parallel import sharding
     from jaxgpt.train import loop, plan
-    from jaxgpt.train.tasks import fit_config, load_task
+    from jaxgpt.data.tasks import fit_config, load_task
 
     resolved, given = [], {}
     real_mesh, real_eval, real_steps = sharding.train_mesh, plan.make_eval_step, plan.make_train_steps
@@ -306,7 +306,7 @@ def test_fit_runs_several_updates_per_call_with_the_numbers_of_one():
     """fit's calls end where it logs, evaluates or saves, the first update alone (it is timed as the
     compile); steps_per_call=1 dispatches every update by itself. Self-consistency: the same history."""
     from jaxgpt.train import loop, plan
-    from jaxgpt.train.tasks import fit_config, load_task
+    from jaxgpt.data.tasks import fit_config, load_task
 
     calls = []
     real = plan.make_train_steps

@@ -31,7 +31,7 @@ from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.plots import plot_expert_load, plot_losses
 from jaxgpt.train.plan import Plan, make_plan, resolve_mesh
 from jaxgpt.train.step import TrainState, init_state, make_eval_step
-from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
+from jaxgpt.data.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
 from jaxgpt.parallel.host_devices import use_host_devices
 

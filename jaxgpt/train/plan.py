@@ -15,7 +15,7 @@ import numpy as np
 from jaxgpt.config import TrainConfig
 from jaxgpt.train.compiled import compile_ahead
 from jaxgpt.train.step import TrainState, abstract_state, make_eval_step, make_train_step, make_train_steps
-from jaxgpt.train.tasks import Task
+from jaxgpt.data.tasks import Task
 
 
 def resolve_mesh(tc: TrainConfig):

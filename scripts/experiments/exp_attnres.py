@@ -58,7 +58,7 @@ def model_names(variants):
 
 def make_config(name: str, task):
     from jaxgpt.config import get_preset
-    from jaxgpt.train.tasks import fit_config
+    from jaxgpt.data.tasks import fit_config
 
     cfg = get_preset(PRESETS[kind_of(name)])
     if name == "standard":
@@ -233,7 +233,7 @@ def main():
 
     from jaxgpt.config import get_preset
     from jaxgpt.data import builtin_pairs
-    from jaxgpt.train.tasks import load_task, with_epochs
+    from jaxgpt.data.tasks import load_task, with_epochs
 
     pairs = builtin_pairs("zh-en")
     seeds = list(range(args.seeds))

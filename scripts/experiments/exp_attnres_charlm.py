@@ -134,7 +134,7 @@ def main():
     import jax
 
     from jaxgpt.train.step import init_state
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     path = expkit.shakespeare()
     eval_every = max(1, args.steps // 6)

@@ -166,7 +166,7 @@ def main():
 
     scope = "layer" if args.aux_per_layer else "pooled"
     from jaxgpt.train.step import init_state
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     path = expkit.shakespeare()
     eval_every = max(1, args.steps // 10)
