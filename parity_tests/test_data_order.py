@@ -91,7 +91,7 @@ def test_epoch_order_batches_cover_every_window_once_and_depend_only_on_the_step
 
 def test_an_epoch_of_steps_is_one_pass_over_the_windows():
     from jaxgpt.config import ModelConfig, TrainConfig
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     tc = TrainConfig(batch_size=8, seq_len=16, data_order="epochs", val_fraction=0.0)
     task = load_task(ModelConfig(d_model=32, n_layer=1, n_head=4, max_len=16), tc, corpus="seed-synthetic")
@@ -126,8 +126,8 @@ def two_sources(tmp_path):
 @pytest.mark.parametrize("order", ["random", "epochs"])
 def test_a_70_30_mixture_of_token_directories_realises_its_weights(two_sources, order):
     from jaxgpt.config import ModelConfig, TrainConfig
-    from jaxgpt.train.mixture_task import MixtureTask
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.mixture_task import MixtureTask
+    from jaxgpt.data.tasks import load_task
 
     a, b, _ = two_sources
     tc = TrainConfig(batch_size=4, seq_len=8, data_order=order, eval_batches=2)
@@ -146,7 +146,7 @@ def test_a_70_30_mixture_of_token_directories_realises_its_weights(two_sources, 
 
 def test_a_mixture_needs_one_tokenizer_and_whole_entries(two_sources, tmp_path):
     from jaxgpt.config import ModelConfig, TrainConfig
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     a, _, chars = two_sources
     other = _char_dir(tmp_path / "other", np.zeros(500, int), chars[:19] + ["!"])

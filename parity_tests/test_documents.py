@@ -139,7 +139,7 @@ def test_packed_shakespeare_turns_lose_what_each_turn_alone_loses(shakespeare_di
     """Done-when of issue 39: with packing, documents='isolated' (segment ids + restarting positions)
     gives every token the loss it has when its document runs alone (1e-5): the batch comes from the
     token directory through the training task, the reference from one forward per document."""
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
 
     tc = TrainConfig(batch_size=6, seq_len=128, val_fraction=0.0, documents="isolated")
     task = token_task(str(shakespeare_dir), tc)
@@ -177,7 +177,7 @@ def test_packed_training_matches_torch_ref(shakespeare_dir):
     """15 updates with documents='isolated' on the packed turns: jaxgpt's losses against torch_ref's loop
     on the same batches (both feed the batch's segment ids and positions to the model), 1e-5."""
     from jaxgpt.train import init_state, make_train_step
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
     from torch_ref.convert import load_params
     from torch_ref.train import train
 
@@ -197,7 +197,7 @@ def test_packed_training_matches_torch_ref(shakespeare_dir):
 
 
 def test_batches_carry_document_inputs_and_are_checked(shakespeare_dir):
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
 
     tc = TrainConfig(batch_size=4, seq_len=32, grad_accum=2, val_fraction=0.0, documents="masked")
     batch = token_task(str(shakespeare_dir), tc).batch(tc, 0)
@@ -211,7 +211,7 @@ def test_batches_carry_document_inputs_and_are_checked(shakespeare_dir):
 
 
 def test_text_without_an_eos_is_refused_with_a_way_out():
-    from jaxgpt.train.tasks import text_task
+    from jaxgpt.data.tasks import text_task
 
     tc = TrainConfig(batch_size=2, seq_len=8, documents="masked")
     with pytest.raises(ValueError, match="has no EOS id: train on a token directory"):

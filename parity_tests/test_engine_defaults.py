@@ -77,7 +77,7 @@ def test_import_changes_no_environment_variable():
 
 def test_fit_splits_the_cpu_before_jax_starts(tmp_path):
     code = ("import jaxgpt, jax; from jaxgpt.train.loop import fit; "
-            "from jaxgpt.train.tasks import fit_config, load_task; from jaxgpt.config import TrainConfig, get_preset; "
+            "from jaxgpt.data.tasks import fit_config, load_task; from jaxgpt.config import TrainConfig, get_preset; "
             "tc = TrainConfig(steps=1, batch_size=2, seq_len=8); "
             "task = load_task(get_preset('seed-minigpt'), tc, corpus='seed-synthetic'); "
             "cfg = fit_config(get_preset('seed-minigpt').replace(max_len=8, n_layer=1), task); "
@@ -125,11 +125,12 @@ def test_auto_mesh_eval_step_equals_single_device_eval(rows):
     """Self-consistency: the eval step on the params' auto mesh against the one-device eval step."""
     if jax.device_count() < 2:
         pytest.skip("one CPU device: the auto mesh is the single-device step")
-    from jaxgpt.parallel.sharding import shard_batch, train_mesh
+    from jaxgpt.parallel.sharding import shard_batch
+    from jaxgpt.train.mesh import resolve_mesh
     from jaxgpt.train.step import make_eval_step
 
     tc = TrainConfig(batch_size=4, seq_len=8, steps=3)
-    mesh = train_mesh(tc)
+    mesh = resolve_mesh(tc)
     params = init_state(CFG, tc).params  # replicated over the mesh
     batch = {k: v[0] for k, v in _batch(rows, 1).items()}  # (rows, T): no micro-batch axis
     on_mesh = make_eval_step(CFG, mesh=mesh)
@@ -217,15 +218,16 @@ def test_psum_flat_equals_psum():
 
 
 def test_auto_mesh_off_where_it_cannot_help():
-    from jaxgpt.parallel.sharding import auto_mesh, train_mesh
+    from jaxgpt.parallel.sharding import auto_mesh
+    from jaxgpt.train.mesh import resolve_mesh
 
-    assert train_mesh(TrainConfig(mesh=""), "auto") is None
-    assert train_mesh(TrainConfig(), None) is None
+    assert resolve_mesh(TrainConfig(mesh=""), "auto") is None
+    assert resolve_mesh(TrainConfig(), None) is None
     if jax.device_count() >= 2:
         assert auto_mesh(3) is None  # no divisor of 3 rows up to 2 devices but 1
         assert auto_mesh(4).shape["data"] == 2
     with pytest.raises(ValueError, match="mesh='data=2': pass a Mesh, None"):
-        train_mesh(TrainConfig(), "data=2")
+        resolve_mesh(TrainConfig(), "data=2")
 
 
 def test_gelu_erf_form_equals_jax_exact_gelu():
@@ -279,15 +281,14 @@ def test_train_steps_give_the_updates_of_one_step_calls(mesh):
 
 
 def test_fit_resolves_the_mesh_once_and_trains_and_evaluates_on_it(monkeypatch):
-    """TrainConfig.mesh becomes devices once a run (train.plan.resolve_mesh): the state's init, the train
-    program and the eval step all get that one mesh, not a decision of their own."""
-    from jaxgpt.parallel import sharding
-    from jaxgpt.train import loop, plan
-    from jaxgpt.train.tasks import fit_config, load_task
+    """TrainConfig.mesh becomes devices once a run (train.mesh.resolve_mesh, called by the plan): the state's
+    init, the train program and the eval step all get that one mesh, not a decision of their own."""
+    from jaxgpt.train import loop, mesh, plan
+    from jaxgpt.data.tasks import fit_config, load_task
 
     resolved, given = [], {}
-    real_mesh, real_eval, real_steps = sharding.train_mesh, plan.make_eval_step, plan.make_train_steps
-    monkeypatch.setattr(sharding, "train_mesh", lambda *a, **kw: resolved.append(real_mesh(*a, **kw)) or resolved[-1])
+    real_mesh, real_eval, real_steps = mesh.auto_mesh, plan.make_eval_step, plan.make_train_steps
+    monkeypatch.setattr(mesh, "auto_mesh", lambda *a, **kw: resolved.append(real_mesh(*a, **kw)) or resolved[-1])
     monkeypatch.setattr(plan, "make_eval_step", lambda c, **kw: given.setdefault("eval", kw["mesh"]) and None
                         or real_eval(c, **kw))
     monkeypatch.setattr(plan, "make_train_steps", lambda *a, **kw: given.setdefault("train", kw["mesh"]) and None
@@ -306,7 +307,7 @@ def test_fit_runs_several_updates_per_call_with_the_numbers_of_one():
     """fit's calls end where it logs, evaluates or saves, the first update alone (it is timed as the
     compile); steps_per_call=1 dispatches every update by itself. Self-consistency: the same history."""
     from jaxgpt.train import loop, plan
-    from jaxgpt.train.tasks import fit_config, load_task
+    from jaxgpt.data.tasks import fit_config, load_task
 
     calls = []
     real = plan.make_train_steps

@@ -14,7 +14,7 @@ from jaxgpt.data import builtin_pairs
 from jaxgpt.inference.generate import generate
 from jaxgpt.models.decoder import DecoderLM
 from jaxgpt.train.optim import schedule
-from jaxgpt.train.tasks import load_task, fit_config, pairs_task, text_task, with_epochs
+from jaxgpt.data.tasks import load_task, fit_config, pairs_task, text_task, with_epochs
 from jaxgpt.inference.translate import translate_all
 from torch_ref.models.decoder import DecoderLM as TDecoderLM
 

@@ -69,7 +69,7 @@ def test_split_rows_holds_out_unseen_inputs():
 
 def test_write_tsv_round_trips_through_the_task_reader(tmp_path):
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.tasks import classify_task, pairs_task, read_tsv
+    from jaxgpt.data.tasks import classify_task, pairs_task, read_tsv
 
     rows = g.sentiment_rows(64, seed=0)
     assert read_tsv(g.write_tsv(rows, tmp_path / "s.tsv")) == rows

@@ -33,7 +33,7 @@ from jaxgpt.models.decoder import init_cache
 from jaxgpt.train import cross_entropy, init_state, make_train_step
 from jaxgpt.train.loop import evaluate, fit
 from jaxgpt.train.step import make_eval_step
-from jaxgpt.train.tasks import fit_config, load_task
+from jaxgpt.data.tasks import fit_config, load_task
 from jaxgpt.core.validate import check_batch
 from torch_ref.nn import attention as tattn
 from torch_ref.convert import load_params

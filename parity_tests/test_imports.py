@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH_SIDE = ["torch_ref", "torch_ref.models", "torch_ref.nn.attnres", "torch_ref.convert", "torch_ref.train",
               "torch_ref.generate"]
 JAX_SIDE = ["jaxgpt", "jaxgpt.convert", "jaxgpt.train", "jaxgpt.inference.generate", "jaxgpt.cli", "jaxgpt.data.prepare",
-            "jaxgpt.train.token_task", "jaxgpt.train.tensorboard", "jaxgpt.nnx", "jaxgpt.testing"]
+            "jaxgpt.data.token_task", "jaxgpt.train.tensorboard", "jaxgpt.nnx", "jaxgpt.testing"]
 
 
 def first_importers(modules: list[str], banned: set[str]) -> dict[str, list[str]]:

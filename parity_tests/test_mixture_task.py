@@ -1,4 +1,4 @@
-"""A mixture of token directories (jaxgpt/train/mixture_task.py) beyond its shapes: what evaluation
+"""A mixture of token directories (jaxgpt/data/mixture_task.py) beyond its shapes: what evaluation
 reads, and packed documents across sources.
 
 Two sources whose ids name them (web: 1-11, code: 12-23; EOS 0 after every document) and whose
@@ -22,7 +22,7 @@ from jaxgpt import PRESETS, build
 from jaxgpt.config import TrainConfig
 from jaxgpt.data.order import mixture_samples
 from jaxgpt.train.losses import loss_terms
-from jaxgpt.train.mixture_task import mixture_task
+from jaxgpt.data.mixture_task import mixture_task
 
 EOS, VOCAB, WEB = 0, 24, 12  # ids below WEB (but EOS) are web's, the rest code's
 

@@ -20,7 +20,7 @@ from jaxgpt import build
 from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
 from jaxgpt.nn.moe import EXPERT_IMPLS, MoE, route, router_losses
 from jaxgpt.train import init_state, make_train_step
-from jaxgpt.train.tasks import fit_config, load_task
+from jaxgpt.data.tasks import fit_config, load_task
 from torch_ref.convert import load_params
 from torch_ref.nn.moe import MoE as TMoE
 from torch_ref.train import train

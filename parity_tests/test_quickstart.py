@@ -46,7 +46,7 @@ def test_prepare_gives_a_small_corpus_a_validation_split(prepared, corpus):
 
 
 def test_default_train_config_finds_its_validation_windows(prepared):
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
 
     task = token_task(str(prepared), TrainConfig())  # val_fraction=0.1 > 0: evaluation needs val.bin
     assert len(task.val[0]) == MIN_VAL_TOKENS and len(task.eval_batches(TrainConfig())) == 10

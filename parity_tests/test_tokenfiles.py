@@ -1,4 +1,4 @@
-"""Token-file datasets (jaxgpt.data.tokenfiles, jaxgpt.train.token_task) through `jaxgpt train/eval/sample`.
+"""Token-file datasets (jaxgpt.data.tokenfiles, jaxgpt.data.token_task) through `jaxgpt train/eval/sample`.
 
 nanoGPT's format is written here the way nanoGPT's data/shakespeare_char/prepare.py writes it
 (uint16 ``np.array(ids).tofile``, meta.pkl = {'vocab_size', 'itos', 'stoi'}); the reference for
@@ -235,7 +235,7 @@ def test_bare_nanogpt_gpt2_files_take_the_models_vocabulary(tmp_path):
     """nanoGPT's openwebtext/prepare.py writes no meta.pkl: GPT-2 ids, the vocabulary is the model's
     (the task then has an id-only tokenizer: sampling needs --prompt-ids and prints ids)."""
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
 
     ids = np.random.default_rng(0).integers(0, 50257, 5000).astype(np.uint16)
     ids.tofile(tmp_path / "train.bin")

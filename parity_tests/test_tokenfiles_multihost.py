@@ -62,7 +62,7 @@ def test_one_and_two_processes_see_the_same_global_batches(tmp_path):
     from parity_tests.tokenfiles_worker import SETS, STEPS
 
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
 
     d = token_dir(tmp_path / "data")
     results = launch(tmp_path, d)

@@ -18,7 +18,7 @@ from jaxgpt.data import IGNORE_INDEX, builtin_pairs
 from jaxgpt.models import abstract_params
 from jaxgpt.train import cross_entropy, init_state, make_train_step, schedule
 from jaxgpt.train.optim import DECAY_MASKS, decay_mask
-from jaxgpt.train.tasks import classify_task, fit_config, load_task, pairs_task
+from jaxgpt.data.tasks import classify_task, fit_config, load_task, pairs_task
 from conftest import (assert_as_accurate_as_torch, assert_close, assert_self_consistent, float64_module,
                       float64_torch)
 from torch_ref.convert import load_params

@@ -106,7 +106,7 @@ def test_hf_export_writes_the_tokens_rows(tmp_path):
 
 def test_fit_config_pads_only_when_asked():
     from jaxgpt.data import CharTokenizer
-    from jaxgpt.train.tasks import fit_config
+    from jaxgpt.data.tasks import fit_config
 
     class Task:
         tokenizer = CharTokenizer("abcdefg")

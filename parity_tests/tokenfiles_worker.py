@@ -27,7 +27,7 @@ def run(port: str, pid: int, data: str) -> dict:
 
     from jaxgpt.config import TrainConfig
     from jaxgpt.parallel.sharding import make_mesh, shard_batch
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
 
     tc = TrainConfig(**SETS, mesh=MESH)
     task = token_task(data, tc)

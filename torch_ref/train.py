@@ -1,5 +1,5 @@
 """The torch training loop mirroring jaxgpt.train: same losses, AdamW settings, schedule,
-clipping, gradient accumulation and batches (jaxgpt.train.tasks is NumPy, shared as is).
+clipping, gradient accumulation and batches (jaxgpt.data.tasks is NumPy, shared as is).
 From the same initial weights on the same batches both give the same loss curve."""
 from __future__ import annotations
 

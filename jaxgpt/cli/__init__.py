@@ -25,11 +25,7 @@ from jaxgpt.parallel.host_devices import use_host_devices
 from jaxgpt.cli import compile_cache
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxgpt", description=__doc__.split("\n")[0])
-    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a preset on a text file or a built-in corpus")
     start = t.add_mutually_exclusive_group(required=True)
     start.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (training defaults: TrainConfig's, seed 000's; "
@@ -58,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int, help="multi-host: this process's index, 0-based")
     t.set_defaults(fn=cmd_train)
 
+
+def _add_sample_parser(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a checkpoint")
     s.add_argument("--ckpt", required=True)
     s.add_argument("--prompt", default="")
@@ -71,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     s.set_defaults(fn=cmd_sample)
 
+
+def _add_eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="validation loss, perplexity and accuracy of a checkpoint")
     e.add_argument("--ckpt", required=True)
     src = e.add_mutually_exclusive_group()
@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", help="also write the result here")
     e.set_defaults(fn=cmd_eval)
 
-    add_prepare_parser(sub)
 
+def _add_convert_parser(sub) -> None:
     c = sub.add_parser("convert", help="convert weights between jaxgpt, safetensors, torch_ref, HF and nanoGPT")
     c.add_argument("src", help="jaxgpt run/checkpoint dir, .safetensors, torch_ref or nanoGPT .pt, HF model dir")
     c.add_argument("dst")
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--from", dest="src_format", choices=("jaxgpt", "safetensors", "torch", "hf"))
     c.set_defaults(fn=cmd_convert)
 
+
+def _add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="train-step and decode tokens/s for a preset")
     b.add_argument("--preset", required=True)
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model settings")
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the results as JSON here")
     b.set_defaults(fn=cmd_bench)
 
+
+def _add_parity_parser(sub) -> None:
     q = sub.add_parser("parity", help="compare a torch checkpoint with its jaxgpt conversion, layer by layer "
                                       "(exit 1 when anything exceeds --tol)")
     q.add_argument("model", help="HF model directory, nanoGPT ckpt.pt or torch_ref .pt (from jaxgpt convert)")
@@ -116,7 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", help="also write the full report here")
     q.set_defaults(fn=cmd_parity)
 
-    add_serve_parser(sub)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxgpt", description=__doc__.split("\n")[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_train_parser, _add_sample_parser, _add_eval_parser, add_prepare_parser, _add_convert_parser,
+                _add_bench_parser, _add_parity_parser, add_serve_parser):  # the order `jaxgpt --help` lists
+        add(sub)
     return p
 
 

@@ -54,7 +54,7 @@ def init_from(args, **flags):
     from jaxgpt.convert.files import detect_format, load_weights
     from jaxgpt.train.loop import prepare
     from jaxgpt.train.step import init_state
-    from jaxgpt.train.tasks import fit_config, load_task, with_epochs
+    from jaxgpt.data.tasks import fit_config, load_task, with_epochs
 
     fmt = detect_format(args.init)
     config, params, extras = load_weights(args.init, fmt)

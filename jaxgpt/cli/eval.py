@@ -9,7 +9,7 @@ from jaxgpt.config import TrainConfig
 
 def cmd_eval(args) -> int:
     from jaxgpt.train.loop import evaluate
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     config, params, meta, _ = load_for_inference(args.ckpt, args.step)
     if "train" not in meta and args.data is None and args.corpus is None:
@@ -27,7 +27,7 @@ def cmd_eval(args) -> int:
     from jaxgpt.data.tokenfiles import is_token_dir
 
     if data is not None and is_token_dir(data):  # validation from val.bin, whatever the run's val_fraction
-        from jaxgpt.train.token_task import token_task
+        from jaxgpt.data.token_task import token_task
 
         task = token_task(data, tc, vocab_size=config.vocab_size, tokenizer=meta["tokenizer"], need_val=True)
     else:

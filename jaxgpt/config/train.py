@@ -62,7 +62,7 @@ class TrainConfig(_Config):
     # --val-fraction / --min-val-tokens) and evaluates on its val.bin. 0: no validation split and no evaluation.
     val_fraction: float = 0.1
     # Epoch-based runs: epochs > 0 makes the run epochs passes over the training data; steps and
-    # steps_per_epoch are then derived from the data (jaxgpt.train.tasks.with_epochs; jaxgpt train does it).
+    # steps_per_epoch are then derived from the data (jaxgpt.data.tasks.with_epochs; jaxgpt train does it).
     epochs: int = 0
     steps_per_epoch: int = 0  # set by with_epochs; 0 = unknown
     lr_per_epoch: bool = False  # the schedule advances once per epoch (CosineAnnealingLR(T_max=epochs), seed 002)
@@ -130,7 +130,7 @@ class TrainConfig(_Config):
             raise ValueError("lr_per_epoch=True steps the schedule once per epoch: it needs epochs > 0")
         if self.steps_per_epoch and self.epochs and self.steps != self.epochs * self.steps_per_epoch:
             raise ValueError(f"steps={self.steps} is not epochs * steps_per_epoch = {self.epochs} * "
-                             f"{self.steps_per_epoch}; derive them with jaxgpt.train.tasks.with_epochs")
+                             f"{self.steps_per_epoch}; derive them with jaxgpt.data.tasks.with_epochs")
         if self.mesh and self.mesh != "auto":
             from jaxgpt.config.mesh import batch_devices, parse_mesh
 
@@ -159,7 +159,7 @@ class TrainConfig(_Config):
         (steps_per_epoch, epochs)."""
         if self.lr_per_epoch:
             if not self.steps_per_epoch:
-                raise ValueError("lr_per_epoch needs steps_per_epoch: derive it with jaxgpt.train.tasks.with_epochs")
+                raise ValueError("lr_per_epoch needs steps_per_epoch: derive it with jaxgpt.data.tasks.with_epochs")
             return self.steps_per_epoch, self.epochs
         return 1, self.steps
 

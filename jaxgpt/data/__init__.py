@@ -1,8 +1,10 @@
-"""Data: tokenizers, corpora and batching, kept apart (numpy only: no torch, no jax).
+"""Data: tokenizers, corpora, batching and training tasks, kept apart (numpy only: no torch; jax only inside
+``token_task``'s per-process rows, imported when a multi-process run asks).
 
 - ``tokenizers``: Char / Pair / BPE tokenizers; ``hf_tokenizer``: an HF directory's tokenizer.json;
 - ``corpora``: the built-in corpora and text files; ``generated``: the synthetic task sets;
-- ``batching``: batches as pure functions of (seed, step).
+- ``batching``: batches as pure functions of (seed, step);
+- ``task`` / ``tasks``: what a run trains on (``Task``, ``load_task``); ``token_task``, ``mixture_task``: token files.
 """
 from jaxgpt.core.constants import BATCH_KEYS, IGNORE_INDEX, batch_keys
 from jaxgpt.data.batching import encode_pairs, get_batch, pad_batch, shuffled_batch, split_train_val

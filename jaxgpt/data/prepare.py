@@ -291,15 +291,7 @@ def _encode_star(args):
 
 # --- The whole run ----------------------------------------------------------------------------
 
-def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, text_field: str = "text",
-            text_unit: str = "file", split: str = "train", val_fraction: float = 0.0005,
-            min_val_tokens: int = MIN_VAL_TOKENS, num_proc: int = 1, eos: str | None = None, merge: bool = True,
-            progress: bool = True, log=print) -> dict:
-    """Tokenize ``sources`` into ``out``; returns the meta.json dict.
-
-    ``val_fraction``: the fraction of documents held out for val.bin (0: none). ``min_val_tokens``: when
-    the held-out documents have fewer tokens, val.bin is topped up with the last tokens of the training
-    stream, up to min(min_val_tokens, a tenth of all tokens) (merged output only; 0: never)."""
+def _check_settings(text_unit: str, val_fraction: float, num_proc: int, min_val_tokens: int) -> None:
     if text_unit not in TEXT_UNITS:
         raise ValueError(f"text_unit must be one of {TEXT_UNITS}, got {text_unit!r}")
     if not 0.0 <= val_fraction < 1.0:
@@ -308,21 +300,10 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, tex
         raise ValueError(f"num_proc must be >= 1, got {num_proc!r}")
     if min_val_tokens < 0:
         raise ValueError(f"min_val_tokens must be >= 0, got {min_val_tokens!r}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = out / ".shards"
-    work.mkdir(exist_ok=True)
-    opts = {"text_field": text_field, "text_unit": text_unit, "split": split}
-    shards = plan_shards(sources, split=split, text_unit=text_unit, tokenizer=tokenizer, log=log)
-    tok, eos_id, eos_token = load_tokenizer(tokenizer, shards, opts, eos)
-    dtype = dtype_for(tok.vocab_size)
-    plan = {"shards": shards, "tokenizer": tokenizer, "val_fraction": val_fraction, "opts": opts, "eos_id": eos_id}
-    plan_path = work / "plan.json"
-    if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
-        raise ValueError(f"{out} holds an unfinished prepare run with other sources or settings: remove {work} "
-                         "or prepare into a new directory")
-    plan_path.write_text(json.dumps(plan))
-    jobs = [(i, s, work, tok.to_dict(), eos_id, dtype, val_fraction, opts) for i, s in enumerate(shards)]
+
+
+def _encode_all(jobs: list[tuple], num_proc: int, progress: bool) -> dict[int, dict]:
+    """{shard index: ``encode_shard``'s result} for every job, on ``num_proc`` processes, with a progress bar."""
     from tqdm.auto import tqdm
 
     t0, results = time.perf_counter(), {}
@@ -349,16 +330,51 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, tex
         if pool is not None:
             pool.close()
             pool.join()
+    return results
+
+
+def _merge_shards(out: Path, files: dict[str, list[str]]) -> None:
+    """``out/train.bin`` and ``out/val.bin``: each split's shard files concatenated in order."""
+    for s in ("train", "val"):
+        tmp = out / f"{s}.bin.tmp"
+        with open(tmp, "wb") as dst:
+            for name in files[s]:
+                with open(out / name, "rb") as src:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+        tmp.replace(out / f"{s}.bin")
+
+
+def prepare(sources: list[str], out: str | Path, tokenizer: str = "char", *, text_field: str = "text",
+            text_unit: str = "file", split: str = "train", val_fraction: float = 0.0005,
+            min_val_tokens: int = MIN_VAL_TOKENS, num_proc: int = 1, eos: str | None = None, merge: bool = True,
+            progress: bool = True, log=print) -> dict:
+    """Tokenize ``sources`` into ``out``; returns the meta.json dict.
+
+    ``val_fraction``: the fraction of documents held out for val.bin (0: none). ``min_val_tokens``: when
+    the held-out documents have fewer tokens, val.bin is topped up with the last tokens of the training
+    stream, up to min(min_val_tokens, a tenth of all tokens) (merged output only; 0: never)."""
+    _check_settings(text_unit, val_fraction, num_proc, min_val_tokens)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / ".shards"
+    work.mkdir(exist_ok=True)
+    opts = {"text_field": text_field, "text_unit": text_unit, "split": split}
+    shards = plan_shards(sources, split=split, text_unit=text_unit, tokenizer=tokenizer, log=log)
+    tok, eos_id, eos_token = load_tokenizer(tokenizer, shards, opts, eos)
+    dtype = dtype_for(tok.vocab_size)
+    plan = {"shards": shards, "tokenizer": tokenizer, "val_fraction": val_fraction, "opts": opts, "eos_id": eos_id}
+    plan_path = work / "plan.json"
+    if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
+        raise ValueError(f"{out} holds an unfinished prepare run with other sources or settings: remove {work} "
+                         "or prepare into a new directory")
+    plan_path.write_text(json.dumps(plan))
+    jobs = [(i, s, work, tok.to_dict(), eos_id, dtype, val_fraction, opts) for i, s in enumerate(shards)]
+    t0 = time.perf_counter()
+    results = _encode_all(jobs, num_proc, progress)
     totals = {k: {s: sum(r[k][s] for r in results.values()) for s in ("train", "val")} for k in ("documents", "tokens")}
     files = {s: [f".shards/{i:05d}.{s}.bin" for i in range(len(jobs))] for s in ("train", "val")}
     if merge:
-        for s in ("train", "val"):
-            tmp = out / f"{s}.bin.tmp"
-            with open(tmp, "wb") as dst:
-                for name in files[s]:
-                    with open(out / name, "rb") as src:
-                        shutil.copyfileobj(src, dst, 16 << 20)
-            tmp.replace(out / f"{s}.bin")
+        _merge_shards(out, files)
     tail = _val_top_up(totals["tokens"], val_fraction, min_val_tokens) if merge else 0
     if tail:
         _move_tail(out / "train.bin", out / "val.bin", tail * np.dtype(dtype).itemsize)

@@ -81,18 +81,6 @@ def auto_mesh(micro_batch: int | None = None) -> Mesh | None:
     return make_mesh({a: n if a == "data" else 1 for a in AXES}, devices[:n]) if n > 1 else None
 
 
-def train_mesh(tc, mesh="auto") -> Mesh | None:
-    """The mesh a train step runs on: ``mesh`` when given (a Mesh, or None for one device), else
-    ``tc.mesh`` ('auto': ``auto_mesh``; '': None)."""
-    if not isinstance(mesh, str):
-        return mesh
-    if mesh != "auto":
-        raise ValueError(f"mesh={mesh!r}: pass a Mesh, None (one device) or 'auto' (from TrainConfig.mesh)")
-    if tc.mesh == "auto":
-        return auto_mesh(tc.micro_batch)
-    return make_mesh(tc.mesh) if tc.mesh else None
-
-
 def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
     """A Mesh with axes ('data', 'fsdp', 'expert', 'tensor') over ``devices`` (default: all, every process)."""
     devices = jax.devices() if devices is None else list(devices)
@@ -373,4 +361,4 @@ def describe(config, params, mesh: Mesh) -> dict[str, str]:
 __all__ = ["AXES", "LOGICAL_RULES", "PARAM_RULES", "batch_sharding", "bytes_per_device", "constrain_activations",
            "describe", "gathers_in_scan", "mesh_devices", "ReplicationWarning", "replication_message", "unsplit",
            "logical_axes", "make_mesh", "param_shardings", "param_specs", "parse_mesh", "shard_batch",
-           "state_shardings", "use_host_devices", "auto_mesh", "train_mesh"]
+           "state_shardings", "use_host_devices", "auto_mesh"]

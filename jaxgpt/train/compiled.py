@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 
 
-# XLA:CPU (jaxlib 0.10) hands each dot to YNNPACK and each reduction too (its fusion types INDIVIDUAL_DOT and
-# REDUCE). Eigen's dots made the shakespeare-char step 1.06x faster (5.25 against 5.57 s, 4 process pairs A B A B;
-# cpu-small unchanged), so the train and eval steps keep YNNPACK for the reductions only (without them: slower).
+# XLA:CPU hands each dot to YNNPACK and each reduction too; Eigen's dots are faster for the train step, so the
+# train and eval steps keep YNNPACK for the reductions only (docs/performance.md, "Eigen for the CPU steps' dots").
 CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
-# XLA:GPU (jaxlib 0.11.2) writes some GEMMs and their fused neighbours as Triton kernels; cuBLAS's GEMMs
-# made the gpt2-small B 12 x 1024 bf16 train step faster (H200, results/engine/gpu.md; docs/performance.md).
+# XLA:GPU writes some GEMMs and their fused neighbours as Triton kernels; cuBLAS's GEMMs make the bf16 train
+# step faster (results/engine/gpu.md; docs/performance.md).
 GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
@@ -63,12 +62,10 @@ class Paced:
     """``fn`` with at most ``depth`` calls in flight: each call first waits for the outputs
     (``keep(out)``) of the call ``depth`` before it. Why: XLA:CPU launches a multi-device program's
     per-device parts as separate pool tasks and lets each device hold a bounded number of programs in
-    flight. A loop that dispatches many collective steps without reading a result (``for s in
-    range(60): state, _ = step(state, batch)``) could fill device 1's slots with later steps, which
-    wait for their inputs, while the step device 0 waits on in its all-reduce could not launch on
-    device 1: XLA's rendezvous aborted the process after 40 s (seen in CI, 2026-11-25, in the core
-    dump: device 1's launch blocked in ``max_inflight_computations_semaphore``). Any attribute other
-    than the call (``lower``, ...) is ``fn``'s."""
+    flight, so a loop that dispatches many collective steps without reading a result could fill one
+    device's slots with later steps while the other waits in an earlier step's all-reduce, and XLA's
+    rendezvous aborts the process (docs/troubleshooting.md). Any attribute other than the call
+    (``lower``, ...) is ``fn``'s."""
 
     def __init__(self, fn, keep=lambda out: out, depth: int = 4):
         self._fn, self._keep, self._depth, self._pending = fn, keep, depth, collections.deque()
@@ -99,7 +96,7 @@ def compile_ahead(fn, *args) -> threading.Thread | None:
     on; join the thread before the first call, which then loads the program instead of compiling it.
     None (nothing started) when no persistent cache is on, since the program would be compiled twice.
     Why: ``fit`` initialises the state (compiling its init on one core) while the train program
-    compiles on the other: the first ``jaxgpt train`` of nanoGPT's CPU config saves about 1 s."""
+    compiles on the other (docs/performance.md, "the train program compiles ahead")."""
     if not jax.config.jax_compilation_cache_dir:
         return None
 

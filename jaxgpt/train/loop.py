@@ -4,7 +4,7 @@ step, log, evaluate, checkpoint, plot (``fit(checkpoints=False)``: no orbax, no 
 Updates run ``TrainConfig.steps_per_call`` at a time (default: ``log_every``): one call of
 ``make_train_steps`` loops over a stack of batches inside the program, so a CPU host whose cores
 all run the step spends its time on one dispatch, one transfer and one fetch per call, not per
-update (nanoGPT's CPU run: 26 -> 23 ms an update). The batches are built ahead by a prefetch
+update (docs/performance.md). The batches are built ahead by a prefetch
 thread (``jaxgpt.data.prefetch``); a call ends where the loop logs, evaluates or saves, and its
 metrics stay on the device until then. They are also fetched before
 every evaluation and checkpoint, so a NaN/inf loss is seen before anything is saved after it:
@@ -31,7 +31,7 @@ from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.plots import plot_expert_load, plot_losses
 from jaxgpt.train.plan import Plan, make_plan, resolve_mesh
 from jaxgpt.train.step import TrainState, init_state, make_eval_step
-from jaxgpt.train.tasks import Task, fit_config, load_task, with_epochs
+from jaxgpt.data.tasks import Task, fit_config, load_task, with_epochs
 from jaxgpt.core.validate import check_batch
 from jaxgpt.parallel.host_devices import use_host_devices
 
@@ -112,7 +112,7 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, state: TrainState | None = None,
         progress: bool = True, log=print, checkpoints: bool = True, until: int | None = None,
         on_log: Callable[[list[dict]], bool | None] | None = None,
-        on_eval: Callable[[int, Any], dict] | None = None, train_step=None, eval_step=None,
+        on_eval: Callable[[int, Any], dict] | None = None, train_steps=None, eval_step=None,
         loggers: tuple[Callable[[list[dict]], None], ...] = ()) -> dict:
     """Train from ``state`` (default: ``init_state``) to ``tc.steps``, writing ``out/metrics.jsonl``,
     ``out/checkpoints/`` and ``out/loss.png``. Every batch is checked on the host, and a NaN/inf loss
@@ -124,8 +124,8 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     steps, and the first step), after the NaN check; a true result stops the run after that step
     (saved when checkpointing; no extra evaluation). on_eval(step, params) -> dict: scores merged into
     each evaluation row (every ``tc.eval_every`` steps and at the end; also without a validation
-    split). train_step, eval_step: compiled steps to reuse (``make_train_step(config, tc)``,
-    ``make_eval_step(config)``), e.g. across the seeds of one model. loggers: callables given every
+    split). train_steps, eval_step: compiled programs to reuse (``make_train_steps(config, tc,
+    tc.updates_per_call)``, ``make_eval_step(config)``), e.g. across the seeds of one model. loggers: callables given every
     row metrics.jsonl gets, on process 0 (``jaxgpt.train.tensorboard.TensorBoardLog``).
 
     Returns the summary: steps (updates done), final_loss (mean of the last 20), val_loss, tok_s,
@@ -140,7 +140,7 @@ def fit(config, tc: TrainConfig, task: Task, out: str | Path | None = None, *, s
     out = None if out is None else Path(out)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    plan = make_plan(config, tc, task, train_step=train_step, eval_step=eval_step)  # the mesh: decided here, once
+    plan = make_plan(config, tc, task, train_steps=train_steps, eval_step=eval_step)  # the mesh: decided here, once
     run = _Run(config, tc, task, plan, out, checkpoints=checkpoints, progress=progress,
                hooks=_Hooks(on_log=on_log, on_eval=on_eval, loggers=loggers))
     try:
@@ -236,8 +236,7 @@ class _Run:
             self.train_s += now - self.t_flush
             self.windows.append((now - self.t_flush) / n)
         tok_s = self.tokens * n / max(now - self.t_flush, 1e-9)
-        multi = self.plan.multi
-        rows = [{"step": s, **{k: _value(v[i] if multi else v) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
+        rows = [{"step": s, **{k: _value(v[i]) for k, v in m.items()}, "tok_s": round(tok_s, 1)}
                 for c, m in zip(calls, metrics) for i, s in enumerate(c)]
         self.pending.clear()
         bad = [r for r in rows if r["nonfinite"]]
@@ -279,10 +278,8 @@ class _Run:
         return out
 
     def batches_of(self, c: range) -> dict:
-        """Call ``c``'s batches: one, or ``k`` stacked (k, ...), the slots after its last update repeating that
+        """Call ``c``'s batches, ``k`` stacked (k, ...), the slots after its last update repeating that
         update's batch (a pure function of the step: the prefetch thread builds them)."""
-        if not self.plan.multi:
-            return self.task.batch(self.tc, c[0] - 1)
         got = [self.task.batch(self.tc, s - 1) for s in c]
         got += got[-1:] * (self.plan.k - len(got))
         return {key: np.stack([b[key] for b in got]) for key in got[0]}
@@ -302,8 +299,8 @@ class _Run:
         try:
             for c in work:
                 # dispatch is asynchronous: the thread is already building the batches after these
-                b = plan.place(check_batch(self.prefetch.get(c), self.config), plan.lead)  # jit would not raise
-                self.state, m = plan.run(self.state, b, len(c))
+                chunk = check_batch(self.prefetch.get(c), self.config)  # jit would not raise
+                self.state, m = plan.run(self.state, chunk, len(c))
                 done = c[-1]
                 self.pending.append((c, m))
                 evaluate_now = (tc.eval_every and done % tc.eval_every == 0) or done == self.end

@@ -15,13 +15,17 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 from jaxgpt.nn import checks
 from jaxgpt.nn.moe import load_metrics
 from jaxgpt.config import TrainConfig
 from jaxgpt.config.mesh import batch_devices
 from jaxgpt.models import abstract_params, init_params
 from jaxgpt.parallel.data_parallel import data_parallel, replicated
+from jaxgpt.parallel.sharding import batch_sharding, constrain_activations, param_shardings, state_shardings
 from jaxgpt.train.compiled import Jit, compiler_options, paced
+from jaxgpt.train.mesh import resolve_mesh
 from jaxgpt.train.losses import loss_terms, objective
 from jaxgpt.train.optim import make_optimizer, schedule
 
@@ -36,21 +40,15 @@ class TrainState(struct.PyTreeNode):
         return {"step": self.step, "params": self.params, "opt_state": self.opt_state, "rng": self.rng}
 
 
-def init_state(config, tc: TrainConfig, params=None, mesh="auto") -> TrainState:
+def init_state(config, tc: TrainConfig, params=None, mesh: Mesh | str | None = "auto") -> TrainState:
     """Step 0: params from ``init_params(config, fold_in(PRNGKey(seed), 0))`` unless given.
 
     mesh: a ``jaxgpt.parallel.sharding`` mesh: every array is created directly in its sharding by one
     ``jax.jit(..., out_shardings=...)``, never whole on one device (the values do not depend on the
     mesh: JAX's partitionable threefry draws the same numbers however the output is split).
-    'auto': the mesh ``make_train_step`` picks from ``tc.mesh`` (sharding.train_mesh); None: one device."""
-    key = jax.random.PRNGKey(tc.seed)
-    if isinstance(mesh, str):
-        from jaxgpt.parallel.sharding import train_mesh
-
-        mesh = train_mesh(tc, mesh)
+    'auto': ``tc.mesh``'s (``train.mesh.resolve_mesh``), the mesh ``make_train_step`` picks; None: one device."""
+    key, mesh = jax.random.PRNGKey(tc.seed), resolve_mesh(tc, mesh)
     if mesh is not None:
-        from jaxgpt.parallel.sharding import state_shardings
-
         def fresh(p):
             p = init_params(config, jax.random.fold_in(key, 0)) if p is None else p
             return TrainState(step=jnp.int32(0), params=p, opt_state=make_optimizer(tc).init(p),
@@ -67,19 +65,17 @@ def init_state(config, tc: TrainConfig, params=None, mesh="auto") -> TrainState:
                       rng=jax.random.fold_in(key, 1))
 
 
-def abstract_state(config, tc: TrainConfig, mesh=None) -> TrainState:
+def abstract_state(config, tc: TrainConfig, mesh: Mesh | None = None) -> TrainState:
     """Shapes and dtypes of ``init_state`` (jax.eval_shape: nothing allocated), the restore target;
     with ``mesh``, each ShapeDtypeStruct also carries its sharding (restores land split)."""
     return jax.tree.map(lambda x: x, _abstract_state(config, tc, mesh))  # fresh containers: callers may edit
 
 
-@functools.lru_cache(maxsize=32)  # a trace of init (0.3-0.4 s), asked for by every checkpoint read-back
-def _abstract_state(config, tc: TrainConfig, mesh) -> TrainState:
+@functools.lru_cache(maxsize=32)  # a trace of init, asked for by every checkpoint read-back
+def _abstract_state(config, tc: TrainConfig, mesh: Mesh | None) -> TrainState:
     shapes = jax.eval_shape(lambda: init_state(config, tc, mesh=None))  # shapes only: no mesh to decide
     if mesh is None:
         return shapes
-    from jaxgpt.parallel.sharding import state_shardings
-
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                         state_shardings(config, shapes, mesh))
 
@@ -92,39 +88,28 @@ def _row_sums(config) -> bool:
     return getattr(config, "moe", None) is None and not dropout(config.to_dict())
 
 
-def _train_program(config, tc: TrainConfig, mesh):
-    """(the pure ``train_step(state, batch)``, its mesh or None, jit's shardings ({} without a mesh),
-    whether the batch comes unsplit ('auto'))."""
-    optimizer, lr = make_optimizer(tc), schedule(tc)
-    # TrainConfig.mesh='auto': the batch comes as it is (any row count) and is split in the step, if it divides
-    auto = isinstance(mesh, str) and tc.mesh == "auto"
-    if isinstance(mesh, str):
-        from jaxgpt.parallel.sharding import train_mesh
+def _split(mesh: Mesh | None, rows: int) -> bool:
+    """Whether a batch of ``rows`` rows is split over ``mesh``'s batch axes (rows that do not divide run
+    whole on each device)."""
+    return mesh is not None and rows % batch_devices(mesh.shape) == 0
 
-        mesh = train_mesh(tc, mesh)
-    if mesh is not None:
-        from jaxgpt.parallel.sharding import state_shardings
 
-        state_sh = state_shardings(config, abstract_state(config, tc), mesh)
-    # replicated state and no dropout: the gradient as one shard_map with one all-reduce (data_parallel.py)
-    one_allreduce = mesh is not None and replicated(state_sh) and _row_sums(config)
-
+def _gradients(config, tc: TrainConfig, mesh: Mesh | None):
+    """-> ``accumulate(params, batch, rng, spmd=True) -> (grads, terms)``: gradients of the summed objective
+    and the summed loss terms over the micro-batches (spmd=False: inside data_parallel's shard_map, on
+    this device's rows)."""
     def micro_grads(params, micro, rng, spmd=True):
         def f(p):
             rows = jax.tree.leaves(micro)[0].shape[0]
-            if not spmd or mesh is None or rows % batch_devices(mesh.shape):  # 'auto' only: rows that do not divide
+            if not spmd or not _split(mesh, rows):
                 terms = loss_terms(config, p, micro, rng=rng, train=True)
             else:  # activations split by row: FSDP weights are then gathered layer by layer in the scan
-                from jaxgpt.parallel.sharding import constrain_activations
-
                 with constrain_activations(mesh, rows):
                     terms = loss_terms(config, p, micro, rng=rng, train=True)
             return objective(terms, tc, config), terms
         return jax.grad(f, has_aux=True)(params)
 
     def accumulate(params, batch, rng, spmd=True):
-        """Gradients of the summed objective and the summed loss terms over the micro-batches
-        (spmd=False: inside data_parallel's shard_map, on this device's rows)."""
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         if n_micro == 1:
             return micro_grads(params, jax.tree.map(lambda a: a[0], batch), rng, spmd)
@@ -138,19 +123,15 @@ def _train_program(config, tc: TrainConfig, mesh):
                                                             jax.tree.map(lambda a: a[0], batch), rng))
         return jax.lax.scan(body, zeros, (jnp.arange(n_micro), batch))[0]
 
-    def train_step(state: TrainState, batch: dict):
-        checks.debug_check_batch(batch, config)  # up front, outside grad: names the key and the micro-batch
-        rows = jax.tree.leaves(batch)[0].shape[1]
-        split = mesh is not None and rows % batch_devices(mesh.shape) == 0
-        if auto and split:
-            from jaxgpt.parallel.sharding import batch_sharding
+    return accumulate
 
-            batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
-        rng = jax.random.fold_in(state.rng, state.step)
-        if split and one_allreduce:
-            grads, terms = data_parallel(functools.partial(accumulate, spmd=False), mesh)(state.params, batch, rng)
-        else:
-            grads, terms = accumulate(state.params, batch, rng)
+
+def _update(config, tc: TrainConfig):
+    """-> ``update(state, grads, terms) -> (state, metrics)``: the optimizer step on the summed gradients
+    and the update's metrics."""
+    optimizer, lr = make_optimizer(tc), schedule(tc)
+
+    def update(state: TrainState, grads, terms: dict):
         count = jnp.maximum(terms["count"], 1)
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -172,28 +153,46 @@ def _train_program(config, tc: TrainConfig, mesh):
                            **load_metrics(terms["expert_counts"], terms["expert_dropped"]))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+    return update
+
+
+def _train_program(config, tc: TrainConfig, mesh: Mesh | None):
+    """(the pure ``train_step(state, batch)``, jit's shardings: {} without a mesh). The batch comes as it
+    is (host arrays of any row count, or already placed): rows that divide are split over the mesh's
+    batch axes in here."""
+    accumulate, update = _gradients(config, tc, mesh), _update(config, tc)
+    state_sh = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract_state(config, tc, mesh))
+    # replicated state and no dropout: the gradient as one shard_map with one all-reduce (data_parallel.py)
+    one_allreduce = mesh is not None and replicated(state_sh) and _row_sums(config)
+
+    def train_step(state: TrainState, batch: dict):
+        checks.debug_check_batch(batch, config)  # up front, outside grad: names the key and the micro-batch
+        split = _split(mesh, jax.tree.leaves(batch)[0].shape[1])
+        if split:
+            batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
+        rng = jax.random.fold_in(state.rng, state.step)
+        if split and one_allreduce:
+            grads, terms = data_parallel(functools.partial(accumulate, spmd=False), mesh)(state.params, batch, rng)
+        else:
+            grads, terms = accumulate(state.params, batch, rng)
+        return update(state, grads, terms)
+
     if mesh is None:
-        return train_step, None, {}, auto
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxgpt.parallel.sharding import batch_sharding
-
-    # 'auto': the batch comes as it is (host arrays, any row count) and is split in here
-    return train_step, mesh, dict(in_shardings=(state_sh, None if auto else batch_sharding(mesh)),
-                                  out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec()))), auto
+        return train_step, {}
+    return train_step, dict(in_shardings=(state_sh, None), out_shardings=(state_sh, NamedSharding(mesh, P())))
 
 
-def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="auto"):
+def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh: Mesh | str | None = "auto"):
     """-> jitted ``train_step(state, batch) -> (state, metrics)``; ``state`` is donated.
     ``checked``: checked mode (``jaxgpt.nn.checks``): a bad id, target or label raises ValueError
     instead of being clamped or scored silently; off by default (the checks compile away).
     ``mesh``: a ``jaxgpt.parallel.sharding`` mesh: the state keeps its sharding (``init_state(mesh=...)``),
-    batch rows are split over ('data', 'fsdp', 'expert') (``sharding.shard_batch``), metrics replicated; jit
-    propagates the rest. None: the single-device step, unchanged. 'auto' (default): from ``tc.mesh``
-    (sharding.train_mesh); its default 'auto' splits the batch over this host's CPU devices
-    (jaxgpt.parallel.host_devices), and a batch whose rows do not divide runs whole on each of them.
+    batch rows are split over ('data', 'fsdp', 'expert') (``sharding.shard_batch`` places them so ahead),
+    metrics replicated; jit propagates the rest. None: the single-device step. 'auto' (default):
+    ``tc.mesh``'s (``train.mesh.resolve_mesh``); its default 'auto' splits the batch over this host's CPU
+    devices (jaxgpt.parallel.host_devices). A batch whose rows do not divide runs whole on each device.
     When the state is replicated and the model draws no dropout, the gradient is computed per device
-    and reduced in one all-reduce (``jaxgpt.parallel.data_parallel``: 1.1-1.2x on a 2-core CPU).
+    and reduced in one all-reduce (``jaxgpt.parallel.data_parallel``).
 
     batch: the model's batch dict (``losses.BATCH_KEYS``) with a leading micro-batch axis
     (grad_accum, micro_batch, ...). Gradients of the summed loss are accumulated over the
@@ -203,39 +202,42 @@ def make_train_step(config, tc: TrainConfig, *, checked: bool = False, mesh="aut
     with ``on_nonfinite='skip'`` such an update is not applied: params and optimizer state,
     including its update count, stay as they were).
     """
-    train_step, mesh, shardings, _ = _train_program(config, tc, mesh)
-    if mesh is not None:
-        # the metrics are what is waited for: the state was donated to the next step
-        if checked:
-            # checkify returns (error, output): the output shardings are left to propagation
-            return paced(checks.checked(train_step, donate_argnums=0, in_shardings=shardings["in_shardings"],
-                                         compiler_options=compiler_options() or None), mesh, keep=lambda out: out[1])
-        return paced(Jit(train_step, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
-    if checked:
-        return checks.checked(train_step, donate_argnums=0, compiler_options=compiler_options() or None)
-    return Jit(train_step, donate_argnums=0)
+    mesh = resolve_mesh(tc, mesh)
+    train_step, shardings = _train_program(config, tc, mesh)
+    options = compiler_options() or None
+    if checked:  # checkify returns (error, output): the output shardings are left to propagation
+        step = checks.checked(train_step, donate_argnums=0, compiler_options=options,
+                              **{k: v for k, v in shardings.items() if k == "in_shardings"})
+    else:
+        step = Jit(train_step, donate_argnums=0, **shardings)
+    # the metrics are what is waited for: the state was donated to the next step
+    return paced(step, mesh, keep=lambda out: out[1])
 
 
-def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
+def make_train_steps(config, tc: TrainConfig, k: int, *, mesh: Mesh | str | None = "auto"):
     """-> jitted ``train_steps(state, batches, n) -> (state, metrics)``: the updates of
     ``make_train_step``, one after another, for ``batches[0] .. batches[n - 1]`` in one call: a
     ``fori_loop`` over the same pure ``train_step``, so each update is the one a single step gives.
     ``batches``: ``k`` train batches stacked on a new leading axis, (k, grad_accum, micro_batch, ...);
     ``n`` (1..k) is an argument, not a constant, so one program serves every chunk length (the
     batches after the n-th are ignored). ``metrics``: each of ``make_train_step``'s metrics as a
-    (k,) array, update i in row i (rows n.. are zeros). ``state`` is donated.
+    (k,) array, update i in row i (rows n.. are zeros). ``state`` is donated. ``mesh``: as in
+    ``make_train_step``.
 
-    Why (``TrainConfig.steps_per_call``, what ``fit`` runs): on a CPU host whose cores all run the
-    step, host work is not hidden behind the device. Each dispatch, batch transfer and metrics fetch
-    takes its CPU time from the step: nanoGPT's CPU config, 2 host devices, 24.2 ms a step dispatched
-    one by one against 21.9 ms ten to a call (docs/performance.md)."""
+    ``fit`` runs this program (``TrainConfig.updates_per_call`` = k; one update a call is k = 1): where
+    the host's cores all run the step, one dispatch, transfer and fetch per call instead of per update
+    gives their time back to the step (docs/performance.md)."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k (updates per call) must be an int >= 1, got {k!r}")
-    train_step, mesh, shardings, auto = _train_program(config, tc, mesh)
+    mesh = resolve_mesh(tc, mesh)
+    train_step, shardings = _train_program(config, tc, mesh)
 
     def train_steps(state: TrainState, batches: dict, n):
-        one = jax.tree.map(lambda a: a[0], batches)
-        shapes = jax.eval_shape(train_step, state, one)[1]
+        got = jax.tree.leaves(batches)[0].shape[0]
+        if got != k:
+            raise ValueError(f"make_train_steps(k={k}) got a chunk of {got} batches; build the program with k = "
+                             f"the chunk length (fit: TrainConfig.updates_per_call)")
+        shapes = jax.eval_shape(train_step, state, jax.tree.map(lambda a: a[0], batches))[1]
         rows = jax.tree.map(lambda m: jnp.zeros((k, *m.shape), m.dtype), shapes)  # (k,) per metric
 
         def body(i, carry):
@@ -245,17 +247,13 @@ def make_train_steps(config, tc: TrainConfig, k: int, *, mesh="auto"):
 
         return jax.lax.fori_loop(0, n, body, (state, rows))
 
-    if mesh is None:
-        return Jit(train_steps, donate_argnums=0)
-    from jaxgpt.parallel.sharding import batch_sharding
-
-    state_sh, metrics_sh = shardings["out_shardings"]
-    chunk = None if auto else batch_sharding(mesh, lead=2)
-    return paced(Jit(train_steps, donate_argnums=0, in_shardings=(state_sh, chunk, None),
-                       out_shardings=(state_sh, metrics_sh)), mesh, keep=lambda out: out[1])
+    if shardings:
+        state_sh, metrics_sh = shardings["out_shardings"]
+        shardings = dict(in_shardings=(state_sh, None, None), out_shardings=(state_sh, metrics_sh))
+    return paced(Jit(train_steps, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
 
 
-def make_eval_step(config, *, checked: bool = False, mesh=None):
+def make_eval_step(config, *, checked: bool = False, mesh: Mesh | None = None):
     """-> jitted ``eval_step(params, batch) -> {'loss_sum', 'count', 'correct'}`` (no dropout);
     batch without the micro-batch axis. Sum over batches, then divide by the count.
     ``checked``: checked mode, as in ``make_train_step``. ``mesh``: the mesh the params live on;
@@ -263,7 +261,7 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
     batch whose rows divide is split over the devices and their sums added (``data_parallel``);
     other meshes and row counts are left to jit's propagation. Why not always leave it to jit: a
     propagated program carries the CPU attention kernel's ``custom_partitioning``, which JAX keys
-    by a per-process object id, so it never loads from the compile cache (0.5 s each run)."""
+    by a per-process object id, so it never loads from the compile cache."""
     def eval_step(params, batch):
         checks.debug_check_batch(batch, config)
         return loss_terms(config, params, batch, train=False)
@@ -273,8 +271,6 @@ def make_eval_step(config, *, checked: bool = False, mesh=None):
     whole = Jit(eval_step)
     if mesh is None:
         return whole
-    from jaxgpt.parallel.sharding import param_shardings
-
     if not replicated(param_shardings(config, abstract_params(config), mesh)):
         return paced(whole, mesh)  # jit's propagation over several devices: collectives too
     devices = batch_devices(mesh.shape)

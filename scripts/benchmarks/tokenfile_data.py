@@ -65,7 +65,7 @@ def worker(data: str, out: str) -> None:
 def loader(data: str) -> None:
     """Batches/s of TokenTask.batch (one process, all rows) at nanoGPT's GPT-2 shapes."""
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.token_task import token_task
+    from jaxgpt.data.token_task import token_task
 
     out = {}
     for b, t in LOADER_SHAPES:

@@ -58,7 +58,7 @@ def model_names(variants):
 
 def make_config(name: str, task):
     from jaxgpt.config import get_preset
-    from jaxgpt.train.tasks import fit_config
+    from jaxgpt.data.tasks import fit_config
 
     cfg = get_preset(PRESETS[kind_of(name)])
     if name == "standard":
@@ -192,13 +192,13 @@ def train_run(config, tc, task, params, steps_cache: dict) -> dict:
     """``expkit.train`` (jaxgpt's fit), with the jitted step shared by the seeds of one model (it depends on
     the config and the schedule, not on the seed: init, batches and dropout keys come from the state and
     task.batch), so each model compiles once. Every update's loss is kept; timing windows of 10 epochs."""
-    from jaxgpt.train import make_train_step
+    from jaxgpt.train import make_train_steps
 
+    tc = tc.replace(log_every=tc.steps_per_epoch * 10)
     key = (config, tc.replace(seed=0))
     if key not in steps_cache:
-        steps_cache[key] = make_train_step(config, tc)
-    return expkit.train(config, tc.replace(log_every=tc.steps_per_epoch * 10), task, params=params,
-                        train_step=steps_cache[key])
+        steps_cache[key] = make_train_steps(config, tc, tc.updates_per_call)
+    return expkit.train(config, tc, task, params=params, train_steps=steps_cache[key])
 
 
 def epoch_losses(history, steps_per_epoch: int) -> list[float]:
@@ -233,7 +233,7 @@ def main():
 
     from jaxgpt.config import get_preset
     from jaxgpt.data import builtin_pairs
-    from jaxgpt.train.tasks import load_task, with_epochs
+    from jaxgpt.data.tasks import load_task, with_epochs
 
     pairs = builtin_pairs("zh-en")
     seeds = list(range(args.seeds))

@@ -96,14 +96,14 @@ def hidden_rms(config, params, tokens) -> dict:
 def train_run(config, tc, task, params, cache: dict) -> dict:
     """``expkit.train`` (jaxgpt's fit) with the jitted train and eval steps shared by the seeds of one model
     (compiled once per model); validation loss every tc.eval_every updates and at the end."""
-    from jaxgpt.train import make_eval_step, make_train_step
+    from jaxgpt.train import make_eval_step, make_train_steps
 
+    tc = tc.replace(log_every=tc.eval_every)
     key = (config, tc.replace(seed=0))
     if key not in cache:
-        cache[key] = (make_train_step(config, tc), make_eval_step(config))
-    train_step, eval_step = cache[key]
-    r = expkit.train(config, tc.replace(log_every=tc.eval_every), task, params=params, train_step=train_step,
-                     eval_step=eval_step)
+        cache[key] = (make_train_steps(config, tc, tc.updates_per_call), make_eval_step(config))
+    train_steps, eval_step = cache[key]
+    r = expkit.train(config, tc, task, params=params, train_steps=train_steps, eval_step=eval_step)
     val = [(h["step"], h["val_loss"]) for h in r["history"] if "val_loss" in h]
     return r | {"val_steps": [s for s, _ in val], "val_loss": [v for _, v in val],
                 "train_loss": [h["loss"] for h in r["history"] if "loss" in h]}
@@ -134,7 +134,7 @@ def main():
     import jax
 
     from jaxgpt.train.step import init_state
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     path = expkit.shakespeare()
     eval_every = max(1, args.steps // 6)

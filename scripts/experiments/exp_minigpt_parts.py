@@ -35,7 +35,7 @@ def load_params(path: Path) -> dict:
 
 def _setup(preset: str, over: dict, tc):
     from jaxgpt.config import get_preset
-    from jaxgpt.train.tasks import fit_config, load_task
+    from jaxgpt.data.tasks import fit_config, load_task
 
     config = get_preset(preset).replace(**over)
     task = load_task(config, tc, corpus=CORPUS)
@@ -45,7 +45,7 @@ def _setup(preset: str, over: dict, tc):
 
 def tokenizer():
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     tc = TrainConfig(val_fraction=val_fraction())
     return load_task(ModelConfig(), tc, corpus=CORPUS).tokenizer
@@ -80,7 +80,7 @@ def train_run(name: str, preset: str, over: dict, seed: int, n_steps: int, cache
     all of them (TrainConfig(epochs=15) + with_epochs); '500': TrainConfig(steps=n_steps), the
     cosine compressed into the steps run."""
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.tasks import with_epochs
+    from jaxgpt.data.tasks import with_epochs
 
     vf = val_fraction()
     if schedule == "15ep":
@@ -116,7 +116,7 @@ def train_run(name: str, preset: str, over: dict, seed: int, n_steps: int, cache
 
 def steps_per_epoch() -> int:
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     tc = TrainConfig(val_fraction=val_fraction())
     return load_task(_setup("seed-minigpt", {}, tc)[0], tc, corpus=CORPUS).steps_per_epoch(tc)

@@ -91,15 +91,15 @@ def load_probe(config, batches):
 
 
 def train_run(config, tc, task, params, cache: dict, probe=None) -> dict:
-    from jaxgpt.train import make_eval_step, make_train_step
+    from jaxgpt.train import make_eval_step, make_train_steps
 
+    tc = tc.replace(log_every=tc.eval_every)
     key = (config, tc.replace(seed=0))
     if key not in cache:
-        cache[key] = (make_train_step(config, tc), make_eval_step(config))
-    train_step, eval_step = cache[key]
+        cache[key] = (make_train_steps(config, tc, tc.updates_per_call), make_eval_step(config))
+    train_steps, eval_step = cache[key]
     on_eval = None if probe is None else (lambda step, p: {"load": probe(p).tolist()})
-    r = expkit.train(config, tc.replace(log_every=tc.eval_every), task, params=params, train_step=train_step,
-                     eval_step=eval_step, on_eval=on_eval)
+    r = expkit.train(config, tc, task, params=params, train_steps=train_steps, eval_step=eval_step, on_eval=on_eval)
     val = [h for h in r["history"] if "val_loss" in h]
     return r | {"val_steps": [h["step"] for h in val], "val_loss": [h["val_loss"] for h in val],
                 "load": [h["load"] for h in val if "load" in h],
@@ -166,7 +166,7 @@ def main():
 
     scope = "layer" if args.aux_per_layer else "pooled"
     from jaxgpt.train.step import init_state
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     path = expkit.shakespeare()
     eval_every = max(1, args.steps // 10)

@@ -86,7 +86,7 @@ def minibert(args, budget: dict) -> tuple[dict, list]:
     from jaxgpt.config import TrainConfig
     from jaxgpt.data import pad_batch
     from jaxgpt.data.generated import sentiment_rows, split_rows
-    from jaxgpt.train.tasks import classify_task, fit_config
+    from jaxgpt.data.tasks import classify_task, fit_config
 
     n_train, n_test, steps = budget["bert_rows"], budget["bert_test"], budget["bert_steps"]
     rows = sentiment_rows(n_train + n_test, seed=0)
@@ -166,7 +166,7 @@ def encdec(args, budget: dict) -> tuple[dict, list]:
     from jaxgpt import PRESETS
     from jaxgpt.config import TrainConfig
     from jaxgpt.data.generated import sequence_pairs, split_rows
-    from jaxgpt.train.tasks import fit_config, pairs_task
+    from jaxgpt.data.tasks import fit_config, pairs_task
     from jaxgpt.inference.translate import translate_all
 
     res: dict = {}
@@ -343,7 +343,7 @@ def tiny_gpt(args, budget: dict) -> tuple[dict, list]:
     from jaxgpt.config import ModelConfig, TrainConfig
     from jaxgpt.inference.generate import generate
     from jaxgpt.data.generated import TINY_GPT_TEXT
-    from jaxgpt.train.tasks import text_task
+    from jaxgpt.data.tasks import text_task
 
     text, steps = TINY_GPT_TEXT, budget["gpt_steps"]
     out: dict = {"text": text, "steps": steps, "jaxgpt": [], "seed_torch": []}

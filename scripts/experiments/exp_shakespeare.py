@@ -166,7 +166,7 @@ def seed003_model(smoke: bool):
 
 def seed003_jax(seed, train, val, tok, smoke):
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.tasks import Task
+    from jaxgpt.data.tasks import Task
 
     cfg = seed003_model(smoke)
     per = 5 if smoke else 100
@@ -258,7 +258,7 @@ def jax_train_config(nc: nt.NanoConfig, seed: int):
 
 
 def nanogpt_jax(seed, train, val, tok, smoke):
-    from jaxgpt.train.tasks import Task
+    from jaxgpt.data.tasks import Task
 
     nc = nano_config(smoke)
     cfg, tc = jax_model_config(nc), jax_train_config(nc, seed)
@@ -296,7 +296,7 @@ def big_run(train, val, tok, smoke, seconds):
     """The 6x384 preset with nanoGPT's 5000-iteration schedule, through jaxgpt's fit for as long as
     ``seconds`` of training after the first (compiling) update allow."""
     from jaxgpt.config import TrainConfig, get_preset
-    from jaxgpt.train.tasks import Task
+    from jaxgpt.data.tasks import Task
 
     cfg = get_preset("gpt2-shakespeare-char").replace(vocab_size=65)
     b, t = 64, 256

@@ -65,7 +65,7 @@ def shakespeare() -> Path:
 def train(config, tc, task, *, params=None, **fit_kw) -> dict:
     """``jaxgpt.train.loop.fit`` with no checkpoints, run directory or progress bar, from ``params``
     (default: ``init_state``'s): the one training loop, with its host batch checks and NaN stop.
-    ``fit_kw``: until, on_log, on_eval, train_step / eval_step (reuse one compiled step across seeds).
+    ``fit_kw``: until, on_log, on_eval, train_steps / eval_step (reuse one compiled program across seeds).
     Returns fit's summary (history: every update's metrics and every evaluation row; compile_s apart
     from train_s; ms_per_step) with the final ``params``."""
     from jaxgpt.train.loop import fit

@@ -27,7 +27,7 @@ def train_char_model(cfg, steps: int, seed: int = 0, batch: int = 16, lr: float 
     AdamW at ``lr`` (3e-3) (weight decay 0.1, no clipping), windows of ``cfg.max_len`` characters; the
     validation ids are the text's last 10% (sorted-character ids, as the tokenizer numbers them)."""
     from jaxgpt.config import TrainConfig
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
 
     from scripts.experiments.expkit import shakespeare, train
 

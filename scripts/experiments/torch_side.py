@@ -64,7 +64,7 @@ def worker(spec_path: str) -> dict:
 
     import torch_ref
     from jaxgpt.config import ModelConfig, TrainConfig
-    from jaxgpt.train.tasks import load_task
+    from jaxgpt.data.tasks import load_task
     from torch_ref.convert import load_params
     from torch_ref.train import train
 

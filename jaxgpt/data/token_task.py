@@ -16,7 +16,7 @@ from jaxgpt.config import TrainConfig
 from jaxgpt.data.order import n_windows
 from jaxgpt.data.tokenfiles import TokenDir, global_batch, open_tokens
 from jaxgpt.data.tokenizers import IdTokenizer, tokenizer_from_dict
-from jaxgpt.train.tasks import Task
+from jaxgpt.data.task import Task
 
 
 def _local_rows(tc: TrainConfig) -> np.ndarray | None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxgpt.config import TrainConfig
 from jaxgpt.data.order import epoch_windows, mixture_counts, mixture_samples, n_windows
-from jaxgpt.train.token_task import TokenTask, token_task
+from jaxgpt.data.token_task import TokenTask, token_task
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float]] | None:
