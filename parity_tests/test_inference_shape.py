@@ -63,3 +63,9 @@ def test_the_checker_finds_a_repeated_block(tmp_path):
 def test_no_function_is_over_80_lines():
     found = long_functions()
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines in jaxgpt/inference/: {found}"
+
+
+def test_engine_holds_its_parts_rather_than_inheriting_them():
+    from jaxgpt.inference.engine import Engine
+
+    assert Engine.__bases__ == (object,)
