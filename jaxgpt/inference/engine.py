@@ -157,7 +157,8 @@ class Engine:
 
     @property
     def stats(self) -> dict:
-        """Counters: the scheduler's (admission, preemption, prefix cache) and the engine's (steps, calls, tokens)."""
+        """Counters, a snapshot: the scheduler's (admission, preemption, prefix cache) and the engine's (steps,
+        calls, tokens, speculation)."""
         return {**self.scheduler.stats, **self._stats}
 
     @property
