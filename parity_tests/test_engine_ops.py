@@ -68,7 +68,7 @@ def test_stop_strings_in_the_engine_are_incremental(llama):  # noqa: F811 - a py
         got = eng.generate([prompt], [SamplingParams(max_tokens=n, stop=(stop, "zzzz"))])[0]
         assert got == want, stop
         assert counting.ids <= 8 * len(got), counting.ids  # a window a token; a full decode would be ~n^2 / 2
-        assert not eng._detoks and eng.allocator.free == eng.allocator.total
+        assert not eng._stops and eng.allocator.free == eng.allocator.total
     eng.decode = None
     with pytest.raises(ValueError, match="stop strings need the engine's decode function"):
         eng._finish_reason(Request("r", [1], SamplingParams(stop=("a",)), 0, output=[3]), 3)

@@ -87,7 +87,7 @@ def test_speculation_turns_off_above_spec_max_batch_and_back_on(llama, reference
 
     eng.step = spy
     assert _run_staggered(eng, prompts, news) == hf
-    assert eng.allocator.free == eng.allocator.total and not eng._draft_at
+    assert eng.allocator.free == eng.allocator.total and not eng.scheduler.draft_at
     assert not any(spec for n, spec in seen if n > limit)  # off above the limit (running counted after admission)
     assert any(spec for n, spec in seen if n <= limit)
     s = eng.stats
@@ -121,9 +121,9 @@ def test_auto_rule_flips_speculation_and_keeps_greedy_tokens(llama, references):
     prompts, news, hf, _ = references
     eng = Engine(config, params, page_size=8, draft=(config, params), num_speculative_tokens=K, **CHUNKED)
     assert eng.spec_max_batch == "auto" and isinstance(eng.spec_policy, SpecPolicy)
-    eng.spec_policy = pol = ScriptedCosts(K)
+    eng.scheduler.spec_policy = pol = ScriptedCosts(K)
     assert _run_staggered(eng, prompts, news) == hf
-    assert eng.allocator.free == eng.allocator.total and not eng._draft_at
+    assert eng.allocator.free == eng.allocator.total and not eng.scheduler.draft_at
     s = eng.stats
     assert s["spec_accepted"] == s["spec_proposed"] > 0, (s["spec_accepted"], s["spec_proposed"])
     assert s["spec_catch_up_tokens"] > 0

@@ -204,7 +204,7 @@ def test_with_a_draft_identical_and_hits(llama):  # noqa: F811 - a pytest fixtur
 def test_a_page_the_draft_fell_behind_on_is_not_cached():
     """A 43-token prompt in a 66-token context, k = 3: speculative rounds take it to 63 tokens
     computed, then a round would pass the context, so a plain decode step writes position 63 into
-    the target's pages only (the engine's ``_draft_at``). That page (56-63) is not cached: a request sharing
+    the target's pages only (the scheduler's ``draft_at``). That page (56-63) is not cached: a request sharing
     all 64 tokens hits 7 pages, not 8; with the rule removed, 8."""
     import jax
 

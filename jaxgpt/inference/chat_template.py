@@ -15,7 +15,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 
-from jaxgpt.inference.protocol import ApiError
+from jaxgpt.inference.errors import ApiError
 
 ROLES = ("system", "developer", "user", "assistant")
 MESSAGE_KEYS = {"role", "content", "name"}

@@ -1,9 +1,9 @@
 """The engine's vocabulary projection, packed for the CPU kernel (kernels/panel_ffi.py).
 
-A decode step projects a few rows onto the whole vocabulary; on the CPU that GEMM was the largest
-part of a step (a third of bench_serving's engine time: docs/serving.md), and the panel kernel runs
-it with the greedy argmax in one pass, 2.5-2.8x faster than XLA's dot and the engine's argmax on the
-2-core AMD EPYC (0.92 against 2.60 ms at 4 rows, 3.83 against 9.46 at 32). The engine packs the head's weight once (``pack_head``;
+A decode step projects a few rows onto the whole vocabulary; on the CPU that GEMM is the largest
+part of a step, and the panel kernel runs it with the greedy argmax in one pass, faster than XLA's
+dot and the engine's argmax (docs/performance.md, "Serving engine: the figures behind its
+constants"). The engine packs the head's weight once (``pack_head``;
 the model's (d, V) lm_head kernel, or the tied (V, d) embedding), has the model return its final
 hidden states (``DecoderLM(hidden=True)``) and projects them here (``project``): the model's head
 with another summation order, about 1e-6 from it.

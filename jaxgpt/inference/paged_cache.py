@@ -34,9 +34,8 @@ def bucket(n: int, lo: int, hi: int) -> int:
 # padded rows, tokens or pages cost less than another compilation.
 MIN_ROWS, MIN_CHUNK, MIN_PAGES = 4, 16, 4
 
-# A step's fixed cost (reading every weight once, launching the program) in token slots: the
-# 4-layer 256-wide LLaMA of bench_serving on a 2-core CPU runs a 4-row decode step in 3.3 ms and
-# prefills at 0.04 ms a slot (measured), so about 80 slots; 64 keeps the planner leaning to fewer steps.
+# A step's fixed cost (reading every weight once, launching the program) in token slots, from the ratio of a
+# decode step's time to a prefill slot's (docs/performance.md); rounded down, so the planner leans to fewer steps.
 STEP_COST_SLOTS = 64
 
 

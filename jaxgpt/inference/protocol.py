@@ -3,13 +3,15 @@ ids, one SamplingParams per choice, how to answer). Every field is honoured or r
 that names it: unknown fields as OpenAI does ("Unrecognized request argument supplied: X"), OpenAI
 fields this server does not implement unless null. Defaults and ranges follow the OpenAI API
 reference (``max_tokens`` 16 on completions, the rest of the context on chat; temperature 0..2).
-The server decides stop strings itself, with ``detokenize.Detokenizer`` (incremental, off the engine
-thread), and aborts the engine request at one.
+Stop strings stay with the server: each choice's ``stopping.StopChecker`` decodes its text off the engine
+thread and the server aborts the engine request at one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxgpt.inference.chat_template import chat_prompt_ids
+from jaxgpt.inference.errors import ApiError
 from jaxgpt.inference.sampling import SamplingParams
 
 MAX_CHOICES = 128  # n x prompts: each choice is an engine request
@@ -35,12 +37,6 @@ FIELDS = {"completion": COMMON | {"prompt", "best_of", "echo", "logprobs"} | set
           | set(UNSUPPORTED["chat"])}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
 @dataclass
 class Parsed:
     """A request, ready for the engine: choice c answers prompts[c // n] with params[c] (prompt-major,
@@ -50,7 +46,7 @@ class Parsed:
     prompts: list[list[int]]
     params: list[SamplingParams]
     n: int
-    stop: tuple[str, ...]  # decided by the server's detokenizer, not sent to the engine
+    stop: tuple[str, ...]  # decided by each choice's StopChecker in the server, not sent to the engine
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None: none; else how many alternatives per token (completions: logprobs)
@@ -265,8 +261,6 @@ def parse_completion(body: dict, engine, tokenizer) -> Parsed:
 
 
 def parse_chat(body: dict, engine, tokenizer, template: str) -> Parsed:
-    from jaxgpt.inference.chat_template import chat_prompt_ids
-
     check_fields(body, "chat")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:

@@ -1,5 +1,5 @@
-"""OpenAI response bodies from engine outputs: ``ChoiceState`` follows one choice (its text through
-the detokenizer, which decides stop strings; its ids and log-probabilities), and the functions
+"""OpenAI response bodies from engine outputs: ``ChoiceState`` follows one choice (its text and finish
+through its ``stopping.StopChecker``; its ids and log-probabilities), and the functions
 below write choices, chunks and log-probabilities in each endpoint's format:
 
 - completions: ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, the
@@ -14,8 +14,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
-from jaxgpt.inference.detokenize import Detokenizer
 from jaxgpt.inference.protocol import Parsed
+from jaxgpt.inference.stopping import StopChecker
 
 NEG = -9999.0
 
@@ -64,7 +64,7 @@ class ChoiceState:
     index: int
     rid: str
     prompt: list[int]
-    detok: Detokenizer
+    stops: StopChecker
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -72,18 +72,21 @@ class ChoiceState:
     finish: str | None = None
 
     def add(self, out) -> Update:
-        """An engine RequestOutput -> the Update; a stop string the detokenizer meets finishes the
-        choice ("stop") with the token that completed it, and the server aborts its engine request."""
+        """An engine RequestOutput -> the Update. The choice's StopChecker finishes it at the token the
+        engine's finishes its request; at a stop string it may be first (the engine sees none), and the
+        server then aborts the engine request."""
         tops = getattr(out, "new_top_logprobs", None) or [[] for _ in out.new_token_ids]
         ids, lps, tp, text = [], [], [], ""
         for k, tok in enumerate(out.new_token_ids):
-            last = k == len(out.new_token_ids) - 1
-            text += self.detok.add([tok], final=out.finished and last)
+            n = len(self.ids) + k + 1
+            delta, reason = self.stops.add(tok, n, len(self.prompt) + n,
+                                           final=out.finished and k == len(out.new_token_ids) - 1)
+            text += delta
             ids.append(tok)
             lps.append(out.new_logprobs[k] if k < len(out.new_logprobs) else 0.0)
             tp.append(list(tops[k]) if k < len(tops) else [])
-            if self.detok.stopped:
-                self.finish = "stop"
+            if reason is not None:
+                self.finish = reason
                 break
         else:
             if out.finished:

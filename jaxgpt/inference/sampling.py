@@ -116,8 +116,8 @@ def _check_bias(bias) -> tuple[tuple[int, float], ...]:
 
 def argmax(logits):
     """jnp.argmax over the last axis (the first maximum; the first NaN if any), as two plain
-    reductions: XLA:CPU runs argmax's (value, index) reduce unvectorised, 1.9 ms for a (32, 32000)
-    batch of logits against 0.8 ms for this max + min (measured)."""
+    reductions: XLA:CPU runs argmax's (value, index) reduce unvectorised, and this max + min is
+    faster (docs/performance.md)."""
     top = jnp.max(logits, axis=-1, keepdims=True)
     iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     hit = (logits == top) | jnp.isnan(logits)  # a NaN max equals nothing; argmax returns the first NaN
@@ -216,9 +216,8 @@ def batch_adjust(reqs, b: int, vocab_size: int):
     """Each row's bias and penalties as (ids (B, K), values (B, K)) for ``sample``, from
     ``Request.adjust`` (kept up to date a token at a time by the engine); None when no row has any
     (the plain variant). Sparse, because its cost follows the tokens a row names, not the
-    vocabulary: a dense (B, V) bias is 4 MB to fill and copy every step at 32 x 32000 (16 MB at a
-    128k vocabulary), 0.56 ms on this CPU against 0.33 ms for these arrays at 200 ids a row
-    (measured), and a host-to-device copy of that size on an accelerator. K is a power of two of
+    vocabulary: a dense (B, V) bias is (B, V) floats to fill and copy every step (docs/performance.md),
+    and a host-to-device copy of that size on an accelerator. K is a power of two of
     at least 16, so at most log2(V / 16) variants compile, each on first use."""
     k = max((len(r.adjust) for r in reqs), default=0)
     if k == 0:

@@ -2,12 +2,13 @@
 pages (allocation, prefix caching, preemption) and each step's plan of rows within the token budget.
 
 Admission takes waiting requests while pages and ``max_seqs`` allow, first handing each the cached
-full pages of its prefix (prefix_cache.py). ``_schedule`` gives every decoding request one token of
+full pages of its prefix (prefix_cache.py). ``schedule`` gives every decoding request one token of
 the ``max_tokens_per_step`` budget (k + 1 when it speculates: below ``spec_max_batch`` running requests,
 or where ``spec_policy.SpecPolicy``'s measurements say it pays) and the rest to prefill chunks, the
 chunk length chosen by ``paged_cache.plan_prefill`` to waste few padded slots. When pages run out,
 the latest admitted request is preempted: its pages are freed (and stay cached) and it is
-recomputed from its prompt and outputs later. ``Engine`` (engine.py) runs the rows it plans.
+recomputed from its prompt and outputs later. ``Engine`` (engine.py) holds a Scheduler and runs the
+rows it plans, in the shapes it buckets them into (``shape``, ``buckets``).
 
 Sliding windows (``window``: every layer's, set only where every layer slides): a request's pages
 wholly before the window of its next query are released as it goes (``_drop_outside_window``), their
@@ -21,7 +22,8 @@ from collections import deque
 import numpy as np
 
 from jaxgpt.inference import prefix_cache, speculative
-from jaxgpt.inference.paged_cache import MIN_CHUNK, MIN_ROWS, PageAllocator, bucket, next_pow2, plan_prefill
+from jaxgpt.inference.paged_cache import (MIN_CHUNK, MIN_PAGES, MIN_ROWS, PageAllocator, bucket, next_pow2,
+                                          plan_prefill)
 from jaxgpt.inference.requests import Request
 from jaxgpt.inference.sampling import SamplingParams, fresh_seed
 from jaxgpt.inference.spec_policy import SpecPolicy
@@ -52,9 +54,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()
-        self.stats = dict(steps=0, preemptions=0, prompt_tokens=0, generated_tokens=0, calls=0)
-        self.stats.update(prefix_queries=0, prefix_hits=0)  # tokens looked up in the prefix cache at admission, found
-        self._draft_at: dict[str, int] = {}  # requests whose draft pages hold only their first n tokens
+        # prefix_queries, prefix_hits: tokens looked up in the prefix cache at admission, and found
+        self.stats = dict(preemptions=0, prompt_tokens=0, prefix_queries=0, prefix_hits=0)
+        if k is not None:
+            self.stats.update(spec_off_steps=0)
+        self.draft_at: dict[str, int] = {}  # requests whose draft pages hold only their first n tokens
         self.window = window
 
     # -- requests -----------------------------------------------------------------------------------
@@ -99,18 +103,64 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def finish(self, req: Request) -> None:
+        """req has finished: out of the batch, its pages freed (and cached)."""
+        self.running.remove(req)
+        self._free(req)
+        self.requests.pop(req.id, None)
+
+    # -- shapes -------------------------------------------------------------------------------------
+    def shape(self, kind: str, n_rows: int, n_tokens: int, n_pages: int) -> tuple[str, int, int, int]:
+        """(kind, B, T, P) of a call: a few padded rows, tokens or pages cost less than a compilation.
+        A speculative row is k + 1 tokens, so its rows start at 1: at batch 1, where speculation pays,
+        three padding rows would cost three rows of target work."""
+        t = {"decode": 1, "spec": n_tokens}.get(kind) or bucket(n_tokens, MIN_CHUNK, self._chunk_hi)  # <= the plan's T
+        b = bucket(n_rows, 1 if kind == "spec" else MIN_ROWS, self._rows_hi)
+        return kind, b, t, bucket(n_pages, MIN_PAGES, self._pages_hi)
+
+    def rows_shape(self, kind: str, rows) -> tuple[str, int, int, int]:
+        """The shape of a call over rows (req, n_tokens)."""
+        return self.shape(kind, len(rows), max(n for _, n in rows),
+                          max(self._pages_for(r.computed + n) for r, n in rows))
+
+    def buckets(self) -> list[tuple[str, int, int, int]]:
+        """Every (kind, B, T, P) shape a step can run: the programs an engine may compile."""
+        rows = {self.shape("decode", n, 1, 1)[1] for n in range(1, self.max_seqs + 1)}
+        pages = {self.shape("decode", 1, 1, n)[3] for n in range(1, self.max_pages_per_seq + 1)}
+        tokens = {self.shape("prefill", 1, n, 1)[2] for n in range(1, self._chunk_hi + 1)}
+        spec_rows = {self.shape("spec", n, 1, 1)[1] for n in range(1, self.max_seqs + 1)}
+        spec = [("spec", b, self.k + 1, p) for b in spec_rows for p in pages] if self.k is not None else []
+        return sorted([("decode", b, 1, p) for b in rows for p in pages] + spec
+                      + [("prefill", b, t, p) for b in rows for t in tokens for p in pages if b * t <= self._slots])
+
+    # -- the draft's catch-up -----------------------------------------------------------------------
+    def catch_up_plan(self, reqs) -> tuple[list, tuple[str, int, int, int]]:
+        """The draft's next catch-up call for reqs (each in ``draft_at``): rows (req, at, n tokens from
+        at) and the prefill shape they run in; MIN_ROWS rows of the longest chunk fit its slots."""
+        rows = [(req, self.draft_at[req.id], min(req.computed - self.draft_at[req.id], self._chunk_hi))
+                for req in reqs[:MIN_ROWS]]
+        return rows, self.shape("prefill", len(rows), max(n for *_, n in rows),
+                                max(self._pages_for(at + n) for _, at, n in rows))
+
+    def caught_up(self, rows) -> None:
+        """The draft's pages now hold the rows' tokens (catch_up_plan's rows)."""
+        for req, at, n in rows:
+            self.draft_at[req.id] = at + n
+            if at + n == req.computed:
+                del self.draft_at[req.id]
+
     # -- scheduling ---------------------------------------------------------------------------------
     def _free(self, req: Request) -> None:
         self._cache(req)  # a finished or preempted request's pages stay cached, evictable
         self.allocator.release([p for p in req.pages if p])  # 0: a page already dropped outside the window
         req.pages, req.computed, req.chain = [], 0, []  # a recompute prefills the draft too
-        self._draft_at.pop(req.id, None)
+        self.draft_at.pop(req.id, None)
 
     def _cache(self, req: Request) -> None:
         # with a draft, only pages whose draft keys/values were written too: a request that took plain decode
-        # steps (speculation was off for its batch) has draft pages up to _draft_at until it catches up
+        # steps (speculation was off for its batch) has draft pages up to draft_at until it catches up
         if self.prefix_caching:
-            upto = self._draft_at.get(req.id, req.computed) if self.k is not None else req.computed
+            upto = self.draft_at.get(req.id, req.computed) if self.k is not None else req.computed
             prefix_cache.cache_full_pages(self.allocator, req, upto)
 
     def _pages_for(self, n_tokens: int) -> int:
@@ -134,7 +184,7 @@ class Scheduler:
         self.stats["preemptions"] += 1
         return victim
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         for req in self.running:
             self._cache(req)
         while self.waiting and len(self.running) < self.max_seqs:
@@ -166,7 +216,7 @@ class Scheduler:
             return len(self.running) <= self.spec_max_batch
         return self.spec_policy.speculates(self.spec_bucket(n_rows))
 
-    def _schedule(self):
+    def schedule(self):
         """-> (speculative rows, decode rows, prefill rows) of (req, n_tokens); pages allocated for them."""
         budget = self.budget
         spec, decode, prefill = [], [], []
@@ -184,7 +234,7 @@ class Scheduler:
             if self._take(req, n):
                 (spec if n > 1 else decode).append((req, n))
                 if self.k is not None and n == 1:  # the draft's pages fall behind from here
-                    self._draft_at.setdefault(req.id, req.computed)
+                    self.draft_at.setdefault(req.id, req.computed)
                 budget -= n
         waiting = [r for r in ready if len(r.tokens) - r.computed > 1 and r in self.running]
         t, rows = plan_prefill([len(r.tokens) - r.computed for r in waiting], budget, MIN_CHUNK, self._chunk_hi,

@@ -34,8 +34,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from jaxgpt.inference.protocol import ApiError
-from jaxgpt.inference.server_ops import _error_body, _send_json
+from jaxgpt.inference.errors import ApiError, error_bytes
+from jaxgpt.inference.server_ops import _send_json
 
 log = logging.getLogger("jaxgpt.serve")
 MAX_JSON_DEPTH = 256  # json.loads recurses once per level; Python's default recursion limit is 1,000
@@ -268,7 +268,7 @@ class RequestGuard:
         """OpenAI's error body and 'connection: close'. With receive: the rest of the body is read and
         dropped until the deadline first, so a client still sending it reads this answer and not a
         reset connection (nginx's lingering close)."""
-        body = _error_body(message, "invalid_request_error", code)
+        body = error_bytes(message, "invalid_request_error", code)
         if receive is None:
             return await _send_json(send, status, body, [(b"connection", b"close")])
         await send({"type": "http.response.start", "status": status,
@@ -292,7 +292,7 @@ def uvicorn_protocol(limits: ServeLimits):
     docstring: ``uvicorn.Config(app, http=uvicorn_protocol(limits))``."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    too_large = _error_body(_head_too_large(limits), "invalid_request_error", "request_header_too_large")
+    too_large = error_bytes(_head_too_large(limits), "invalid_request_error", "request_header_too_large")
 
     class BoundedHTTPProtocol(AutoHTTPProtocol):
         _head_timer = _stall_timer = None

@@ -31,9 +31,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-
-def _error_body(message: str, type_: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+from jaxgpt.inference.errors import error_bytes
 
 
 async def _send_json(send, status: int, body: bytes, headers=()) -> None:
@@ -55,7 +53,7 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         msg = ("missing API key: send 'Authorization: Bearer KEY'" if not got
                else "incorrect API key in the Authorization header")
-        await _send_json(send, 401, _error_body(msg, "invalid_request_error", "invalid_api_key"),
+        await _send_json(send, 401, error_bytes(msg, "invalid_request_error", "invalid_api_key"),
                          [(b"www-authenticate", b"Bearer")])
 
 
@@ -81,7 +79,7 @@ class TimeoutMiddleware:
             await asyncio.wait_for(self.app(scope, receive, tracked), self.timeout)
         except asyncio.TimeoutError:
             msg = f"the request took longer than the server's request timeout ({self.timeout:g} s)"
-            body = _error_body(msg, "timeout_error", "request_timeout")
+            body = error_bytes(msg, "timeout_error", "request_timeout")
             if not state["started"]:
                 await _send_json(send, 504, body)
             elif not state["ended"]:  # a stream: say why it ends, then end it as a finished one ends

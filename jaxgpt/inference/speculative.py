@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.inference.paged_cache import init_pools, next_pow2, resolve_paged_kernel
-from jaxgpt.inference.paged_model import paged_apply, write_slots
+from jaxgpt.inference.paged_model import paged_apply, paged_forward
 from jaxgpt.inference.sampling import argmax, filter_logits, row_keys
 from jaxgpt.models.decoder import unstack_layers
 from jaxgpt.models.stack import check_tokens
@@ -77,8 +77,9 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
                for c, pl in ((tc, pools), (dc, dpools))]
     # Both prefill all but the last prompt token; every round then starts from one pending token.
     if t0 > 1:
-        pools = _prefill(tp, pools, prompt[:, :-1], table, config=tc, kernel=kernels[0])
-        dpools = _prefill(dp, dpools, prompt[:, :-1], table, config=dc, kernel=kernels[1])
+        q_pos = np.arange(t0 - 1, dtype=np.int32)[None]  # (1, T0 - 1)
+        pools = paged_forward(tp, pools, prompt[:, :-1], q_pos, None, table, config=tc, kernel=kernels[0])[0]
+        dpools = paged_forward(dp, dpools, prompt[:, :-1], q_pos, None, table, config=dc, kernel=kernels[1])[0]
     settings = (np.array([temperature], np.float32), np.array([top_k], np.int32), np.array([top_p], np.float32),
                 np.array([seed], np.uint32))
     pos, last, out = t0 - 1, int(prompt[0, -1]), []  # pos: positions cached in both models
@@ -99,13 +100,6 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
     return out[:max_new_tokens]
 
 
-@partial(jax.jit, static_argnames=("config", "kernel"), donate_argnums=(1,))
-def _prefill(params, pools, tokens, page_table, *, config, kernel):
-    """tokens (1, T) at positions 0..T-1 into the pools -> the pools."""
-    q_pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    return _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel)[1]
-
-
 # -- batched, over the engine's paged pools --------------------------------------------------------
 def supports(params) -> bool:
     """Whether the batched round honours a request's SamplingParams. Bias, penalties (which change
@@ -120,12 +114,6 @@ def _row_probs(logits, temperature, top_k, top_p):
     probs = jax.nn.softmax(filter_logits(logits, temperature, top_k, top_p), axis=-1)
     onehot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jnp.where((temperature > 0)[:, None], probs, onehot)
-
-
-def _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel, head=None):
-    """paged_apply with the write slots derived on the device from the positions and page table."""
-    slots = write_slots(page_table, q_pos, pools[0][0].shape[2])
-    return paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel, head=head)
 
 
 def _keys(seeds, counters, salt: int):
@@ -146,7 +134,8 @@ def propose(params, pools, last, pos, page_table, temperature, top_k, top_p, see
     tok, toks, qs = last, [], []
     for i in range(k + 1):
         p = jnp.where(pos >= 0, pos + i, -1)[:, None]  # (B, 1)
-        logits, pools, top = _paged_apply(config, params, pools, tok[:, None], p, page_table, kernel, head)
+        pools, top, logits = paged_apply(params, pools, tok[:, None], p, None, page_table, head=head, config=config,
+                                         kernel=kernel)
         if i == k:
             break
         logits = logits[:, 0]  # (B, V)
@@ -173,7 +162,8 @@ def verify(params, pools, last, pos, page_table, draft, q, temperature, top_k, t
     b, k = draft.shape
     q_pos = jnp.where(pos[:, None] >= 0, pos[:, None] + jnp.arange(k + 1)[None], -1)  # (B, k+1)
     tokens = jnp.concatenate([last[:, None], draft], axis=1)
-    logits, pools, top = _paged_apply(config, params, pools, tokens, q_pos, page_table, kernel, head)  # (B, k+1, V)
+    pools, top, logits = paged_apply(params, pools, tokens, q_pos, None, page_table, head=head, config=config,
+                                     kernel=kernel)  # (B, k+1), (B, k+1, V)
     v = logits.shape[-1]
 
     def rule():
