@@ -17,10 +17,11 @@ from jaxgpt.nn import checks
 from jaxgpt.core import validate
 from jaxgpt.nn.attention import KVCache
 from jaxgpt.config import ModelConfig
-from jaxgpt.nn.head import final_logits, logits_matmul, mask_padded
+from jaxgpt.nn.kernels.linear import logits as logits_matmul
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.softcap import softcap
 from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 
 
@@ -75,9 +76,19 @@ def mask_padded_vocab(config: ModelConfig, logits):
     """logits (..., vocab_size) float32 with the padded ids (>= config.valid_vocab) at the float32 minimum:
     softmax gives them exactly 0 (so the loss, samplers and the engine never pick them) and the where
     passes them no gradient. The minimum, not -inf: no inf - inf = NaN in a softmax or a KL term."""
-    return mask_padded(logits, config.valid_vocab)
+    if config.valid_vocab is None:
+        return logits
+    padded = jnp.arange(logits.shape[-1]) >= config.valid_vocab  # (vocab,)
+    return jnp.where(padded, jnp.finfo(logits.dtype).min, logits)
 
 
+def final_logits(config: ModelConfig, logits):
+    """The head's float32 logits (..., V) as the model gives them: soft-capped to ``config.logit_softcap``
+    (Gemma 2: cap * tanh(logits / cap)), then the padded ids masked (``mask_padded_vocab``). Every logits
+    path runs it: DecoderLM's head and the engine's packed panel head (inference/packed_head.py)."""
+    if config.logit_softcap is not None:
+        logits = softcap(logits, config.logit_softcap)
+    return mask_padded_vocab(config, logits)
 
 
 class DecoderLM(nn.Module):

@@ -140,7 +140,6 @@ class Attention(nn.Module):
     attention_block: int = 128
     dtype: str = "float32"  # compute dtype of the projections and the attention core
     param_dtype: str = "float32"
-    matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel (layers not scanned)
     matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
     scale: float | None = None  # score multiplier (ModelConfig.attn_scale); None: head_dim ** -0.5
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (attn_softcap)
@@ -167,7 +166,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         src = x if context is None else context
 
-        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype, matvec=self.matvec)
+        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         q = dense(self.n_head * d, self.qkv_bias, self.init_std, "q_proj", **dt)(x).reshape(b, t, self.n_head, d)
         k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
         v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
@@ -218,6 +217,6 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         norm_unit_offset=config.norm_unit_offset,
         norm_impl=config.norm_impl, attn_dropout=config.attention_dropout, init_std=config.init_std,
         out_init_std=config.out_init_std, attention_impl=config.attention_impl, attention_block=config.attention_block,
-        dtype=config.dtype, param_dtype=config.param_dtype, matvec=not config.scan_layers,
+        dtype=config.dtype, param_dtype=config.param_dtype,
         matmul_precision=config.matmul_precision, scale=config.attn_scale,
         softcap=config.attn_softcap, name=name)
