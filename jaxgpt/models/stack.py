@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxgpt.nn import checks
 from jaxgpt.core import validate
-from jaxgpt.nn.attention import KVCache
+from jaxgpt.nn.kv_cache import KVCache
 from jaxgpt.nn.block import Block
 from jaxgpt.nn.kernels.masks import NO_WINDOW
 from jaxgpt.config import ModelConfig
