@@ -80,8 +80,9 @@ class Attention(nn.Module):
         k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
         v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
 
-        q, k = qk_norm(self.qk_norm, q, k, eps=self.norm_eps, param_dtype=self.param_dtype, impl=self.norm_impl,
-                       unit_offset=self.norm_unit_offset)
+        if self.qk_norm is not None:
+            q, k = qk_norm(self.qk_norm, q, k, eps=self.norm_eps, param_dtype=self.param_dtype, impl=self.norm_impl,
+                           unit_offset=self.norm_unit_offset)
         offset = 0 if cache is None or cache.offset is None else cache.offset  # paged: positions are given
         if self.rope:
             if context is not None:

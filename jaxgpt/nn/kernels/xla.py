@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask
-from jaxgpt.nn.softcap import softcap as capped
+from jaxgpt.nn.kernels.softcap import softcap as capped
 
 # How a kernel reads k and v (the queries are always (B, Tq, H, D)):
 #   'tokens' (B, Tk, H_kv, D)     as the projections make them
