@@ -8,8 +8,9 @@ Every projection of the models (nn/mlp.py ``Dense``) and the vocabulary head run
 - The narrowing gradient: in a program lowered for the CPU, for in > out the kernel gradient is
   computed as (out, in) = dy^T x and transposed, the form Eigen's GEMM writes faster (``_narrowing``).
 - The matvec: in a program lowered for the CPU, a few float32 rows (a decode step's) run the two-thread
-  matvec kernel (matvec_ffi.applies: the rows, the dtype, the kernel built and calibrated faster here).
-  Decoding runs unscanned layers (models.decoder.unstack_layers), whose weights the kernel reads in place.
+  matvec kernel (matvec_ffi.applies: the rows, the dtype, the kernel built and calibrated faster here)
+  on weights that are whole arrays: a custom call cannot read a slice of stacked layers' weights in
+  place and would copy it every step, so a layer stack traces its scanned body in ``stacked_weights()``.
 - The logits head (``logits``): compute-dtype inputs, float32 accumulation and output, and a backward
   pass whose matmuls run in the compute dtype. JAX transposes ``dot_general(x_bf16, w_bf16,
   preferred_element_type=float32)`` into float32 GEMMs; torch's autocast gives bf16 logits a bf16
@@ -22,6 +23,8 @@ traced after the module call returns.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -31,7 +34,19 @@ from jax import lax
 from jaxgpt.nn import precision
 from jaxgpt.nn.kernels import matvec_ffi, policy
 
-__all__ = ["linear", "logits"]
+__all__ = ["linear", "logits", "stacked_weights"]
+
+_STACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgpt_stacked_weights", default=False)
+
+
+@contextlib.contextmanager
+def stacked_weights():
+    """Trace the enclosed layers as slices of stacked weights (an nn.scan over layers): no matvec."""
+    token = _STACKED.set(True)
+    try:
+        yield
+    finally:
+        _STACKED.reset(token)
 
 
 def linear(x, w, b=None, *, dtype="float32", f32_out: bool = False):
@@ -59,7 +74,8 @@ def _dot(x, w):
 
 def _rows(x, w):
     """x (N, in) @ w (in, out): the matvec kernel, the narrowing gradient or XLA's dot."""
-    return policy.cpu_kernel(matvec_ffi.applies(x, w), False, matvec_ffi.matvec, _portable_rows, x, w)
+    use = not _STACKED.get() and matvec_ffi.applies(x, w)
+    return policy.cpu_kernel(use, False, matvec_ffi.matvec, _portable_rows, x, w)
 
 
 def _portable_rows(x, w):

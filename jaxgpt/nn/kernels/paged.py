@@ -4,8 +4,8 @@ they are logically contiguous. Pure JAX (scatter + gather), so it runs on the CP
 
 Pool layout per layer: (num_pages, H_kv, page_size, D), so one gather by (row, head, page) lays
 the keys out as kv_layout 'rows' (B * H_kv, S, D), the layout the decode kernel reads without a
-transpose (measured: (num_pages, page_size, H_kv, D) read as 'tokens' made a 32-row decode step
-1.5x slower). Page 0 is the scratch page: padding tokens write there and unused page-table entries point there; the mask hides it.
+transpose (read as 'tokens', a (num_pages, page_size, H_kv, D) pool is slower: docs/performance.md).
+Page 0 is the scratch page: padding tokens write there and unused page-table entries point there; the mask hides it.
 
 A batch is (B, T) ragged rows: row b's query t sits at absolute position q_pos[b, t] (-1 for
 padding) and writes its key/value to flat slot ``slots[b, t]`` = page * page_size + offset.
