@@ -18,7 +18,7 @@ from jaxgpt import build
 from jaxgpt.config import ModelConfig
 from jaxgpt.models import abstract_params
 from jaxgpt.nn import kernels, precision
-from jaxgpt.nn.head import logits_matmul
+from jaxgpt.nn.kernels.linear import logits as logits_matmul
 from jaxgpt.nn.kernels import attend, auto_impl, warn_once
 
 GPT = ModelConfig(vocab_size=61, d_model=32, n_layer=2, n_head=4, max_len=16, pos="learned", norm="layernorm",

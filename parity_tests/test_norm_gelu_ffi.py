@@ -22,6 +22,7 @@ from jaxgpt import PRESETS, build
 from jaxgpt.models import abstract_params, stacked_paths
 from jaxgpt.nn import mlp, norms
 from jaxgpt.nn.kernels import gelu_ffi, native, norm_ffi
+from jaxgpt.nn.kernels.activation import activation
 from torch_ref import build as tbuild
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def test_auto_runs_the_norm_kernel_and_ffi_refuses_what_it_cannot(monkeypatch):
     with pytest.raises(ValueError, match=r"norm_impl='ffi' cannot run here: it takes x of rank 2"):
         norms.LayerNorm(impl="ffi").init(jax.random.PRNGKey(0), jnp.ones((8,)))
     with pytest.raises(ValueError, match=r"act_impl='ffi' cannot run here: it computes in float32"):
-        mlp.activate("gelu", jnp.ones((4,), jnp.bfloat16), "ffi")
+        activation("gelu", jnp.ones((4,), jnp.bfloat16), "ffi")
     with pytest.raises(ValueError, match=r"norm_impl='fused' is not one of"):
         norms.LayerNorm(impl="fused").init(jax.random.PRNGKey(0), x)
 

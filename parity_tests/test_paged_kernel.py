@@ -80,10 +80,11 @@ def test_kernel_matches_numpy_and_the_gather_path(shape):
     assert weights.shape == (shape["b"], shape["h"], shape["t"], table.shape[1] * k_pool.shape[2])
 
 
-def test_the_caches_share_one_write_contract():
-    """KVCache and PagedKVCache (both kernels): write -> (cache, keys, values, kv_layout, mask,
-    is_causal), what attend takes; the paged cache's 'ffi' gives its pools as layout 'pages'."""
-    from jaxgpt.nn.attention import KVCache
+def test_the_caches_share_one_contract():
+    """KVCache and PagedKVCache (both kernels) implement nn/kv_cache.py's contract: offset, room, write ->
+    the cache, read -> a KVRead (keys, values, kv_layout, mask, is_causal, window), what attend takes;
+    the paged cache's 'ffi' gives its pools as layout 'pages'."""
+    from jaxgpt.nn.kv_cache import KVCache, KVRead
 
     q, k_pool, v_pool, table, q_pos = _case(2, b=2, t=1, h=2, h_kv=2, d=8)
     k_new = jnp.ones((2, 1, 2, 8))
@@ -91,16 +92,23 @@ def test_the_caches_share_one_write_contract():
     for kernel, layout in (("ffi", "pages"), ("gather", "rows")):
         cache = PagedKVCache(jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.asarray(table), slots, jnp.asarray(q_pos),
                              kernel=kernel)
-        out = cache.write(k_new, k_new)
-        assert len(out) == 6 and out[3] == layout and isinstance(out[0], PagedKVCache), (kernel, out[3])
-        assert (out[4] is None) == (kernel == "ffi") and out[5] == (kernel == "ffi")
+        assert cache.offset is None  # each row starts at its own position: the caller passes them
+        written = cache.write(k_new, k_new)
+        kv = written.read()
+        assert isinstance(written, PagedKVCache) and isinstance(kv, KVRead) and kv.layout == layout, (kernel, kv.layout)
+        assert (kv.mask is None) == (kernel == "ffi") and kv.is_causal == (kernel == "ffi")
         with pytest.raises(ValueError, match="builds its own mask"):
-            cache.write(k_new, k_new, mask=jnp.ones((1, 1, 1, 1), bool))
+            written.read(mask=jnp.ones((1, 1, 1, 1), bool))
+        with pytest.raises(ValueError, match="write slots for 1 tokens a row was given 2"):
+            cache.room(2)
     contiguous = KVCache.init(2, 2, 8, 8)
-    c, keys, values, layout, mask, causal = contiguous.write(k_new, k_new)
-    assert (int(c.index), keys.shape, layout, mask, causal) == (1, (2, 2, 8, 8), "heads", None, True)
-    *_, mask, causal = contiguous.write(k_new, k_new, is_causal=False)  # not causal: the written slots only
-    np.testing.assert_array_equal(np.asarray(mask), np.arange(8) < 1)
+    c = contiguous.write(k_new, k_new)
+    kv = c.read()
+    assert (int(c.index), int(c.offset), kv.k.shape, kv.layout, kv.mask, kv.is_causal) == (1, 1, (2, 2, 8, 8), "heads",
+                                                                                            None, True)
+    np.testing.assert_array_equal(np.asarray(c.read(is_causal=False).mask), np.arange(8) < 1)  # the written slots only
+    with pytest.raises(ValueError, match="KV cache overflow: 1 cached"):
+        c.room(8)
 
 
 def test_kernel_refuses_a_position_past_the_page_table():

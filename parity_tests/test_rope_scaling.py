@@ -9,8 +9,8 @@ import pytest
 
 from hf_family import check_family, perturb
 from jaxgpt.config import ModelConfig, RopeScaling, config_from_dict
-from jaxgpt.nn.rope_scaling import rope_frequencies
-from torch_ref.nn.rope_scaling import rope_frequencies as torch_rope_frequencies
+from jaxgpt.nn.positions import rope_frequencies
+from torch_ref.nn.positions import rope_frequencies as torch_rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.inference.sampling import argmax
-from jaxgpt.nn.head import final_logits
+from jaxgpt.models.decoder import final_logits
 from jaxgpt.nn.kernels import panel_ffi, policy
 
 HEAD_KERNELS = ("auto", "panel", "xla")

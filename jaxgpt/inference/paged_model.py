@@ -35,7 +35,7 @@ def paged_apply(params, pools, tokens, q_pos, slots, page_table, logits_at=None,
                    for k, v, ks, vs in pools)
     out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
                                   logits_at=logits_at, hidden=head is not None)
-    logits, top = (out.logits, argmax(out.logits)) if head is None else project(config, head, out.logits)
+    logits, top = (out.logits, argmax(out.logits)) if head is None else project(config, head, out.hidden)
     pools = tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache)
     if logits_at is not None:
         return pools, top[:, 0], logits[:, 0]  # (B,), (B, V)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import check_sampling
+from jaxgpt.nn.kernels.panel_ffi import argmax
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the one static top-k the sampling program compiles besides 0
 MAX_PENALTY, MAX_BIAS = 2.0, 100.0  # OpenAI's ranges: penalties in [-2, 2], a bias in [-100, 100]
@@ -112,16 +113,6 @@ def _check_bias(bias) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias[{tok}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b!r}")
         out[tok] = float(b)
     return tuple(sorted(out.items()))
-
-
-def argmax(logits):
-    """jnp.argmax over the last axis (the first maximum; the first NaN if any), as two plain
-    reductions: XLA:CPU runs argmax's (value, index) reduce unvectorised, and this max + min is
-    faster (docs/performance.md)."""
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    hit = (logits == top) | jnp.isnan(logits)  # a NaN max equals nothing; argmax returns the first NaN
-    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
 
 
 def filter_logits(logits, temperature, top_k, top_p):

@@ -13,26 +13,27 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.nn import checks
-from jaxgpt.core import validate
-from jaxgpt.nn.attention import KVCache
+from jaxgpt.nn.kv_cache import KVCache, KVCacheLike
 from jaxgpt.config import ModelConfig
-from jaxgpt.nn.head import final_logits, logits_matmul, mask_padded
+from jaxgpt.nn.kernels.linear import logits as logits_matmul
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.softcap import softcap
 from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 
 
 class DecoderOutput(NamedTuple):
-    logits: jax.Array  # (B, T, vocab)
+    logits: jax.Array | None  # (B, T, vocab); None with hidden=True
     # the cache form the call was given, written: one 'stacked' KVCache (k, v (L, B, H_kv, S, D), index (L,)),
-    # or a tuple of L one-layer KVCaches ('rows' from init_cache(..., per_layer=True), or 'heads')
-    cache: KVCache | tuple[KVCache, ...] | None
+    # or a tuple of L one-layer caches (KVCache 'rows' from init_cache(..., per_layer=True) or 'heads', or
+    # the engine's PagedKVCaches: nn/kv_cache.py's contract)
+    cache: KVCache | tuple[KVCacheLike, ...] | None
     attn_weights: jax.Array | None  # (L, B, H, T, S)
     # AttnRes models with return_depth_weights: (Q, B, T, N_max), Q pseudo-queries (2 per layer, then
     # the output aggregation in 'paper'), softmax over the sources in order, zero past each query's sources
     depth_weights: jax.Array | None = None
+    hidden: jax.Array | None = None  # with hidden=True: the hidden states after the final norm (B, T, d_model)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtype=None, *,
@@ -75,9 +76,19 @@ def mask_padded_vocab(config: ModelConfig, logits):
     """logits (..., vocab_size) float32 with the padded ids (>= config.valid_vocab) at the float32 minimum:
     softmax gives them exactly 0 (so the loss, samplers and the engine never pick them) and the where
     passes them no gradient. The minimum, not -inf: no inf - inf = NaN in a softmax or a KL term."""
-    return mask_padded(logits, config.valid_vocab)
+    if config.valid_vocab is None:
+        return logits
+    padded = jnp.arange(logits.shape[-1]) >= config.valid_vocab  # (vocab,)
+    return jnp.where(padded, jnp.finfo(logits.dtype).min, logits)
 
 
+def final_logits(config: ModelConfig, logits):
+    """The head's float32 logits (..., V) as the model gives them: soft-capped to ``config.logit_softcap``
+    (Gemma 2: cap * tanh(logits / cap)), then the padded ids masked (``mask_padded_vocab``). Every logits
+    path runs it: DecoderLM's head and the engine's packed panel head (inference/packed_head.py)."""
+    if config.logit_softcap is not None:
+        logits = softcap(logits, config.logit_softcap)
+    return mask_padded_vocab(config, logits)
 
 
 class DecoderLM(nn.Module):
@@ -99,8 +110,9 @@ class DecoderLM(nn.Module):
 
         logits_at: optional (B,) positions: logits only there, (B, 1, vocab) (the vocabulary projection
         of the other positions is skipped).
-        hidden: the hidden states after the final norm, (B, T, d_model), in the logits' place: for a
-        caller that projects them itself (the serving engine's packed head, inference/packed_head.py).
+        hidden: the hidden states after the final norm, (B, T, d_model), instead of the logits (a
+        DecoderOutput's ``hidden``, logits None): for a caller that projects them itself (the serving
+        engine's packed head, inference/packed_head.py).
         Returns logits (B, T, vocab), or a DecoderOutput when a cache is passed or
         ``return_weights`` (per-layer attention weights) or ``return_depth_weights`` (AttnRes
         models: the depth-attention weights, ``DecoderOutput.depth_weights``) is set.
@@ -108,16 +120,14 @@ class DecoderLM(nn.Module):
         cfg = self.config
         tokens = jnp.asarray(tokens)  # NumPy arrays and nested lists too
         first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
-        offset = 0 if cache is None else first.index.reshape(-1)[0]
-        check_tokens(tokens, cfg.token_vocab, cfg.max_len, 0 if cache is None else offset)
-        if cache is not None:  # here, outside nn.scan, so the check also holds for traced indices
-            capacity, t = first.capacity, tokens.shape[-1]
-            if checks.is_traced(offset):
-                checks.check_cache_room(offset, t, capacity)
-            else:
-                validate.check_cache_room(int(offset), t, capacity)
+        offset = None if cache is None else first.offset  # None: no cache, or a paged one (positions given)
+        check_tokens(tokens, cfg.token_vocab, cfg.max_len, 0 if offset is None else offset)
+        if cache is not None:  # here too, outside nn.scan: an eager call's index is still concrete
+            first.room(tokens.shape[-1])
         if positions is None:
-            positions = offset + jnp.arange(tokens.shape[-1])
+            if cache is not None and offset is None:
+                raise ValueError(f"a {type(first).__name__} starts each row at its own position: pass positions")
+            positions = (0 if offset is None else offset) + jnp.arange(tokens.shape[-1])
         tok_embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(cfg.init_std),
                              dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="tok_embed")
         x = embed_tokens(cfg, tok_embed, tokens, positions, deterministic)
@@ -144,7 +154,7 @@ class DecoderLM(nn.Module):
             x = norm_from_config(cfg, "norm")(x)
         if hidden:
             return x if cache is None and not return_weights and not return_depth_weights else DecoderOutput(
-                x, cache, weights, depth)
+                None, cache, weights, depth, hidden=x)
         # Logits are float32 whatever the compute dtype: the matmul reads compute-dtype inputs but
         # accumulates and returns float32 (bfloat16 logits would carry ~3 significant digits into the loss).
         if cfg.tie_embeddings:

@@ -12,8 +12,9 @@ import numpy as np
 
 from jaxgpt.nn import checks
 from jaxgpt.core import validate
-from jaxgpt.nn.attention import KVCache
+from jaxgpt.nn.kv_cache import KVCache
 from jaxgpt.nn.block import Block
+from jaxgpt.nn.kernels.linear import stacked_weights
 from jaxgpt.nn.kernels.masks import NO_WINDOW
 from jaxgpt.config import ModelConfig
 from jaxgpt.nn.positions import sinusoidal_table
@@ -134,8 +135,9 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     scan = nn.scan(lambda block, h, xs: body(block, h, (xs[0], static if xs[1] is None else xs[1])),
                    variable_axes=SCANNED_COLLECTIONS, split_rngs={"params": True, "dropout": True},
                    in_axes=0, length=config.n_layer, unroll=scan_unroll(config))
-    x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
-                               x, (cache, windows))
+    with stacked_weights():
+        x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
+                                   x, (cache, windows))
     return x, cache, weights
 
 
@@ -194,8 +196,8 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
                        split_rngs={"params": True, "dropout": True}, in_axes=0, length=config.n_layer,
                        unroll=scan_unroll(config))
         layers = jnp.arange(config.n_layer, dtype=jnp.int32)
-        carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
-                                       (x, cache.k, cache.v),
-                                       (layers, cache.index, windows))
+        with stacked_weights():
+            carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0),
+                                                 name=name), (x, cache.k, cache.v), (layers, cache.index, windows))
     x, k, v = carry
     return x, KVCache(k, v, index, "stacked"), weights

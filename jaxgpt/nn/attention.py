@@ -1,5 +1,5 @@
-"""The multi-head Attention module (MHA / GQA / MQA, self- and cross-attention, RoPE) and its KV
-cache. The attention itself is ``kernels.attend``, the one entry to every kernel.
+"""The multi-head Attention module (MHA / GQA / MQA, self- and cross-attention, RoPE). The attention
+itself is ``kernels.attend``, the one entry to every kernel; a KV cache is any ``kv_cache.KVCacheLike``.
 
 Layout: activations stay (B, T, H, D) from the projections to the output, so no transposes are
 needed around the attention core; GQA is an einsum over (kv_head, group) without repeating K/V.
@@ -7,109 +7,18 @@ needed around the attention core; GQA is an einsum over (kv_head, group) without
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-from flax import struct
 
 from jaxgpt.config.rope import RopeScaling
 from jaxgpt.core import validate
-from jaxgpt.nn import checks
-from jaxgpt.nn.kernels import attend, keys_before
+from jaxgpt.nn.kernels import attend
 from jaxgpt.nn.kernels import causal_mask, scaled_dot_product_attention  # noqa: F401  (public names)
+from jaxgpt.nn.kernels.xla import KVRead
+from jaxgpt.nn.kv_cache import CACHE_LAYOUTS, KVCache  # noqa: F401  (public names)
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.positions import layer_rope
 from jaxgpt.nn.precision import module_scope
 from jaxgpt.nn.qk_norm import qk_norm
-
-# KVCache.layout: how k and v are stored. S is the capacity; index is () except where noted.
-#   'heads'   (B, H_kv, S, D)                 one layer (KVCache.init); read as kv_layout 'heads'
-#   'rows'    (B * H_kv, S, D), row b*H_kv+h  one layer, the copy-free decode layout
-#                                             (init_cache(..., per_layer=True)); read as kv_layout 'rows'
-#   'stacked' (L, B, H_kv, S, D), index (L,)  every layer (init_cache); the decoder's layer loop hands
-#                                             each layer the whole buffer with `layer` and its own index
-CACHE_LAYOUTS = ("heads", "rows", "stacked")
-
-
-@struct.dataclass
-class KVCache:
-    """Preallocated keys/values and how many positions are already written. A pytree whose
-    ``layout`` is static (part of the tree structure, so jit and while_loop keep it)."""
-
-    k: jax.Array
-    v: jax.Array
-    index: jax.Array  # next write position == number of cached positions
-    layout: str = struct.field(pytree_node=False, default="heads")  # CACHE_LAYOUTS
-    # 'stacked' only: the layer this call owns. It writes only its new slots of k[layer] / v[layer]
-    # in place, so a decode step never copies the whole cache.
-    layer: jax.Array | int | None = None
-
-    def __post_init__(self):
-        if self.layout not in CACHE_LAYOUTS:
-            raise ValueError(f"KVCache layout={self.layout!r} is not one of {CACHE_LAYOUTS}")
-
-    @classmethod
-    def init(cls, batch: int, n_kv_head: int, max_len: int, head_dim: int, dtype=jnp.float32,
-             layout: str = "heads") -> "KVCache":
-        """An empty one-layer cache in layout 'heads' or 'rows'."""
-        if layout not in ("heads", "rows"):
-            raise ValueError(f"KVCache.init makes one layer's cache: layout 'heads' or 'rows', got {layout!r} "
-                             f"(init_cache makes the 'stacked' one)")
-        shape = (batch, n_kv_head, max_len, head_dim) if layout == "heads" else (batch * n_kv_head, max_len, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32), layout)
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[-2]  # S is the second-to-last axis in every layout
-
-    def write(self, k, v, mask=None, is_causal=True, window=None):
-        """Write keys and values k, v (B, T, H_kv, D) at slots [index, index + T).
-
-        The KV caches' one contract (kernels.paged.PagedKVCache.write too): returns (the cache after
-        the write, keys, values to attend over (all S slots; those past the new index are empty),
-        their kv_layout for ``kernels.attend``, the call's ``mask`` (broadcastable to (B, H, T, S))
-        narrowed to the written slots where causality does not already hide the empty ones, is_causal).
-        ``window``: the layer's sliding window, which a cache that answers is_causal=False folds into
-        its mask (a paged cache's 'gather'); here causality by the cache offset carries it to attend.
-        """
-        t = k.shape[1]
-        if mask is not None or not is_causal:  # causal from the cache offset already hides the empty slots
-            written = keys_before(self.capacity, self.index + t)  # (S,): slots past the write index are empty
-            mask = written if mask is None else mask & written
-        cache, k, v, kv_layout = self._write(k, v)
-        return cache, k, v, kv_layout, mask, is_causal
-
-    def _write(self, k, v):
-        b, t, h_kv, d = k.shape
-        if checks.is_traced(self.index):  # dynamic_update_slice would clamp the start and overwrite the last slots
-            checks.check_cache_room(self.index, t, self.capacity)  # checked mode (checkify) only
-        else:
-            validate.check_cache_room(int(self.index), t, self.capacity)
-        want = {"heads": (b, h_kv, self.capacity, d), "rows": (b * h_kv, self.capacity, d),
-                "stacked": self.k.shape[:1] + (b, h_kv, self.capacity, d)}[self.layout]
-        if self.k.shape != want:
-            raise ValueError(f"a {self.layout!r} KV cache of shape {tuple(self.k.shape)} does not fit batch {b} x "
-                             f"{h_kv} key/value heads of size {d}: it needs {want}")
-        # (B, T, H_kv, D) -> (B, H_kv, T, D): only the new tokens are transposed.
-        k_new = k.transpose(0, 2, 1, 3).astype(self.k.dtype)
-        v_new = v.transpose(0, 2, 1, 3).astype(self.v.dtype)
-        at = self.index
-        if self.layout == "rows":
-            kc = jax.lax.dynamic_update_slice(self.k, k_new.reshape(b * h_kv, t, d), (0, at, 0))
-            vc = jax.lax.dynamic_update_slice(self.v, v_new.reshape(b * h_kv, t, d), (0, at, 0))
-            return KVCache(kc, vc, at + t, "rows"), kc, vc, "rows"
-        if self.layout == "heads":
-            kc = jax.lax.dynamic_update_slice(self.k, k_new, (0, 0, at, 0))
-            vc = jax.lax.dynamic_update_slice(self.v, v_new, (0, 0, at, 0))
-            return KVCache(kc, vc, at + t, "heads"), kc, vc, "heads"
-        if self.layer is None:
-            raise ValueError("a 'stacked' KV cache holds every layer: pass it to DecoderLM, which hands each "
-                             "layer its part; a single Attention takes KVCache.init(...)")
-        kc = jax.lax.dynamic_update_slice(self.k, k_new[None], (self.layer, 0, 0, at, 0))
-        vc = jax.lax.dynamic_update_slice(self.v, v_new[None], (self.layer, 0, 0, at, 0))
-        k_l = jax.lax.dynamic_index_in_dim(kc, self.layer, 0, keepdims=False)  # (B, H_kv, S, D)
-        v_l = jax.lax.dynamic_index_in_dim(vc, self.layer, 0, keepdims=False)
-        return KVCache(kc, vc, at + t, "stacked", self.layer), k_l, v_l, "heads"
-
 
 class Attention(nn.Module):
     """Multi-head attention: self-attention, or cross-attention when ``context`` is given.
@@ -140,7 +49,6 @@ class Attention(nn.Module):
     attention_block: int = 128
     dtype: str = "float32"  # compute dtype of the projections and the attention core
     param_dtype: str = "float32"
-    matvec: bool = False  # dense(matvec=): decode-step rows on the matvec kernel (layers not scanned)
     matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
     scale: float | None = None  # score multiplier (ModelConfig.attn_scale); None: head_dim ** -0.5
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (attn_softcap)
@@ -152,7 +60,7 @@ class Attention(nn.Module):
         """x: (B, T, d_model); context: (B, S, d_model) for cross-attention.
 
         positions: (T,) or (B, T) absolute positions for RoPE (default: cache index + arange(T)).
-        cache: a KVCache (any layout) to write this call's keys/values into (self-attention only);
+        cache: a KV cache (nn/kv_cache.py's contract) to write this call's keys/values into (self-attention only);
         a mask then spans its S slots.
         segment_ids: (B, T) ids of packed documents (self-attention without a cache): a query
         sees only keys of its own document.
@@ -167,14 +75,15 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         src = x if context is None else context
 
-        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype, matvec=self.matvec)
+        dt = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         q = dense(self.n_head * d, self.qkv_bias, self.init_std, "q_proj", **dt)(x).reshape(b, t, self.n_head, d)
         k = dense(h_kv * d, self.qkv_bias, self.init_std, "k_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
         v = dense(h_kv * d, self.qkv_bias, self.init_std, "v_proj", **dt)(src).reshape(b, src.shape[1], h_kv, d)
 
-        q, k = qk_norm(self.qk_norm, q, k, eps=self.norm_eps, param_dtype=self.param_dtype, impl=self.norm_impl,
-                       unit_offset=self.norm_unit_offset)
-        offset = 0 if cache is None else cache.index
+        if self.qk_norm is not None:
+            q, k = qk_norm(self.qk_norm, q, k, eps=self.norm_eps, param_dtype=self.param_dtype, impl=self.norm_impl,
+                           unit_offset=self.norm_unit_offset)
+        offset = 0 if cache is None or cache.offset is None else cache.offset  # paged: positions are given
         if self.rope:
             if context is not None:
                 raise ValueError("RoPE applies to self-attention only")
@@ -183,25 +92,21 @@ class Attention(nn.Module):
             q, k = layer_rope(q, k, positions, window, base=self.rope_base, scaling=self.rope_scaling,
                               local_base=self.rope_local_base, layout=self.rope_layout, rotary_dim=self.rotary_dim)
 
-        kv_layout, pages = "tokens", None
-        if cache is not None:  # the caches' one contract: keys, values, layout and mask to attend over
+        kv = KVRead(k, v, "tokens", mask, is_causal, window)
+        if cache is not None:  # the caches' one contract (nn/kv_cache.py): write, then read what to attend over
             if context is not None:
                 raise ValueError("the KV cache holds self-attention keys; pass context=None")
-            if mask is not None:  # checked before the cache's `& written`, whose broadcast could hide a bad shape
+            if mask is not None:  # checked before the cache narrows it, whose broadcast could hide a bad shape
                 mask = jnp.asarray(mask)
                 validate.check_mask(mask.shape, mask.dtype, (b, self.n_head, t, cache.capacity))
-            cache, k, v, kv_layout, mask, causal = cache.write(k, v, mask, is_causal, window=window)
-            if is_causal and not causal:  # the cache folded causality, and the window, into its mask
-                is_causal, window = False, None
-            if kv_layout == "pages":  # a paged cache read in place: attend follows its page table
-                pages = cache.pages
+            cache = cache.write(k, v)
+            kv = cache.read(mask, is_causal, window)
 
         rate = 0.0 if deterministic else self.attn_dropout
-        out = attend(q, k, v, impl=self.attention_impl, block=self.attention_block, mask=mask, is_causal=is_causal,
-                     q_offset=offset, return_weights=return_weights, kv_layout=kv_layout, pages=pages,
-                     dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
-                     segment_ids=segment_ids, scale=self.scale, softcap=self.softcap,
-                     window=window)
+        out = attend(q, kv.k, kv.v, impl=self.attention_impl, block=self.attention_block, mask=kv.mask,
+                     is_causal=kv.is_causal, q_offset=offset, return_weights=return_weights, kv_layout=kv.layout,
+                     pages=kv.pages, dropout_rate=rate, dropout_rng=self.make_rng("dropout") if rate > 0.0 else None,
+                     segment_ids=segment_ids, scale=self.scale, softcap=self.softcap, window=kv.window)
         out, weights = out if return_weights else (out, None)
         y = dense(self.d_model, self.o_bias, self.out_init_std, "o_proj", **dt)(out.reshape(b, t, self.n_head * d))
         return y, cache, weights
@@ -218,6 +123,6 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         norm_unit_offset=config.norm_unit_offset,
         norm_impl=config.norm_impl, attn_dropout=config.attention_dropout, init_std=config.init_std,
         out_init_std=config.out_init_std, attention_impl=config.attention_impl, attention_block=config.attention_block,
-        dtype=config.dtype, param_dtype=config.param_dtype, matvec=not config.scan_layers,
+        dtype=config.dtype, param_dtype=config.param_dtype,
         matmul_precision=config.matmul_precision, scale=config.attn_scale,
         softcap=config.attn_softcap, name=name)

@@ -1,5 +1,5 @@
 """Transformer block: self-attention (+ optional cross-attention) and a feed-forward network,
-each wrapped in a residual (nn/residual.py: the norm before, after or inside the add; parallel)."""
+each wrapped in a residual (``residual``: the norm before, after or inside the add; parallel)."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -10,7 +10,6 @@ from jaxgpt.nn.mlp import make_mlp
 from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope
-from jaxgpt.nn.residual import residual as add_residual
 
 
 class Block(nn.Module):
@@ -40,11 +39,11 @@ class Block(nn.Module):
         drop = nn.Dropout(cfg.dropout)
         layer_in = x
 
-        def residual(x, f, norm_name, src=None):
+        def sublayer(x, f, norm_name, src=None):
             post = norm_from_config(cfg, norm_name.replace("_norm", "_post_norm")) \
                 if cfg.norm_placement == "sandwich" else None
-            return add_residual(cfg.norm_placement, x, f, norm_from_config(cfg, norm_name),
-                                lambda y: drop(y, deterministic=deterministic), src, post)
+            return residual(cfg.norm_placement, x, f, norm_from_config(cfg, norm_name),
+                            lambda y: drop(y, deterministic=deterministic), src, post)
 
         out = {}
 
@@ -54,11 +53,32 @@ class Block(nn.Module):
                 return_weights=return_weights, deterministic=deterministic, segment_ids=segment_ids, window=window)
             return y
 
-        x = residual(x, self_attn, "attn_norm")
+        x = sublayer(x, self_attn, "attn_norm")
         if self.cross:
             cross = attention_from_config(cfg, "cross_attn", rope=False)
-            x = residual(x, lambda h: cross(h, context, mask=context_mask, deterministic=deterministic)[0],
+            x = sublayer(x, lambda h: cross(h, context, mask=context_mask, deterministic=deterministic)[0],
                          "cross_norm")
         mlp = MoE(cfg, name="mlp") if self.sparse else make_mlp(cfg, "mlp")
-        x = residual(x, mlp, "mlp_norm", layer_in if cfg.parallel_residual else None)
+        x = sublayer(x, mlp, "mlp_norm", layer_in if cfg.parallel_residual else None)
         return x, out["cache"], out["weights"]
+
+
+def residual(placement: str, x, f, norm, drop, src=None, post=None):
+    """x (B, T, d_model) plus sublayer ``f``'s branch; ``drop`` is the residual-branch dropout.
+
+    'pre': x + f(norm(x)); 'post': norm(x + f(x)); 'post_sublayer': x + norm(f(x)) (OLMo 2);
+    'sandwich': x + post(f(norm(x))) (Gemma 2). ``src``: what f reads instead of x (a parallel
+    residual's MLP reads the layer's input, 'pre' only).
+    """
+    h = x if src is None else src
+    if placement == "pre":
+        return x + drop(f(norm(h)))
+    if src is not None:
+        raise ValueError(f"a parallel residual needs norm_placement='pre', got {placement!r}")
+    if placement == "sandwich":
+        return x + drop(post(f(norm(x))))
+    if placement == "post_sublayer":
+        return x + drop(norm(f(x)))
+    if placement == "post":
+        return norm(x + drop(f(x)))
+    raise ValueError(f"unknown norm_placement {placement!r}; expected 'pre', 'post', 'post_sublayer' or 'sandwich'")

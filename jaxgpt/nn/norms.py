@@ -1,10 +1,5 @@
-"""LayerNorm and RMSNorm with explicit eps and two-pass statistics.
-
-``impl`` (``ModelConfig.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
-kernel (kernels/norm_ffi.py: one read of each row, 1.07x on a 6 x 384 train step); 'auto' runs
-'ffi' in programs lowered for the CPU (kernels/policy.py) where it can (the kernel built here) on
-inputs of native.AUTO_MIN_SIZE floats or more (training, prefill; a decode step's few rows keep
-XLA's norm, fused with its neighbours), and 'xla' elsewhere. Same numbers to 1e-6.
+"""LayerNorm and RMSNorm with explicit eps and two-pass statistics (``kernels.norm``; ``impl``,
+``ModelConfig.norm_impl``, picks XLA or the C++ CPU kernel, the same numbers to 1e-6).
 
 Flax's own ``nn.LayerNorm`` defaults to eps=1e-6 and a one-pass (fast) variance; both break
 1e-5 parity with torch, so the statistics are written out here. Statistics (and the scale and
@@ -19,24 +14,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxgpt.config import NORM_IMPLS
-from jaxgpt.nn.kernels import native, norm_ffi, policy
-
-
-def _use_ffi(impl: str, x) -> bool:
-    return native.use_kernel("norm_impl", impl, NORM_IMPLS, x, norm_ffi.unsupported)
-
-
-def _xla_norm(h, scale, bias, eps: float, center: bool):
-    """The norm of h (..., D) float32 in jax.numpy: two-pass statistics, no E[x^2]-E[x]^2 cancellation."""
-    if center:
-        h = h - h.mean(-1, keepdims=True)
-    y = h * jax_rsqrt(jnp.square(h).mean(-1, keepdims=True) + eps) * scale
-    return y if bias is None else y + bias
-
-
-def _ffi_norm(h, scale, bias, eps: float, center: bool):
-    return norm_ffi.layer_norm(h, scale, bias, eps=eps) if center else norm_ffi.rms_norm(h, scale, eps=eps)
+from jaxgpt.nn.kernels.norm import norm, rsqrt as jax_rsqrt  # noqa: F401  (jax_rsqrt: a public name)
 
 
 class LayerNorm(nn.Module):
@@ -61,10 +39,7 @@ class LayerNorm(nn.Module):
             scale = 1.0 + scale
         bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(jnp.float32) \
             if self.use_bias else None
-        eps, center = self.eps, self.center
-        y = policy.cpu_kernel(_use_ffi(self.impl, h), self.impl == "ffi",
-                              lambda h, s, b: _ffi_norm(h, s, b, eps, center),
-                              lambda h, s, b: _xla_norm(h, s, b, eps, center), h, scale, bias, what="norm_impl='ffi'")
+        y = norm(h, scale, bias, eps=self.eps, center=self.center, impl=self.impl)
         return y.astype(self.dtype or x.dtype)
 
 
@@ -79,12 +54,6 @@ class RMSNorm(LayerNorm):
         if self.use_bias:
             raise ValueError("RMSNorm has no bias (use_bias=True); a biased norm is LayerNorm's")
         super().__post_init__()
-
-
-def jax_rsqrt(x):
-    # 1/sqrt rather than lax.rsqrt: XLA's rsqrt is an approximation on some backends, and
-    # torch's reference divides by the square root.
-    return 1.0 / jnp.sqrt(x)
 
 
 def make_norm(kind: str, eps: float, use_bias: bool = True, name: str | None = None, *,

@@ -69,7 +69,7 @@ def worker_jax_train(spec: dict) -> dict:
     from jaxgpt.config import TrainConfig, get_preset
     from jaxgpt.train.step import init_state, make_train_step
 
-    if spec.get("patch") == "f32-head-grad":  # the head's backward as JAX transposes it (before jaxgpt.nn.head)
+    if spec.get("patch") == "f32-head-grad":  # the head's backward as JAX transposes it (before the logits op, jaxgpt.nn.kernels.linear)
         import jax.numpy as jnp
 
         from jaxgpt.models import decoder

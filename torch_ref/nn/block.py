@@ -8,7 +8,6 @@ from torch_ref.nn.attention import attention_from_config
 from torch_ref.nn.mlp import make_mlp
 from torch_ref.nn.moe import MoE
 from torch_ref.nn.norms import norm_from_config
-from torch_ref.nn.residual import residual
 
 
 class Block(nn.Module):
@@ -55,3 +54,20 @@ class Block(nn.Module):
         x = self._residual(x, self.mlp, self.mlp_norm, layer_in if self.config.parallel_residual else None,
                            post("mlp"))
         return x, out["cache"], out["weights"]
+
+
+def residual(placement: str, x, f, norm, drop, src=None, post=None):
+    """x (B, T, d_model) plus sublayer ``f``'s branch, as jaxgpt.nn.block.residual: 'pre' x + f(norm(x)),
+    'post' norm(x + f(x)), 'post_sublayer' x + norm(f(x)), 'sandwich' x + post(f(norm(x)));
+    ``src``: what f reads ('pre' only)."""
+    if placement not in ("pre", "post", "post_sublayer", "sandwich"):
+        raise ValueError(f"unknown norm_placement {placement!r}; expected 'pre', 'post', 'post_sublayer' or 'sandwich'")
+    if placement != "pre" and src is not None:
+        raise ValueError(f"a parallel residual needs norm_placement='pre', got {placement!r}")
+    if placement == "sandwich":
+        return x + drop(post(f(norm(x))))
+    inp = x if src is None else src
+    if placement == "post":
+        return norm(x + drop(f(inp)))
+    branch = f(norm(inp)) if placement == "pre" else norm(f(inp))
+    return x + drop(branch)

@@ -1,4 +1,4 @@
-"""Soft-capping mirroring jaxgpt/nn/softcap.py: x -> cap * tanh(x / cap) (Gemma 2's scores and logits)."""
+"""Soft-capping mirroring jaxgpt/nn/kernels/softcap.py: x -> cap * tanh(x / cap) (Gemma 2's scores and logits)."""
 from __future__ import annotations
 
 import torch

@@ -16,8 +16,7 @@ same numbers (1e-5 in float32, forward and gradients); they differ in memory and
 'auto' and 'ffi' run one more C++ kernel for causal calls over a KV cache of up to
 CACHE_KERNEL_MAX_TQ queries (decode steps, short prefills; CPU, float32, no mask):
 paged_ffi.cached_attention reads the cache in place and only up to each query's position, where
-the einsum reads and masks every slot (1.45x faster 1,008-token greedy decoding together with
-matvec_ffi; docs/performance.md).
+the einsum reads and masks every slot (docs/performance.md).
 
 In a program lowered for a TPU, 'auto' and 'ffi' run JAX's Pallas TPU flash attention
 (tpu_flash.py) on self-attention over the call's own keys (causal or not, GQA, segment ids) with
@@ -33,6 +32,7 @@ call time (``xla.scaled_dot_product_attention``, ...), so a test can count which
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -61,17 +61,16 @@ FFI_AUTO_MAX_LEN = 1024  # 'auto' runs 'ffi' up to this length (it holds T x T s
 def auto_impl(tq: int, tk: int, block: int, dropout_rate: float = 0.0, q=None, plain: bool = False,
               softcap: float | None = None) -> str:
     """The kernel attention_impl='auto' runs where 'ffi' cannot (attend runs 'ffi' first: causal
-    float32 self-attention without a mask, cache or dropout, T <= FFI_AUTO_MAX_LEN, on the CPU;
-    it made the 4 x 128, T 64 train step 1.15x faster). By measurement (docs/performance.md):
+    float32 self-attention without a mask, cache or dropout, T <= FFI_AUTO_MAX_LEN, on the CPU).
+    By measurement (docs/performance.md):
 
     - GPU: 'cudnn' (flash attention, memory linear in T) for ``plain`` calls (self-attention over the
       call's own keys: no mask, no KV cache, causal from offset 0) on queries ``q`` cuDNN takes
       (bfloat16/float16, head_dim a multiple of 8 up to 256; a call it still rejects runs 'blocked').
-      'xla' materialised (B, H, T, T) float32 scores per layer: gpt2-small at B 12, T 1024 ran out
-      of memory on an 80 GB H100.
+      'xla' materialises (B, H, T, T) float32 scores per layer.
     - Every backend, for the rest: 'blocked' for training and prefill over more than one key block
-      (memory linear in T; on the CPU its causal block skipping made a 6 x 384, T 256 train step
-      1.3x faster than 'xla'), else 'xla' (decode steps, short sequences: equal or faster). In a
+      (memory linear in T; on the CPU it skips the masked causal blocks), else 'xla' (decode steps,
+      short sequences: equal or faster). In a
       program lowered for a TPU, attend runs JAX's Pallas flash attention instead on the calls
       tpu_flash.unsupported accepts (train steps and prefill, T a multiple of 128; no TPU measured).
     - Always 'xla' with attention dropout, the only kernel that has it.
@@ -126,18 +125,12 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
     if softcap is not None and impl in SOFTCAP_REFUSED:
         raise ValueError(f"attention_impl={impl!r} has no attention soft-capping (softcap={softcap}); "
                          "use 'auto', 'xla' or 'blocked'")
+    kw = dict(impl=impl, block=block, scale=scale, softcap=softcap)
     if kv_layout == "pages":
         if mask is not None or dropout_rate > 0.0 or segment_ids is not None:
             raise ValueError("kv_layout='pages' is causal by the query positions: no mask, segment ids or dropout")
-        pages = paged.Pages(*pages)
-        gathered = functools.partial(_gathered, pages=pages, impl=impl, block=block, scale=scale, softcap=softcap,
-                                     window=window)
-        if not return_weights and softcap is None:  # each platform's in-place kernel, or the pages gathered
-            return paged_dispatch.attend_pages(q, k, v, pages, scale=scale, window=window, gathered=gathered)
-        if not return_weights:  # no in-place kernel has soft-capping: the pages gathered (the engine's 'gather')
-            return gathered(q, k, v)
-        k, v, mask = _gather(k, v, pages, q.dtype, window)  # the weights: the xla kernel over the gathered pages
-        kv_layout, is_causal, window = "rows", False, None
+        return _attend_pages(q, k, v, paged.Pages(*pages), return_weights=return_weights, q_offset=q_offset,
+                             window=window, **kw)
     if window is not None and not is_causal:
         raise ValueError("a sliding window narrows causal attention: pass is_causal=True (or window=None)")
     b, tq, h, _ = q.shape
@@ -151,72 +144,118 @@ def attend(q, k, v, *, impl="auto", block=128, mask=None, is_causal=False, q_off
                              f"(got kv_layout={kv_layout!r}, {tq} queries over {tk} keys)")
         segment_ids = jnp.asarray(segment_ids)
         validate.check_segment_ids(segment_ids.shape, segment_ids.dtype, (b, tq))
-    plain = segment_ids is None and _plain(q, mask, is_causal, q_offset, kv_layout, tk, window)
+    call = _Call(mask=mask, is_causal=is_causal, q_offset=q_offset, return_weights=return_weights,
+                 kv_layout=kv_layout, dropout_rate=dropout_rate, dropout_rng=dropout_rng, segment_ids=segment_ids,
+                 window=window, b=b, tq=tq, h_kv=h_kv, tk=tk, **kw)
+    return call.dispatch(q, k, v)
 
-    def run(impl: str, picked: bool, q, k, v):
-        """The kernel ``impl`` on this call; ``picked``: chosen by 'auto' (a rejected cuDNN call runs 'blocked')."""
-        fallback = picked and tq > 1 and tk > block  # else a 'cudnn' call cuDNN rejects runs jax.nn's 'xla'
-        if dropout_rate > 0.0 and impl != "xla":
-            raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={dropout_rate}); "
-                             f"set attn_dropout=0.0 or attention_impl='xla'")
-        m, seg, layout = mask, segment_ids, kv_layout
-        if seg is not None and (return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
-            m, seg = masks.both(m, segment_mask(seg, seg)), None
-        kw = dict(mask=m, is_causal=is_causal, q_offset=q_offset, scale=scale, window=window)
-        if softcap is not None:  # only 'xla' and 'blocked' take it (auto_impl and the check above)
-            kw["softcap"] = softcap
-        if impl == "xla" or return_weights:
-            return xla.scaled_dot_product_attention(q, k, v, return_weights=return_weights, kv_layout=layout,
-                                                    dropout_rate=dropout_rate, dropout_rng=dropout_rng, **kw)
-        if layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
-            k, v, layout = k.reshape(b, h_kv, tk, -1), v.reshape(b, h_kv, tk, -1), "heads"
-        if impl == "ffi":  # a static window only (below)
-            return causal_ffi.causal_attention(q, k, v, scale=scale, segment_ids=seg, window=window)
-        if impl == "blocked":
-            return blocked.blocked_attention(q, k, v, block=block, kv_layout=layout, segment_ids=seg, **kw)
-        return jax_sdpa.jax_attention(q, k, v, kv_layout=layout, implementation="cudnn" if impl == "cudnn" else None,
-                                      fallback=functools.partial(blocked.blocked_attention, block=block)
-                                      if fallback else None, **kw)
 
-    flash = softcap is None and window is None and tpu_flash.unsupported(
-        q, k, mask=mask, is_causal=is_causal, q_offset=q_offset, kv_layout=kv_layout, scale=scale,
-        dropout_rate=dropout_rate, return_weights=return_weights) is None
+def _attend_pages(q, k_pool, v_pool, pages, *, impl, block, scale, softcap, window, return_weights, q_offset):
+    """attend over a paged cache's pools: each platform's in-place kernel, or the pages gathered."""
+    gathered = functools.partial(_gathered, pages=pages, impl=impl, block=block, scale=scale, softcap=softcap,
+                                 window=window)
+    if not return_weights and softcap is None:
+        return paged_dispatch.attend_pages(q, k_pool, v_pool, pages, scale=scale, window=window, gathered=gathered)
+    if not return_weights:  # no in-place kernel has soft-capping: the pages gathered (the engine's 'gather')
+        return gathered(q, k_pool, v_pool)
+    k, v, mask = _gather(k_pool, v_pool, pages, q.dtype, window)  # the weights: the xla kernel over the gathered pages
+    return attend(q, k, v, impl=impl, block=block, mask=mask, q_offset=q_offset, scale=scale, return_weights=True,
+                  kv_layout="rows", softcap=softcap)
 
-    def portable(q, k, v):  # where no C++ kernel runs: Pallas flash in a TPU program, cuDNN in a CUDA one
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One attend call's settings, checked: which kernel runs it (``dispatch``) and how (``run``)."""
+
+    impl: str
+    block: int
+    scale: float | None
+    softcap: float | None
+    mask: object
+    is_causal: bool
+    q_offset: object
+    return_weights: bool
+    kv_layout: str
+    dropout_rate: float
+    dropout_rng: object
+    segment_ids: object
+    window: object
+    b: int
+    tq: int
+    h_kv: int
+    tk: int
+
+    def dispatch(self, q, k, v):
+        """The C++ cache kernel, the C++ training kernel, or the kernel ``impl`` names ('auto': ``portable``)."""
+        impl, return_weights = self.impl, self.return_weights
+        if impl in ("auto", "ffi") and not return_weights and self.dropout_rate == 0.0 and self.softcap is None and \
+                cache_kernel_unsupported(q, k, self.mask, self.is_causal, self.kv_layout) is None:  # k, v as stored
+            return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, self.q_offset, scale=self.scale,
+                                                                            window=self.window), self.portable, q, k, v)
+        why = ffi_unsupported(q, self.mask, self.is_causal, self.q_offset, self.kv_layout, self.tk)
+        static_window = self.window is None or (isinstance(self.window, int) and not isinstance(self.window, bool))
+        ffi = why is None and static_window and self.softcap is None
+        if impl == "ffi":  # a cache, a mask, bf16: 'auto' without it
+            if why is None and not static_window:
+                raise ValueError("attention_impl='ffi' (the C++ causal training kernel) takes a static sliding window, "
+                                 "not a traced one (scanned layers mixing sliding and global ones); use "
+                                 "attention_impl='auto' or scan_layers=False")
+            if not ffi:
+                return self.portable(q, k, v)
+            return policy.cpu_kernel(not return_weights, True, functools.partial(self.run, "ffi", False),
+                                     functools.partial(self.run, "xla", False), q, k, v, what="attention_impl='ffi'")
+        if impl == "auto":
+            use = ffi and self.dropout_rate == 0.0 and not return_weights and self.tq <= FFI_AUTO_MAX_LEN
+            return policy.cpu_kernel(use, False, functools.partial(self.run, "ffi", True), self.portable, q, k, v)
+        if impl == "cudnn" and not return_weights and cudnn_unsupported(q) is None:  # jax.nn's XLA path off CUDA
+            return policy.on_cuda(functools.partial(self.run, "cudnn", False), functools.partial(self.run, "jax", False),
+                                  q, k, v)
+        return self.run(impl, False, q, k, v)
+
+    def portable(self, q, k, v):
+        """Where no C++ kernel runs: Pallas flash in a TPU program, cuDNN in a CUDA one, else 'auto's pick."""
+        flash = self.softcap is None and self.window is None and tpu_flash.unsupported(
+            q, k, mask=self.mask, is_causal=self.is_causal, q_offset=self.q_offset, kv_layout=self.kv_layout,
+            scale=self.scale, dropout_rate=self.dropout_rate, return_weights=self.return_weights) is None
         if flash:
             return policy.on_tpu(lambda q, k, v: tpu_flash.flash_attention(
-                q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids), other, q, k, v)
-        return other(q, k, v)
+                q, k, v, is_causal=self.is_causal, scale=self.scale, segment_ids=self.segment_ids), self.picked, q, k, v)
+        return self.picked(q, k, v)
 
-    def other(q, k, v):
-        pick = auto_impl(tq, tk, block, dropout_rate, q, plain, softcap)
+    def picked(self, q, k, v):
+        plain = self.segment_ids is None and _plain(q, self.mask, self.is_causal, self.q_offset, self.kv_layout, self.tk,
+                                                    self.window)
+        pick = auto_impl(self.tq, self.tk, self.block, self.dropout_rate, q, plain, self.softcap)
         if pick != "cudnn":
-            return run(pick, True, q, k, v)
-        return policy.on_cuda(functools.partial(run, "cudnn", True),
-                              functools.partial(run, auto_impl(tq, tk, block, dropout_rate), True), q, k, v)
+            return self.run(pick, True, q, k, v)
+        return policy.on_cuda(functools.partial(self.run, "cudnn", True),
+                              functools.partial(self.run, auto_impl(self.tq, self.tk, self.block, self.dropout_rate), True),
+                              q, k, v)
 
-    if impl in ("auto", "ffi") and not return_weights and dropout_rate == 0.0 and softcap is None and \
-            cache_kernel_unsupported(q, k, mask, is_causal, kv_layout) is None:  # k, v as stored: no reshape
-        return policy.on_cpu(lambda q, k, v: paged_ffi.cached_attention(q, k, v, q_offset, scale=scale, window=window),
-                             portable, q, k, v)
-    why = ffi_unsupported(q, mask, is_causal, q_offset, kv_layout, tk)
-    static_window = window is None or (isinstance(window, int) and not isinstance(window, bool))
-    ffi = why is None and static_window and softcap is None
-    if impl == "ffi":  # a cache, a mask, bf16: 'auto' without it
-        if why is None and not static_window:
-            raise ValueError("attention_impl='ffi' (the C++ causal training kernel) takes a static sliding window, "
-                             "not a traced one (scanned layers mixing sliding and global ones); use "
-                             "attention_impl='auto' or scan_layers=False")
-        if not ffi:
-            return portable(q, k, v)
-        return policy.cpu_kernel(not return_weights, True, functools.partial(run, "ffi", False),
-                                 functools.partial(run, "xla", False), q, k, v, what="attention_impl='ffi'")
-    if impl == "auto":
-        use = ffi and dropout_rate == 0.0 and not return_weights and tq <= FFI_AUTO_MAX_LEN
-        return policy.cpu_kernel(use, False, functools.partial(run, "ffi", True), portable, q, k, v)
-    if impl == "cudnn" and not return_weights and cudnn_unsupported(q) is None:  # jax.nn's XLA path off CUDA
-        return policy.on_cuda(functools.partial(run, "cudnn", False), functools.partial(run, "jax", False), q, k, v)
-    return run(impl, False, q, k, v)
+    def run(self, impl: str, picked: bool, q, k, v):
+        """The kernel ``impl`` on this call; ``picked``: chosen by 'auto' (a rejected cuDNN call runs 'blocked')."""
+        fallback = picked and self.tq > 1 and self.tk > self.block  # else a rejected 'cudnn' call runs jax.nn's 'xla'
+        if self.dropout_rate > 0.0 and impl != "xla":
+            raise ValueError(f"attention_impl={impl!r} has no attention dropout (dropout_rate={self.dropout_rate}); "
+                             f"set attn_dropout=0.0 or attention_impl='xla'")
+        m, seg, layout = self.mask, self.segment_ids, self.kv_layout
+        if seg is not None and (self.return_weights or impl not in ("ffi", "blocked")):  # the ids as a (T, T) mask
+            m, seg = masks.both(m, segment_mask(seg, seg)), None
+        kw = dict(mask=m, is_causal=self.is_causal, q_offset=self.q_offset, scale=self.scale, window=self.window)
+        if self.softcap is not None:  # only 'xla' and 'blocked' take it (auto_impl and attend's check)
+            kw["softcap"] = self.softcap
+        if impl == "xla" or self.return_weights:
+            return xla.scaled_dot_product_attention(q, k, v, return_weights=self.return_weights, kv_layout=layout,
+                                                    dropout_rate=self.dropout_rate, dropout_rng=self.dropout_rng, **kw)
+        if layout == "rows":  # (B * H_kv, Tk, D) -> (B, H_kv, Tk, D): splits the leading dim, no copy
+            k, v, layout = k.reshape(self.b, self.h_kv, self.tk, -1), v.reshape(self.b, self.h_kv, self.tk, -1), "heads"
+        if impl == "ffi":  # a static window only (dispatch)
+            return causal_ffi.causal_attention(q, k, v, scale=self.scale, segment_ids=seg, window=self.window)
+        if impl == "blocked":
+            return blocked.blocked_attention(q, k, v, block=self.block, kv_layout=layout, segment_ids=seg, **kw)
+        return jax_sdpa.jax_attention(q, k, v, kv_layout=layout, implementation="cudnn" if impl == "cudnn" else None,
+                                      fallback=functools.partial(blocked.blocked_attention, block=self.block)
+                                      if fallback else None, **kw)
 
 
 def _gather(k_pool, v_pool, pages, dtype, window=None):

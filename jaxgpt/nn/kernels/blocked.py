@@ -12,7 +12,7 @@ from jax import lax
 
 from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask, keys_before, segment_mask
-from jaxgpt.nn.softcap import softcap as capped, softcap_grad
+from jaxgpt.nn.kernels.softcap import softcap as capped, softcap_grad
 
 class _Static(NamedTuple):
     causal: bool

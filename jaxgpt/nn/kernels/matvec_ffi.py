@@ -4,12 +4,11 @@
 Why native code: a decode step reads every weight once per token, so its dots are bound by memory
 bandwidth, and XLA:CPU runs each on one thread. The C++ kernel splits the columns of weights of at
 least 256K floats with a helper thread that spins between calls (XLA's pool threads sleep, and
-waking one cost more than it saved): 1,008-token greedy decoding 449 -> 652 tokens/s, with the
-cache-attention kernel (docs/performance.md).
+waking one cost more than it saved; docs/performance.md has the figures).
 
 Float32 only; each output is summed in a fixed order, about 1e-7 from XLA's dot. Differentiable:
-the backward pass is XLA's (dx = dy w^T, dw = x^T dy). ``mlp.matvec_dot_general`` (the dot of
-``dense(..., matvec=True)``: layers that are not scanned) runs it for at most MAX_ROWS rows on the CPU.
+the backward pass is XLA's (dx = dy w^T, dw = x^T dy). The ``linear`` op (linear.py) runs it for at
+most MAX_ROWS rows on the CPU.
 """
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ import numpy as np
 from jaxgpt.nn.kernels import calibrate, native
 
 TARGET = "jaxgpt_matvec"
-# Up to this many rows (a decode step's batch) it runs. By measurement, generate() on the 6 x 384
-# benchmark model, ms a step with and without it: batch 1 1.2 / 1.9, batch 4 2.5 / 3.6, batch 8
-# 6.1 / 5.2 (from there on XLA's GEMM does more work per weight read; measured splitting from 64K weights).
+# Up to this many rows (a decode step's batch) it runs: past them XLA's GEMM does more work per weight
+# read (docs/performance.md).
 MAX_ROWS = 4
 
 
@@ -35,9 +33,7 @@ available = native.kernels("matvec.cc", {TARGET: "JaxgptMatvec"}, "decode steps 
 # decode step streams a model's), alternately (384, 1536) and (1536, 384), each followed by a tanh.
 CALIBRATION_SHAPES = ((384, 1536), (1536, 384)) * 12
 # The kernel runs where it takes at most 90% of XLA's time: its helper thread spins between calls, a
-# cost the chain does not see (in the serving engine it took half a core from the host thread). On the
-# 2-core AMD EPYC it measured 0.96x and 1.74x XLA's time natively and 1.37x with AVX2 there, and in
-# 504-token decoding it lost to XLA's dot on both (2.7-2.9 against 2.2-2.4 ms a token).
+# cost the chain does not see (docs/performance.md).
 MARGIN = 0.9
 
 

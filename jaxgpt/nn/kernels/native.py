@@ -85,8 +85,8 @@ def register(source: Path, targets: dict[str, str]) -> None:
 
 
 # An 'auto' knob (norm_impl, act_impl) runs its kernel on inputs of at least this many floats (a train
-# step's activations). A decode step's few rows keep XLA's op, which fuses with its neighbours: the
-# 1,008-token decode benchmark ran at 438 tokens/s with the kernels there, 496 without (one run each).
+# step's activations). A decode step's few rows keep XLA's op, which fuses with its neighbours
+# (docs/performance.md).
 AUTO_MIN_SIZE = 1 << 15
 
 

@@ -4,8 +4,8 @@ they are logically contiguous. Pure JAX (scatter + gather), so it runs on the CP
 
 Pool layout per layer: (num_pages, H_kv, page_size, D), so one gather by (row, head, page) lays
 the keys out as kv_layout 'rows' (B * H_kv, S, D), the layout the decode kernel reads without a
-transpose (measured: (num_pages, page_size, H_kv, D) read as 'tokens' made a 32-row decode step
-1.5x slower). Page 0 is the scratch page: padding tokens write there and unused page-table entries point there; the mask hides it.
+transpose (read as 'tokens', a (num_pages, page_size, H_kv, D) pool is slower: docs/performance.md).
+Page 0 is the scratch page: padding tokens write there and unused page-table entries point there; the mask hides it.
 
 A batch is (B, T) ragged rows: row b's query t sits at absolute position q_pos[b, t] (-1 for
 padding) and writes its key/value to flat slot ``slots[b, t]`` = page * page_size + offset.
@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jaxgpt.nn.kernels.xla import KVRead
 
 # The engine's paged_kernel: 'gather' copies the pages (pure JAX); 'ffi' the C++ CPU kernel, 'pallas'
 # the Pallas kernel (CUDA; interpreted on the CPU), both refused where they cannot lower; 'auto' each
@@ -80,9 +82,9 @@ class PagedKVCache:
     kernel: str = struct.field(pytree_node=False, default="gather")
 
     @property
-    def index(self):
-        """DecoderLM reads a cache's index for its default positions; paged callers pass positions."""
-        return jnp.zeros((), jnp.int32)
+    def offset(self):
+        """None: a paged batch's rows start at their own positions, which the caller passes (q_pos)."""
+        return None
 
     @property
     def pages(self) -> Pages:
@@ -93,16 +95,16 @@ class PagedKVCache:
     def capacity(self) -> int:
         return self.page_table.shape[1] * self.k.shape[2]
 
-    def write(self, k, v, mask=None, is_causal=True, window=None):
-        """Write k, v (B, T, H_kv, D) into their slots (the pools are updated in place when the caller
-        donates them). The KV caches' one contract (attention.KVCache.write too): returns (the cache
-        after the write, keys, values, their kv_layout, mask, is_causal) for ``kernels.attend``. The
-        mask is built from the query positions ("written and causal"), so the call passes none.
-        kernel 'gather': each row's pages, layout 'rows', with a sliding ``window`` folded into the
-        mask; any other: the pools themselves, kv_layout 'pages' (attend reads them in place through
-        the page table, ``pages=cache.pages``, and takes the window itself)."""
-        if mask is not None:
-            raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
+    def room(self, t: int) -> None:
+        """The engine's scheduler allots the pages before a step: here each of the t tokens needs its slot."""
+        if self.slots.shape[-1] != t:
+            raise ValueError(f"a paged KV cache with write slots for {self.slots.shape[-1]} tokens a row was "
+                             f"given {t}")
+
+    def write(self, k, v) -> PagedKVCache:
+        """The cache with k, v (B, T, H_kv, D) in their slots (the pools are updated in place when the
+        caller donates them). The KV caches' one contract: jaxgpt.nn.kv_cache."""
+        self.room(k.shape[1])
         n, h_kv, ps, d = self.k.shape
         page = (self.slots // ps).reshape(-1)  # (B*T,)
         off = (self.slots % ps).reshape(-1)
@@ -116,11 +118,19 @@ class PagedKVCache:
 
         kp, ks = put(self.k, self.k_scale, k)
         vp, vs = put(self.v, self.v_scale, v)
-        cache = self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
+        return self.replace(k=kp, v=vp, k_scale=ks, v_scale=vs)
+
+    def read(self, mask=None, is_causal: bool = True, window=None):
+        """What attend reads (a kv_cache.KVRead): the mask is built from the query positions ("written
+        and causal"), so the call passes none. kernel 'gather': each row's pages, layout 'rows', with a
+        sliding ``window`` folded into the mask; any other: the pools themselves, layout 'pages' (attend
+        reads them in place through the page table and takes the window itself)."""
+        if mask is not None:
+            raise ValueError("a paged KV cache builds its own mask from the query positions; pass mask=None")
         if self.kernel != "gather":
-            return cache, cache.k, cache.v, "pages", None, True
-        k, v, mask = cache.gather(window)
-        return cache, k, v, "rows", mask, False
+            return KVRead(self.k, self.v, "pages", None, is_causal, window, self.pages)
+        k, v, mask = self.gather(window)
+        return KVRead(k, v, "rows", mask, False)
 
     def gather(self, window=None):
         """Each row's pages, logically contiguous: (keys, values in kv_layout 'rows', the mask); ``gather``."""

@@ -3,11 +3,9 @@ into 64-column panels (``pack``), and each row's argmax in the same pass, as an 
 (cpu/panel_matmul.cc).
 
 Why native code: a decode step projects its 1-32 rows onto the whole vocabulary, and XLA:CPU's GEMM
-reads a row-major (d, V) weight slowly at those row counts: on the 2-core AMD EPYC, 256 x 32,000 took
-2.6 ms for 4 rows (1.1 ms for 1) and 4.8 ms for 32. Packed, a register tile streams one contiguous
-panel: 1.3 and 3.9 ms (docs/serving.md). The argmax is taken as the logits leave the registers:
-after the kernel, XLA's reductions over a 32-row step's logits took 2.3 ms. Inference only (no
-gradient); float32; each output is summed over d in order, about 1e-6 from XLA's dot. Whether it
+reads a row-major (d, V) weight slowly at those row counts; packed, a register tile streams one
+contiguous panel, and the argmax is taken as the logits leave the registers (docs/serving.md has the
+figures). Inference only (no gradient); float32; each output is summed over d in order, about 1e-6 from XLA's dot. Whether it
 runs is measured on each machine (``wins``, calibrate.py): the engine's head_kernel='auto'.
 """
 from __future__ import annotations
@@ -44,7 +42,7 @@ def panel_matmul(x, panels, n: int, bias=None, valid: int | None = None):
     """x (M, K) float32 @ the w (K, n) that ``pack`` gave ``panels``, + bias (n,) ->
     (logits (M, n) float32 with the columns from ``valid`` on at float32's minimum, as
     decoder.mask_padded_vocab sets them; each row's argmax (M,) int32, the first maximum, the first
-    NaN if any: sampling.argmax's)."""
+    NaN if any: ``argmax``'s)."""
     if not available():
         raise RuntimeError("the CPU panel-matmul kernel is unavailable here (see the warning above)")
     if (x.ndim != 2 or panels.ndim != 3 or panels.shape[1:] != (x.shape[1], PANEL) or -(-n // PANEL) != panels.shape[0]
@@ -60,12 +58,20 @@ def panel_matmul(x, panels, n: int, bias=None, valid: int | None = None):
     return jax.ffi.ffi_call(TARGET, out)(x, panels, b, valid=np.int64(valid))
 
 
+def argmax(logits):
+    """jnp.argmax over the last axis (the first maximum; the first NaN if any), as the kernel picks it,
+    written as two plain reductions, max then min: XLA:CPU runs argmax's (value, index) reduce
+    unvectorised (docs/serving.md). The engine's argmax (inference/sampling.py)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)  # a NaN max equals nothing; argmax returns the first NaN
+    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+
+
 def _measure() -> dict:
     """Best-of-5 seconds of a 4-deep chain of head projections with their argmax, packed and with
     XLA's dot plus the engine's argmax, at each calibration row count (calibrate.py): the kernel wins
     if it is faster at all of them by MARGIN."""
-    from jaxgpt.inference.sampling import argmax  # the engine's own (two reductions); imported late: a kernel module
-
     rng = np.random.default_rng(0)
     k, n = CALIBRATION_SHAPE
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.05)
@@ -88,4 +94,4 @@ def wins() -> bool:
     return available() and calibrate.decide("panel_matmul", (native.CPU / "panel_matmul.cc", Path(__file__)), _measure)
 
 
-__all__ = ["PANEL", "available", "pack", "panel_matmul", "wins"]
+__all__ = ["PANEL", "argmax", "available", "pack", "panel_matmul", "wins"]

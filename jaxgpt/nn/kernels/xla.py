@@ -2,19 +2,34 @@
 The only kernel that returns the attention weights and applies attention dropout."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from jaxgpt.core import validate
 from jaxgpt.nn import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask
-from jaxgpt.nn.softcap import softcap as capped
+from jaxgpt.nn.kernels.softcap import softcap as capped
 
 # How a kernel reads k and v (the queries are always (B, Tq, H, D)):
 #   'tokens' (B, Tk, H_kv, D)     as the projections make them
 #   'heads'  (B, H_kv, Tk, D)     a KV cache's layer (KVCache layout 'heads', or one layer of 'stacked')
 #   'rows'   (B * H_kv, Tk, D)    row b * H_kv + h: the decode cache (KVCache layout 'rows')
 KV_LAYOUTS = ("tokens", "heads", "rows")
+
+
+class KVRead(NamedTuple):
+    """What attention reads from a cache after its write: keys and values in ``layout`` (kernels.KV_LAYOUTS,
+    or 'pages' with ``pages``), the mask (broadcastable to (B, H, T, S)), causality and the sliding window."""
+
+    k: jax.Array
+    v: jax.Array
+    layout: str
+    mask: jax.Array | None
+    is_causal: bool
+    window: object = None
+    pages: object = None  # kernels.paged.Pages for layout 'pages'
 
 
 def kv_shape(k, kv_layout: str, batch: int) -> tuple[int, int]:
