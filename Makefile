@@ -68,7 +68,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.core
 demo: $(VENV)/.core
 	$(BIN)/python scripts/demo.py
 
-# Two passes: the suite at the tests' fast compile flags (conftest.py), then the tests marked users_flags (the
+# Two passes: the suite at the tests' fast compile flags (parity_tests/plugins/xla_flags.py), then the tests marked users_flags (the
 # float64-reference parity tests, the serving engine and its packed head) compiled as users compile.
 test: $(VENV)/.test
 	$(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS) or users_flags)" --durations 15 $(PYTEST_ARGS)

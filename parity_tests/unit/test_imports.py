@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxgpt import testing as kit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 TORCH_SIDE = ["torch_ref", "torch_ref.models", "torch_ref.nn.attnres", "torch_ref.convert", "torch_ref.train",
@@ -77,12 +79,12 @@ def test_layout_facts_have_one_source():
                                         ("true", pytest.fail.Exception), ("1", pytest.fail.Exception)])
 def test_missing_shared_skips_locally_and_fails_under_ci(ci, outcome, monkeypatch, tmp_path):
     """With ../shared pointed at a missing folder, seed-based tests skip, unless CI is true: then they fail."""
-    import conftest
+    from parity_tests.plugins import fixtures
 
     monkeypatch.delenv("CI", raising=False)
     if ci is not None:
         monkeypatch.setenv("CI", ci)
-    monkeypatch.setattr(conftest, "SHARED", tmp_path / "no-shared")
+    monkeypatch.setattr(fixtures, "SHARED", tmp_path / "no-shared")
 
     def outcome_of(f, *args):  # BaseException: a skip inside pytest.raises(Failed) would skip this test
         with pytest.raises(BaseException) as info:
@@ -90,27 +92,25 @@ def test_missing_shared_skips_locally_and_fails_under_ci(ci, outcome, monkeypatc
         assert info.type is outcome, f"expected {outcome.__name__}, got {info.type.__name__}: {info.value}"
         return str(info.value)
 
-    msg = outcome_of(conftest.seed_classes, "000_anything.txt", ["Anything"])
+    msg = outcome_of(fixtures.seed_classes, "000_anything.txt", ["Anything"])
     assert str(tmp_path / "no-shared" / "seeds" / "000_anything.txt") in msg and "is missing" in msg
-    msg = outcome_of(conftest.require_shared, tmp_path / "no-shared" / "data" / "tinyshakespeare.txt", "corpus")
+    msg = outcome_of(fixtures.require_shared, tmp_path / "no-shared" / "data" / "tinyshakespeare.txt", "corpus")
     assert ("CI=true, so a missing reference is an error" in msg) == (ci in ("true", "1"))
-    assert conftest.require_shared(tmp_path) == tmp_path  # present: returned, no skip
+    assert fixtures.require_shared(tmp_path) == tmp_path  # present: returned, no skip
 
 
 def test_error_tables_keep_self_consistency_apart(scratch_tables):
     """assert_close rows go to the parity table, assert_self_consistent rows to their own."""
-    conftest = scratch_tables
-    conftest.assert_close([1.0, 2.0], [1.0, 2.0 + 4e-6], "probe parity")
-    conftest.assert_self_consistent([1.0], [1.0 + 2e-6], "probe self")
-    assert set(conftest.WORST["parity"]) == {"probe parity"} and set(conftest.WORST["self"]) == {"probe self"}
-    assert abs(conftest.WORST["parity"]["probe parity"] - 4e-6) < 1e-9
+    report = scratch_tables
+    kit.assert_close([1.0, 2.0], [1.0, 2.0 + 4e-6], "probe parity")
+    kit.assert_self_consistent([1.0], [1.0 + 2e-6], "probe self")
+    assert set(report.WORST["parity"]) == {"probe parity"} and set(report.WORST["self"]) == {"probe self"}
+    assert abs(report.WORST["parity"]["probe parity"] - 4e-6) < 1e-9
     with pytest.raises(ValueError, match="kind must be one of"):
-        conftest.record("probe", 0.0, kind="other")
+        kit.record("probe", 0.0, kind="other")
 
 
 def test_gradient_rule_divides_each_leaf_by_max_1_and_its_scale(scratch_tables):
-    conftest = scratch_tables
-
     import numpy as np
 
     def tree(big, small):
@@ -118,25 +118,25 @@ def test_gradient_rule_divides_each_leaf_by_max_1_and_its_scale(scratch_tables):
 
     ref = tree([60.0, -3.0], [0.5, 0.1])
     ok = tree([60.0 + 5e-4, -3.0], [0.5 + 5e-6, 0.1])
-    assert abs(conftest.grads_err(ok, ref) - 5e-4 / 60) < 1e-9  # big leaf: 8.3e-6 after / 60
-    assert conftest.assert_grads_close(ok, ref, "probe grads") <= conftest.TOL
+    assert abs(kit.grads_err(ok, ref) - 5e-4 / 60) < 1e-9  # big leaf: 8.3e-6 after / 60
+    assert kit.assert_grads_close(ok, ref, "probe grads") <= kit.TOL
     bad = tree([60.0, -3.0], [0.5 + 2e-5, 0.1])  # |g| < 1: the error is not scaled up
     with pytest.raises(AssertionError, match="probe grads: max abs error 2.0"):
-        conftest.assert_grads_close(bad, ref, "probe grads")
+        kit.assert_grads_close(bad, ref, "probe grads")
 
 
 @pytest.mark.parametrize("ci,outcome", [(None, pytest.skip.Exception), ("true", pytest.fail.Exception)])
 def test_missing_test_dependency_skips_locally_and_fails_under_ci(ci, outcome, monkeypatch):
     """require_module (transformers in test_hf_dir.py, ...): present, the module; missing, a skip
     locally and a failure under CI=true (CI installs every test dependency)."""
-    import conftest
+    from parity_tests.plugins import fixtures
 
     monkeypatch.delenv("CI", raising=False)
     if ci is not None:
         monkeypatch.setenv("CI", ci)
-    assert conftest.require_module("json") is json
+    assert fixtures.require_module("json") is json
     with pytest.raises(BaseException) as info:
-        conftest.require_module("jaxgpt_no_such_package", allow_module_level=True)
+        fixtures.require_module("jaxgpt_no_such_package", allow_module_level=True)
     assert info.type is outcome and "jaxgpt_no_such_package is not installed" in str(info.value)
 
 
@@ -148,20 +148,19 @@ def test_float64_reference_is_float64_throughout(scratch_tables):
 
     from torch_ref.nn.norms import LayerNorm
 
-    conftest = scratch_tables
     norm = LayerNorm(8)
     x = np.random.default_rng(0).standard_normal((3, 8)) * 1e3 + 1e4  # large mean: float32 stats lose digits
-    norm64 = conftest.float64_module(norm)
-    with conftest.float64_torch():
+    norm64 = kit.float64_module(norm)
+    with kit.float64_torch():
         y64 = norm64(torch.from_numpy(x))
     assert y64.dtype == torch.float64 and norm.scale.dtype == torch.float32
     xc = x - x.mean(-1, keepdims=True)
     exact = xc / np.sqrt((xc ** 2).mean(-1, keepdims=True) + 1e-5)
     assert np.abs(y64.detach().numpy() - exact).max() < 1e-12
     assert torch.ones(2, dtype=torch.float64).float().dtype == torch.float32  # restored
-    with conftest.float64_torch():  # a float32 leak inside the reference is caught by the hooks
+    with kit.float64_torch():  # a float32 leak inside the reference is caught by the hooks
         with pytest.raises(AssertionError, match=r"float64 reference: LayerNorm returned \{'torch.float32'\}"):
-            conftest.float64_module(norm)(torch.from_numpy(x.astype(np.float32)))
+            kit.float64_module(norm)(torch.from_numpy(x.astype(np.float32)))
 
 
 def test_float64_rule_bounds_jaxgpt_by_k_times_torch(scratch_tables):
@@ -169,41 +168,41 @@ def test_float64_rule_bounds_jaxgpt_by_k_times_torch(scratch_tables):
     comparison only when asked; errors, ratio and margins recorded."""
     import numpy as np
 
-    conftest = scratch_tables
-    k, exact = conftest.K64, np.linspace(-1, 1, 5)
+    report = scratch_tables
+    k, exact = kit.K64, np.linspace(-1, 1, 5)
     torch32 = exact + 2e-5  # torch's own float32 error: 2e-5, so the bound is K64 x 2e-5
     ok = exact - 0.9 * k * 2e-5
-    assert conftest.assert_as_accurate_as_torch(ok, torch32, exact, "probe f64", direct=False) > conftest.TOL
-    m = conftest.MARGINS["probe f64"]
+    assert kit.assert_as_accurate_as_torch(ok, torch32, exact, "probe f64", direct=False) > kit.TOL
+    m = report.MARGINS["probe f64"]
     assert abs(m["ratio"] - 0.9 * k) < 1e-6 and abs(m["headroom"] - 1 / 0.9) < 1e-6 and m["direct_headroom"] == 0
     assert abs(m["direct"] - (0.9 * k + 1) * 2e-5) < 1e-9
     with pytest.raises(AssertionError, match=r"probe f64: max abs error"):  # the direct check, when asked
-        conftest.assert_as_accurate_as_torch(ok, torch32, exact, "probe f64")
+        kit.assert_as_accurate_as_torch(ok, torch32, exact, "probe f64")
     with pytest.raises(AssertionError, match=r"probe f64: jaxgpt float32 vs float64 reference .* > max\(1e-05, "):
-        conftest.assert_as_accurate_as_torch(exact + 1.1 * k * 2e-5, torch32, exact, "probe f64", direct=False)
+        kit.assert_as_accurate_as_torch(exact + 1.1 * k * 2e-5, torch32, exact, "probe f64", direct=False)
     with pytest.raises(AssertionError, match="probe f64"):  # torch exact: the 1e-5 floor applies
-        conftest.assert_as_accurate_as_torch(exact + 2e-5, exact, exact, "probe f64", direct=False)
+        kit.assert_as_accurate_as_torch(exact + 2e-5, exact, exact, "probe f64", direct=False)
     grads = {"layer": {"kernel": exact[:, None] * 30}}  # the gradient rule: / max(1, max|g|) = / 30
     off = {"layer": {"kernel": grads["layer"]["kernel"] + 2e-4}}
-    assert abs(conftest.assert_as_accurate_as_torch(off, grads, grads, "probe g", grads=True, direct=False)
+    assert abs(kit.assert_as_accurate_as_torch(off, grads, grads, "probe g", grads=True, direct=False)
                - 2e-4 / 30) < 1e-9
 
 
 def test_tables_merge_across_xdist_workers(scratch_tables):
     """A worker's tables (sent as JSON at the end of its session) fold into the controller's: worst errors,
     largest tolerances, worst margins."""
-    conftest = scratch_tables
-    conftest.assert_close([1.0], [1.0 + 1e-6], "probe a")
-    conftest.assert_as_accurate_as_torch([1.0 + 1e-6], [1.0 + 2e-6], [1.0], "probe m")
-    worker = json.loads(json.dumps(conftest._tables()))
+    report = scratch_tables
+    kit.assert_close([1.0], [1.0 + 1e-6], "probe a")
+    kit.assert_as_accurate_as_torch([1.0 + 1e-6], [1.0 + 2e-6], [1.0], "probe m")
+    worker = json.loads(json.dumps(report._tables()))
     worker["worst"]["parity"]["probe a"] = 3e-6
     worker["worst"]["self"]["probe s"] = 1e-7
     worker["margins"]["probe m"].update(jaxgpt=5e-6, headroom=2.0)
-    conftest._merge(worker)
-    assert conftest.WORST["parity"]["probe a"] == 3e-6 and conftest.WORST["self"]["probe s"] == 1e-7
-    m = conftest.MARGINS["probe m"]
+    report._merge(worker)
+    assert report.WORST["parity"]["probe a"] == 3e-6 and report.WORST["self"]["probe s"] == 1e-7
+    m = report.MARGINS["probe m"]
     assert m["jaxgpt"] == 5e-6 and m["headroom"] == 2.0 and len(m["ratios"]) == 2
-    assert "| probe m | 2 | 5.00e-06 | 2.00e-06 | 0.50 | - | 2.0 | 1.00e-06 | 10.0 |" in conftest.margins_markdown()
+    assert "| probe m | 2 | 5.00e-06 | 2.00e-06 | 0.50 | - | 2.0 | 1.00e-06 | 10.0 |" in report.margins_markdown()
 
 
 def test_no_script_runs_its_own_jax_training_loop():
