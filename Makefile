@@ -46,7 +46,7 @@ EXPERIMENTS_ARGS ?=
 GPU_PYTHON ?= python3
 GPU_WORKERS ?= 4
 GPU_BACKEND ?= gpu
-GPU_TESTS := $(addprefix parity_tests/,test_gpu_policy.py test_norms.py test_mlp.py test_positions.py test_attention.py \
+GPU_TESTS := parity_tests/unit/test_gpu_policy.py $(addprefix parity_tests/,test_norms.py test_mlp.py test_positions.py test_attention.py \
 	test_block.py test_decoder.py test_bert.py test_encdec.py test_attnres.py test_moe.py test_attention_backends.py \
 	test_precision.py)
 
@@ -68,7 +68,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.core
 demo: $(VENV)/.core
 	$(BIN)/python scripts/demo.py
 
-# Two passes: the suite at the tests' fast compile flags (conftest.py), then the tests marked users_flags (the
+# Two passes: the suite at the tests' fast compile flags (parity_tests/plugins/xla_flags.py), then the tests marked users_flags (the
 # float64-reference parity tests, the serving engine and its packed head) compiled as users compile.
 test: $(VENV)/.test
 	$(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS) or users_flags)" --durations 15 $(PYTEST_ARGS)
@@ -77,8 +77,8 @@ test: $(VENV)/.test
 
 # The C++ kernels' suites again with the kernels built for AVX2 and for the compiler's portable baseline: their
 # tile shapes are chosen at compile time, and the CI machine's native build is AVX-512 (CI runs this).
-KERNEL_TESTS := $(addprefix parity_tests/,test_panel_head.py test_decode_kernels.py test_attention_ffi.py \
-	test_norm_gelu_ffi.py test_paged_kernel.py test_documents.py)
+KERNEL_TESTS := parity_tests/engine/test_panel_head.py $(addprefix parity_tests/,test_decode_kernels.py \
+	test_attention_ffi.py test_norm_gelu_ffi.py test_paged_kernel.py test_documents.py)
 test-kernels: $(VENV)/.test
 	for isa in avx2 portable; do \
 		JAXGPT_KERNEL_ISA=$$isa $(BIN)/python -m pytest $(XDIST) -m "not ($(SLOW_TIERS))" --durations 5 \

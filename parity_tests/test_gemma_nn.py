@@ -203,7 +203,7 @@ def test_softcapped_programs_hold_no_cpu_attention_kernel():
     """Where 'auto' and the engine's paged 'ffi' would run a C++ attention kernel (the float32 train step's
     causal kernel, the paged engine step's in-place kernel), a soft-capped model's CPU program holds none;
     its CUDA program lowers too (test_lowering's programs, Gemma 2 sized like LLaMA's there)."""
-    from test_lowering import LLAMA, _paged, _train, custom_calls
+    from parity_tests.unit.test_lowering import LLAMA, _paged, _train, custom_calls
 
     gemma2 = LLAMA.replace(**{k: getattr(GEMMA2, k) for k in (
         "norm_unit_offset", "mlp", "embed_scale", "norm_placement", "attn_scale", "attn_softcap", "logit_softcap")})

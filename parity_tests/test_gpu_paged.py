@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import _hf_greedy, _run_staggered, llama  # noqa: F401  (the module fixture: HF LLaMA, jaxgpt params)
+from parity_tests.engine.test_engine import _hf_greedy, _run_staggered, llama  # noqa: F401  (the module fixture: HF LLaMA, jaxgpt params)
 
 from jaxgpt.inference.engine import Engine
 from jaxgpt.nn.kernels import attend, gpu_paged

@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from conftest import assert_close, require_module
-from hf_family import check_family, hf_logits, perturb
+from parity_tests.hf_family import check_family, hf_logits, perturb
 from jaxgpt import build
 from jaxgpt.convert import from_hf, gpt_neox, llama, load_hf, olmo2, phi3, qwen3, save_hf, to_hf
 

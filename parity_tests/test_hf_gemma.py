@@ -9,7 +9,7 @@ global layers' (which are scaled, linear). The presets are checked against the p
 import pytest
 
 from conftest import require_module
-from hf_family import check_family, perturb
+from parity_tests.hf_family import check_family, perturb
 from jaxgpt.nn.kernels import panel_ffi
 
 transformers = require_module("transformers", allow_module_level=True)

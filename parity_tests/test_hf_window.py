@@ -11,7 +11,7 @@ import transformers
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from conftest import assert_close
-from hf_family import check_family, hf_logits, perturb
+from parity_tests.hf_family import check_family, hf_logits, perturb
 from jaxgpt import build
 from jaxgpt.convert import llama, load_hf, save_hf
 from jaxgpt.nn import kernels

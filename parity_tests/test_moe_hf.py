@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-import hf_dirs
+from parity_tests import hf_dirs
 from conftest import assert_close
 from jaxgpt import build
 from jaxgpt.convert import from_hf, load_hf, save_hf, to_hf

@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-import hf_dirs
+from parity_tests import hf_dirs
 import jaxgpt.nnx as jnnx
 from conftest import SHARED, assert_close, assert_self_consistent, require_module, require_shared
 from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import hf_dirs
+from parity_tests import hf_dirs
 from conftest import assert_grads_close, load_into, randomize, torch_grads
 from jaxgpt.config import ModelConfig
 from jaxgpt.convert import load_hf, save_hf

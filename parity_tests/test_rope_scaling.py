@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hf_family import check_family, perturb
+from parity_tests.hf_family import check_family, perturb
 from jaxgpt.config import ModelConfig, RopeScaling, config_from_dict
 from jaxgpt.nn.positions import rope_frequencies
 from torch_ref.nn.positions import rope_frequencies as torch_rope_frequencies

@@ -101,7 +101,7 @@ def command(step: str, ctx: dict) -> tuple[list[str], dict]:
         return argv + (toy if dry else []), {}
     if step == "tier":
         argv = ["make", "--no-print-directory", "test-gpu", f"GPU_PYTHON={py}"]
-        toy = ["GPU_BACKEND=cpu", "GPU_WORKERS=0", "GPU_TESTS=parity_tests/test_gpu_policy.py",
+        toy = ["GPU_BACKEND=cpu", "GPU_WORKERS=0", "GPU_TESTS=parity_tests/unit/test_gpu_policy.py",
                "PYTEST_ARGS=-k the_gpu_tier_runs_on_its_backend"]  # the tier's plumbing: make, pytest, the backend check
         return argv + (toy if dry else []), {}
     raise ValueError(f"unknown step {step!r}; steps: {', '.join(STEPS)}")

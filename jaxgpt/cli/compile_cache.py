@@ -1,14 +1,13 @@
 """JAX's persistent compilation cache for jaxgpt's commands: a second ``jaxgpt train`` (or sample,
 eval, serve) of the same model loads its compiled programs from disk instead of compiling them.
 
-Measured on nanoGPT's CPU run (docs/performance.md): the init and the train step compile in
-1.1 + 2.1 s and load in 0.3 + 0.6 s.
+What it saves on nanoGPT's CPU run is in docs/performance.md (the persistent compilation cache row).
 
 Where: ``$JAXGPT_COMPILE_CACHE`` (a folder, or ``off``), else ``$JAXGPT_CACHE/xla`` (default
 ``~/.cache/jaxgpt/xla``, beside the C++ kernels). A cache the user set for JAX itself
 (``JAX_COMPILATION_CACHE_DIR``) is left as it is. Entries are keyed by the program, jax's version,
 the devices and the compile options; a stale one is never loaded for a changed program.
-Every program is cached, however fast it compiled (JAX's default keeps only those over 1 s), and the
+Every program is cached, however fast it compiled (JAX's default keeps only the slow ones), and the
 folder has no size cap: with one, JAX locks and scans the whole folder on every write.
 
 Not cached across processes: programs that split the CPU attention kernel with

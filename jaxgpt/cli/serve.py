@@ -94,9 +94,9 @@ def cmd_serve(args) -> int:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
-    # The weights, compiled programs and libraries live as long as the server: a full collection that walked
-    # them stopped every stream for 150-280 ms every 2-4 s (measured with gc.callbacks on bench_serving's
-    # workload). Frozen, the collector walks only the objects requests create.
+    # The weights, compiled programs and libraries live as long as the server, and a full collection that
+    # walked them paused every stream (docs/serving.md has the figures): frozen, the collector walks only
+    # the objects requests create.
     gc.collect()
     gc.freeze()
     print(f"jaxgpt serve: {name} on http://{args.host}:{args.port} ({engine.allocator.total} KV pages, "

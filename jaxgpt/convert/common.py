@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from jaxgpt.config import BertConfig, EncDecConfig
 from jaxgpt.convert.rule import state_dict_to_params, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
 
@@ -191,3 +192,8 @@ def check_fields(config, table: Mapping[str, Field], family: str, prefix: str = 
 def refuse(problems: list[str], family: str) -> None:
     if problems:
         raise ValueError(f"cannot export this config as HF {family} exactly: " + "; ".join(problems))
+
+
+def default_kind(config) -> str:
+    """The task a config's checkpoint serves: 'classify' (BERT), 'seq2seq' (encoder-decoder) or 'lm'."""
+    return "classify" if isinstance(config, BertConfig) else "seq2seq" if isinstance(config, EncDecConfig) else "lm"

@@ -13,7 +13,8 @@ from typing import Any, Mapping
 import numpy as np
 from flax import traverse_util
 
-from jaxgpt.config import BertConfig, EncDecConfig, config_from_dict
+from jaxgpt.config import config_from_dict
+from jaxgpt.convert.common import default_kind
 from jaxgpt.models import stacked_paths
 
 FORMATS = ("jaxgpt", "safetensors", "torch", "hf", "nanogpt")
@@ -42,10 +43,6 @@ def load_safetensors(path: str, *, with_extras: bool = False):
     if not with_extras:
         return config, params
     return config, params, {k: json.loads(v) for k, v in meta.items() if k not in ("format", "config")}
-
-
-def default_kind(config) -> str:
-    return "classify" if isinstance(config, BertConfig) else "seq2seq" if isinstance(config, EncDecConfig) else "lm"
 
 
 def detect_format(path: str | Path) -> str:

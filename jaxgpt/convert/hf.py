@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxgpt.config import BertConfig, ModelConfig
 from jaxgpt.convert import bert, gemma, gpt2, gpt_neox, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3
+from jaxgpt.convert.common import default_kind
 from jaxgpt.convert.hf_files import write_tokenizer
 from jaxgpt.convert.rule import params_to_state_dict, to_numpy
 from jaxgpt.models import abstract_params, stacked_paths
@@ -135,7 +136,6 @@ def load_hf(path: str | Path, dtype=None, *, with_extras: bool = False, mesh=Non
     params = family.params_from_hf(config, tensors, arch, template)
     if not with_extras:
         return config, params
-    from jaxgpt.convert.files import default_kind
     from jaxgpt.data.hf_tokenizer import tokenizer_dict
 
     return config, params, {"kind": default_kind(config), "tokenizer": tokenizer_dict(path)}

@@ -41,9 +41,8 @@ class Tokens:
 
     Each file is opened as an ``np.memmap`` (``parts``: size, dtype and random access without
     reading it) and, on POSIX, read with ``os.pread``: random windows of a file much larger than the
-    page cache fault in a page per window through the mapping, measured 32 ms per 12x1024 batch
-    (fancy indexing; 8.8 ms as slices) against 0.15 ms with pread on a 3 GiB file (2-core VM,
-    under load), and mapped pages count in the process's RSS while read ones stay in the page cache.
+    page cache fault in a page per window through the mapping, far slower than pread (docs/data.md has
+    the figures), and mapped pages count in the process's RSS while read ones stay in the page cache.
     Nothing is read whole either way."""
 
     def __init__(self, paths: Sequence[Path], dtype: str):

@@ -21,7 +21,7 @@ recent ids instead, as vLLM's ``detokenize_incrementally`` and HF's ``TextStream
 The concatenated deltas equal ``tokenizer.decode(ids)`` for decoders whose output past a character
 boundary depends on what comes before it at most through "is this the first text" (byte-level
 BPE, SentencePiece's Metaspace with byte fallback, character vocabularies;
-parity_tests/test_detokenize.py checks all three on random id streams).
+parity_tests/engine/test_detokenize.py checks all three on random id streams).
 """
 from __future__ import annotations
 

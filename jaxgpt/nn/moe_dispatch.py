@@ -17,7 +17,7 @@ back) by XLA.
 Why a third ``impl`` and not automatic under an expert mesh: a capacity factor makes the result depend
 on the groups (a buffer's size scales with its group), so which tokens are dropped depends on the
 mesh; choosing 'alltoall' is choosing that. Dropless (``capacity_factor=None``, the default), it is the
-dense and grouped impls' math on every mesh (tests: parity_tests/test_moe_dispatch.py).
+dense and grouped impls' math on every mesh (tests: parity_tests/unit/test_moe_dispatch.py).
 
 Capacity. ``capacity_factor=None``: C = the group's token count (a token picks an expert at most once,
 so nothing can overflow). With a factor f: C = ceil(f * tokens_in_group * top_k / n_experts), at most the

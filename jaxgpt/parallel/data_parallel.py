@@ -3,13 +3,13 @@
 summed with one ``psum``.
 
 Why not leave it to GSPMD, as every other mesh does: on XLA:CPU's in-process collectives an
-all-reduce costs about 33 us per buffer. GSPMD reduces the gradient as a tuple of one buffer per
-parameter (40 for the 4-layer cpu-small model: 1.9 ms for 3.2 MB, against 0.6 ms for the same bytes
-as one buffer), and it all-reduces the target count as soon as the forward computes it, a sync
-point in the middle of the step where the faster device waits for the slower. Here the step's only
-collective comes at the end. The arithmetic is GSPMD's (each device sums its rows, the devices'
-sums are added), so the update matches the one-device step to float32 rounding. The token counts
-travel in the same float32 buffer (exact below 2^24 tokens a step).
+all-reduce has a fixed cost per buffer, and GSPMD reduces the gradient as a tuple of one buffer per
+parameter (docs/performance.md, the data-parallelism row, has the figures). It also all-reduces the
+target count as soon as the forward computes it, a sync point in the middle of the step where the
+faster device waits for the slower. Here the step's only collective comes at the end. The arithmetic
+is GSPMD's (each device sums its rows, the devices' sums are added), so the update matches the
+one-device step to float32 rounding. The token counts travel in the same float32 buffer (exact below
+2^24 tokens a step).
 
 Used by ``train.step.make_train_step`` when every parameter and optimizer state is replicated
 (a 'data'-only mesh, e.g. ``TrainConfig.mesh='auto'`` on a CPU host) and the model draws no dropout:

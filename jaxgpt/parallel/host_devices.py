@@ -19,7 +19,7 @@ import sys
 
 ENV = "JAXGPT_HOST_DEVICES"
 FLAG = "--xla_force_host_platform_device_count"
-# Measured on 2 cores only; every device holds a replica of the params and optimizer state.
+# No larger count was benchmarked (docs/performance.md); each device holds a replica of params and optimizer state
 AUTO_MAX = 2
 
 

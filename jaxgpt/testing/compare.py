@@ -5,7 +5,7 @@ summed over a batch are not unit scale (a norm scale's gradient reaches ~60), so
 error is divided by max(1, max |reference leaf|) before the same bound applies.
 
 Every comparison is handed to the listeners (``add_listener``) as a ``Comparison`` before it is
-judged, so a test suite can keep a table of the worst error per component (parity_tests/conftest.py
+judged, so a test suite can keep a table of the worst error per component (parity_tests/plugins/report.py
 does); with no listener installed the functions only compute and assert. Failures raise a plain
 ``AssertionError`` naming the component, the error and the tolerance (and the leaf, for trees).
 """

@@ -224,7 +224,7 @@ def _grads_and_adamw(side, params, inputs, tol):
     config, model = side["config"], side["torch"]
     args = (inputs["ids"], inputs["mask"]) if isinstance(config, BertConfig) else (inputs["ids"],)
     loss = lambda p, *a: _loss(build(config).apply({"params": p}, *a), a[0], jnp)
-    g = jax.jit(jax.grad(loss))(params, *args)  # compiled: eager backward through the scan is ~10x slower
+    g = jax.jit(jax.grad(loss))(params, *args)  # compiled: the eager backward through the scan is far slower
     model.zero_grad()
     logits, _ = torch_forward(side, inputs, grad=True)
     _loss(logits, torch.from_numpy(inputs["ids"]), torch).backward()

@@ -1,7 +1,7 @@
 """TensorBoard event files beside metrics.jsonl (``jaxgpt train --log tensorboard``), written here.
 
 Why not tensorboardX: it imports torch whenever torch is installed, and jaxgpt never imports torch
-(parity_tests/test_imports.py). Scalars need little: a TFRecord file (length, masked CRC-32C of
+(parity_tests/unit/test_imports.py). Scalars need little: a TFRecord file (length, masked CRC-32C of
 the length, the bytes, their masked CRC-32C) of ``Event`` protos (wall_time = 1, step = 2,
 file_version = 3, summary = 5; ``Summary.value`` = 1 with ``tag`` = 1, ``simple_value`` = 2),
 encoded by hand below. The test reads the files back with tensorboardX's own protos and CRC.

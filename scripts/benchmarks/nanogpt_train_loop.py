@@ -14,7 +14,7 @@ shipped here). One process, CPU, no DDP, no torch.compile, float32 (``train.py``
 - the warmup + cosine lr of ``get_lr``.
 
 The seed is ``torch.manual_seed(1337 + seed)``: train.py's 1337 at ``--seed 0``. At seed 0 the final
-validation loss equals the checkout's (1.8857 in results/engine/nanogpt_run_final.md), which checks
+validation loss equals the checkout's (1.8857 in results/engine/archive/nanogpt_run_final.md), which checks
 that the restatement makes the same random draws in the same order.
 
     python -m scripts.benchmarks.nanogpt_train_loop --nanogpt DIR --data DIR --out DIR [--seed S]
