@@ -6,11 +6,11 @@ no environment variable; ``build`` and the other entry points import JAX/Flax on
 ``jaxgpt`` command and ``jaxgpt.train.fit`` do (jaxgpt.parallel.host_devices).
 """
 from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset
+from jaxgpt.core.constants import __version__  # noqa: F401
 from jaxgpt.parallel.host_devices import use_host_devices
 
 __all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "TrainConfig", "build", "get_preset",
            "use_host_devices"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -8,6 +8,9 @@ from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
 # does the same unless asked for IGNORE_INDEX.
 IGNORE_INDEX = -100
 
+# The package version (pyproject.toml's), here so that modules below the package root can read it.
+__version__ = "0.1.0"
+
 # The batch dict each model kind trains on: inputs in call order, then the targets.
 BATCH_KEYS = {
     ModelConfig: ("x", "y"),  # x (B, T) ids, y (B, T) next ids (IGNORE_INDEX = no loss)

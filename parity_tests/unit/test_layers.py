@@ -34,26 +34,15 @@ LAYERS = (
 
 # Known exceptions, each (importer, imported, 'module' | 'function'), with who removes it. The lead empties
 # this list as the branches merge; an entry whose arrow is gone fails test_allowlists_name_only_what_exists.
-KNOWN_UPWARD = {
-    ("jaxgpt.nn.kernels.panel_ffi", "jaxgpt.inference.sampling", "function"),  # helper "ops" removes it
-    ("jaxgpt.nn.kernels.calibrate", "jaxgpt", "function"),  # reads __version__ from the facade (not assigned)
-}
+KNOWN_UPWARD: set = set()
 # Known circles, as the set of modules each one runs through (arrows of both kinds, the allowlisted upward
 # arrows left out: each of those already closes its own circle and is reported above).
 KNOWN_CIRCLES = {
-    frozenset({"jaxgpt.train.tasks", "jaxgpt.train.token_task", "jaxgpt.train.mixture_task"}),  # "train": to data/
-    frozenset({"jaxgpt.inference.protocol", "jaxgpt.inference.chat_template"}),  # helper "engine"
     frozenset({"jaxgpt.nn.mlp", "jaxgpt.nn.geglu"}),  # geglu subclasses SwiGLU, make_mlp builds GeGLU: "ops"
 }
 # Functions over MAX_LINES today (path::qualified name), each being split by the helper named.
 MAX_LINES = 80
-KNOWN_LONG = {
-    "jaxgpt/inference/server.py::create_app",  # "engine": routes, protocol and metrics apart
-    "jaxgpt/nn/kernels/__init__.py::attend",  # "ops"
-    "jaxgpt/data/prepare.py::prepare",  # "train"
-    "jaxgpt/cli/__init__.py::build_parser",  # "train"
-    "jaxgpt/train/step.py::_train_program",  # "train"
-}
+KNOWN_LONG: set = set()
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:

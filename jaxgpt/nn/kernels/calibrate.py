@@ -26,6 +26,7 @@ from typing import Callable
 
 import jax
 
+from jaxgpt.core.constants import __version__
 from jaxgpt.nn.kernels import native
 
 ENV = "JAXGPT_CALIBRATION"
@@ -48,8 +49,6 @@ def cpu_model() -> str:
 
 
 def key(name: str, sources: tuple[Path, ...]) -> str:
-    from jaxgpt import __version__
-
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:16]
     return " | ".join([name, cpu_model(), " ".join(native.isa_flags()), jax.__version__, __version__, digest])
 
