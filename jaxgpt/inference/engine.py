@@ -102,7 +102,7 @@ class Engine(Scheduler):
                                                                              max_tokens_per_step)):
             if val < 1:
                 raise ValueError(f"{name} must be >= 1, got {val}")
-        self.config, params = unstack_layers(config, params)
+        self.config, (_, params) = config, unstack_layers(config, params)  # paged_apply runs separate layers
         self.head_kernel = resolve_head_kernel(head_kernel, self.config)
         self.params, self.head = self._device_params(self.config, params, self.head_kernel)
         max_model_len = config.max_len if max_model_len is None else max_model_len
@@ -160,7 +160,7 @@ class Engine(Scheduler):
         if k + 1 > self.budget:
             raise ValueError(f"a speculative row takes num_speculative_tokens + 1 = {k + 1} tokens of "
                              f"max_tokens_per_step={self.budget}; raise it or lower num_speculative_tokens")
-        config, params = unstack_layers(config, params)
+        _, params = unstack_layers(config, params)
         pools = init_pools(config, num_pages, self.page_size, kv_dtype)
         self.stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0, spec_rounds=0, spec_off_steps=0)
         params, head = self._device_params(config, params, resolve_head_kernel(head_kernel, config))

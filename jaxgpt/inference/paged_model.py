@@ -6,8 +6,11 @@ import jax.numpy as jnp
 
 from jaxgpt.inference.packed_head import project
 from jaxgpt.inference.sampling import argmax
+from jaxgpt.config import Execution
 from jaxgpt.models.decoder import DecoderLM
 from jaxgpt.nn.kernels.paged import PagedKVCache
+
+SEPARATE = Execution(scan_layers=False)  # the engine's params: separate layers (unstack_layers), read in place
 
 
 def write_slots(page_table, pos, page_size: int):
@@ -23,7 +26,7 @@ def paged_apply(config, params, pools, tokens, q_pos, slots, page_table, kernel,
     model's own and gives the argmax in the same pass, or None."""
     caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype, kernel=kernel)
                    for k, v, ks, vs in pools)
-    out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
+    out = DecoderLM(config, SEPARATE).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
                                   logits_at=logits_at, hidden=head is not None)
     logits, top = (out.logits, argmax(out.logits)) if head is None else project(config, head, out.logits)
     return logits, tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache), top

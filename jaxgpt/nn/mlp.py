@@ -7,7 +7,8 @@ from typing import Callable, ClassVar
 import flax.linen as nn
 import jax
 
-from jaxgpt.config import ACT_IMPLS
+from jaxgpt.config import ACT_IMPLS, Execution
+from jaxgpt.config.execution import DEFAULT_EXECUTION
 from jaxgpt.nn import head
 from jaxgpt.nn.kernels import gelu_ffi, matvec_ffi, native, policy
 from jaxgpt.nn.precision import current as precision_in_force, module_scope
@@ -116,7 +117,7 @@ def dense(features: int, use_bias: bool, std: float, name: str, dtype: str = "fl
 
 def activate(name: str, h, impl: str = "auto"):
     """ACTIVATIONS[name](h); the exact GELU runs the C++ CPU kernel (kernels/gelu_ffi.py: 1.05x on a
-    6 x 384 train step) where ``impl`` lets it (ModelConfig.act_impl: 'ffi', or 'auto' on at least
+    6 x 384 train step) where ``impl`` lets it (Execution.act_impl: 'ffi', or 'auto' on at least
     native.AUTO_MIN_SIZE floats) and it can (float32, the kernel built here), in programs lowered
     for the CPU (kernels/policy.py), and XLA's otherwise. 'ffi' where it cannot is an error."""
     use = native.use_kernel("act_impl", impl, ACT_IMPLS, h, gelu_ffi.unsupported, applies=name == "gelu")
@@ -172,13 +173,13 @@ class SwiGLU(nn.Module):
         return dense(self.d_model, self.use_bias, self.out_init_std, "down_proj", **dt)(self.gate_act(gate) * up)
 
 
-def make_mlp(config, name: str = "mlp") -> nn.Module:
-    """The feed-forward network a ModelConfig names."""
+def make_mlp(config, name: str = "mlp", execution: Execution = DEFAULT_EXECUTION) -> nn.Module:
+    """The feed-forward network a ModelConfig names, run with ``execution``'s kernels."""
     common = dict(d_model=config.d_model, d_ff=config.ffn_dim, use_bias=config.mlp_bias,
                   init_std=config.init_std, out_init_std=config.out_init_std, dtype=config.dtype,
-                  param_dtype=config.param_dtype, matvec=not config.scan_layers,
-                  matmul_precision=config.matmul_precision, name=name)
+                  param_dtype=config.param_dtype, matvec=not execution.scan_layers,
+                  matmul_precision=execution.matmul_precision, name=name)
     if config.mlp in ("swiglu", "geglu_tanh"):
         from jaxgpt.nn.geglu import GeGLU  # SwiGLU's subclass: imported here, not at the top
         return (GeGLU if config.mlp == "geglu_tanh" else SwiGLU)(**common)
-    return MLP(activation=config.mlp, act_impl=config.act_impl, **common)
+    return MLP(activation=config.mlp, act_impl=execution.act_impl, **common)

@@ -1,6 +1,6 @@
 """LayerNorm and RMSNorm with explicit eps and two-pass statistics.
 
-``impl`` (``ModelConfig.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
+``impl`` (``Execution.norm_impl``): 'xla' computes them in jax.numpy; 'ffi' runs the C++ CPU
 kernel (kernels/norm_ffi.py: one read of each row, 1.07x on a 6 x 384 train step); 'auto' runs
 'ffi' in programs lowered for the CPU (kernels/policy.py) where it can (the kernel built here) on
 inputs of native.AUTO_MIN_SIZE floats or more (training, prefill; a decode step's few rows keep
@@ -19,7 +19,8 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxgpt.config import NORM_IMPLS
+from jaxgpt.config import NORM_IMPLS, Execution
+from jaxgpt.config.execution import DEFAULT_EXECUTION
 from jaxgpt.nn.kernels import native, norm_ffi, policy
 
 
@@ -99,7 +100,8 @@ def make_norm(kind: str, eps: float, use_bias: bool = True, name: str | None = N
     raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
 
 
-def norm_from_config(config, name: str) -> nn.Module:
-    """The norm a ModelConfig names, with its precision policy (output in the compute dtype)."""
+def norm_from_config(config, name: str, execution: Execution = DEFAULT_EXECUTION) -> nn.Module:
+    """The norm a ModelConfig names, with its precision policy (output in the compute dtype), run with
+    ``execution``'s kernel."""
     return make_norm(config.norm, config.norm_eps, config.norm_bias, name=name, dtype=config.dtype,
-                     param_dtype=config.param_dtype, impl=config.norm_impl, unit_offset=config.norm_unit_offset)
+                     param_dtype=config.param_dtype, impl=execution.norm_impl, unit_offset=config.norm_unit_offset)

@@ -101,7 +101,7 @@ def make_plan(config, tc: TrainConfig, task: Task, *, train_step=None, eval_step
         ahead = compile_ahead(step, abstract, chunk_shapes(task, tc, k, mesh), jax.ShapeDtypeStruct((), np.int32))
     else:
         step = train_step or make_train_step(config, tc, mesh=mesh)
-    return Plan(mesh=mesh, k=k, step=step, eval_step=eval_step or make_eval_step(config, mesh=mesh),
+    return Plan(mesh=mesh, k=k, step=step, eval_step=eval_step or make_eval_step(config, mesh=mesh, execution=tc.execution),
                 place=placer(mesh), abstract=abstract, ahead=ahead)
 
 
