@@ -5,11 +5,11 @@ no environment variable; ``build`` and the other entry points import JAX/Flax on
 ``use_host_devices()``, called before JAX starts, splits a CPU into one device per core, as the
 ``jaxgpt`` command and ``jaxgpt.train.fit`` do (jaxgpt.parallel.host_devices).
 """
-from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, ModelConfig, TrainConfig, get_preset
+from jaxgpt.config import PRESETS, BertConfig, EncDecConfig, Execution, ModelConfig, TrainConfig, get_preset
 from jaxgpt.core.constants import __version__  # noqa: F401
 from jaxgpt.parallel.host_devices import use_host_devices
 
-__all__ = ["PRESETS", "BertConfig", "EncDecConfig", "ModelConfig", "TrainConfig", "build", "get_preset",
+__all__ = ["PRESETS", "BertConfig", "EncDecConfig", "Execution", "ModelConfig", "TrainConfig", "build", "get_preset",
            "use_host_devices"]
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from conftest import assert_close, assert_grads_close, assert_self_consistent, randomize
 from jaxgpt import PRESETS, build
-from jaxgpt.config import ATTENTION_IMPLS
+from jaxgpt.config import ATTENTION_IMPLS, Execution
 from jaxgpt.inference.generate import generate
 from jaxgpt.nn import kernels
 from jaxgpt.nn.kernels import attend, blocked_attention, scaled_dot_product_attention as sdpa, warn_once
@@ -182,15 +182,16 @@ def test_weights_dropout_and_bad_impl():
 
 def test_config_refuses_attention_dropout_off_xla():
     """Only 'xla' has attention dropout: any other kernel with a nonzero rate is refused when the
-    config is built, naming the values (GPT-2's attn_dropout=None inherits dropout=0.1)."""
+    model is built, naming the values (GPT-2's attn_dropout=None inherits dropout=0.1)."""
     with pytest.raises(ValueError, match=r"attention_impl='blocked' has no attention dropout, but attention dropout "
                                          r"is 0.1; set attn_dropout=0.0 or attention_impl='xla'"):
-        TINY.replace(attention_impl="blocked", attn_dropout=0.1)
+        build(TINY.replace(attn_dropout=0.1), Execution(attention_impl="blocked"))
     with pytest.raises(ValueError, match=r"attention_impl='cudnn' has no attention dropout, but attention dropout "
                                          r"is 0.1 \(attn_dropout=None takes dropout=0.1\)"):
-        PRESETS["gpt2-small"].replace(attention_impl="cudnn")
-    assert PRESETS["gpt2-small"].replace(attention_impl="cudnn", attn_dropout=0.0).attention_dropout == 0.0
-    assert TINY.replace(attn_dropout=0.1).attention_impl == "auto"  # which picks 'xla' whenever the rate is > 0
+        build(PRESETS["gpt2-small"], Execution(attention_impl="cudnn"))
+    build(PRESETS["gpt2-small"].replace(attn_dropout=0.0), Execution(attention_impl="cudnn"))
+    assert Execution().attention_impl == "auto"  # which picks 'xla' whenever the rate is > 0
+    build(TINY.replace(attn_dropout=0.1))
 
 
 def test_causal_only_skips_the_empty_row_fix():
@@ -206,13 +207,13 @@ TINY = PRESETS["llama-tiny"].replace(vocab_size=48, d_model=32, n_head=4, n_kv_h
 
 
 @functools.cache
-def _decoder_run(cfg):
+def _decoder_run(ex):
     """Logits and parameter gradients of a padded batch, and cached decoding (a 7-token prefill, then
     one token at a traced cache index), all in one compiled function."""
     p = randomize(abstract_params(TINY), 0)
     r = np.random.default_rng(0)
     x, y = (jnp.asarray(r.integers(0, 48, (2, 12)), jnp.int32) for _ in range(2))
-    m = build(cfg)
+    m = build(TINY, ex)
 
     def run(p):
         def loss(p):
@@ -220,7 +221,7 @@ def _decoder_run(cfg):
             return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)), logits
 
         (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(p)
-        first = m.apply({"params": p}, x[:, :7], cache=init_cache(cfg, 2, 16))
+        first = m.apply({"params": p}, x[:, :7], cache=init_cache(TINY, 2, 16))
         nxt = m.apply({"params": p}, x[:, 7:8], cache=first.cache).logits
         return logits, grads, jnp.concatenate([first.logits, nxt], 1)
 
@@ -229,10 +230,10 @@ def _decoder_run(cfg):
 
 @pytest.mark.parametrize("impl", ["jax", "blocked", "ffi", "auto"])
 def test_decoder_matches_xla(impl):
-    cfg = TINY.replace(attention_impl=impl, attention_block=5)
-    assert abstract_params(cfg) == abstract_params(TINY)  # the knob changes no parameter
-    logits, grads, decoded = _decoder_run(cfg)
-    ref_logits, ref_grads, ref_decoded = _decoder_run(TINY.replace(attention_impl="xla"))
+    ex = Execution(attention_impl=impl, attention_block=5)
+    assert abstract_params(TINY, ex) == abstract_params(TINY)  # the knob changes no parameter
+    logits, grads, decoded = _decoder_run(ex)
+    ref_logits, ref_grads, ref_decoded = _decoder_run(Execution(attention_impl="xla"))
     assert_self_consistent(logits, ref_logits, f"DecoderLM[{impl}] logits")
     assert_grads_close(grads, ref_grads, f"DecoderLM[{impl}] grads", kind="self")
     assert_self_consistent(decoded, ref_decoded, f"DecoderLM[{impl}] cached decode")
@@ -258,7 +259,7 @@ def test_configured_kernel_runs_in_training_prefill_and_decode(impl, monkeypatch
 
         monkeypatch.setattr(module, name, counted)
 
-    cfg = SPY.replace(attention_impl=impl, attention_block=4)
+    cfg, ex = SPY, Execution(attention_impl=impl, attention_block=4)
     p = randomize(abstract_params(cfg), 0)
     spy(kernels.xla, "scaled_dot_product_attention", lambda kw: "xla")
     spy(kernels.jax_sdpa, "jax_attention", lambda kw: kw["implementation"] or "jax")
@@ -275,18 +276,18 @@ def test_configured_kernel_runs_in_training_prefill_and_decode(impl, monkeypatch
     want = (lambda tq: {("cache", tq)} | portable(tq) if cache else portable(tq)) if impl in ("auto", "ffi") \
         else (lambda tq: {(impl, tq)})
     x = jnp.asarray(np.random.default_rng(0).integers(0, 37, (2, 12)), jnp.int32)
-    jax.grad(lambda p: build(cfg).apply({"params": p}, x, deterministic=False).sum())(p)
+    jax.grad(lambda p: build(cfg, ex).apply({"params": p}, x, deterministic=False).sum())(p)
     train = {("ffi", 12)} | (portable(12) if impl == "auto" else set()) if impl in ("auto", "ffi") and ffi \
         else want(12)
     assert ran == train, "training"
     ran.clear()
-    tokens = generate(cfg, p, x[:, :5], 4)
+    tokens = generate(cfg, p, x[:, :5], 4, execution=ex)
     assert ran == want(5) | want(1), "generate: prefill, decode"
     if impl != "xla":
         # the einsum's tokens; attention_block=5 (unused by 'xla') keeps this config apart from the
         # [xla] case's, which must still trace generate() afresh for its spy
-        np.testing.assert_array_equal(tokens, generate(SPY.replace(attention_impl="xla", attention_block=5), p,
-                                                       x[:, :5], 4))
+        np.testing.assert_array_equal(tokens, generate(SPY, p, x[:, :5], 4,
+                                                       execution=Execution(attention_impl="xla", attention_block=5)))
 
 
 def _temp_bytes(fn, t, h=2, d=16):

@@ -159,11 +159,13 @@ def test_matvec_only_for_layers_read_in_place(scan_layers, monkeypatch):
     call would copy it every step)."""
     from jaxgpt.models.decoder import DecoderLM, init_cache
 
-    cfg = SPY.replace(vocab_size=23, scan_layers=scan_layers)
-    p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(cfg))
+    from jaxgpt.config import Execution
+
+    cfg, ex = SPY.replace(vocab_size=23), Execution(scan_layers=scan_layers)
+    p = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(cfg, ex))
     rows = []
     real = matvec_ffi.matvec
     monkeypatch.setattr(matvec_ffi, "matvec", lambda x, w: rows.append(x.shape[0]) or real(x, w))
-    step = jax.jit(lambda p, c: DecoderLM(cfg).apply({"params": p}, jnp.zeros((2, 1), jnp.int32), cache=c).logits)
+    step = jax.jit(lambda p, c: DecoderLM(cfg, ex).apply({"params": p}, jnp.zeros((2, 1), jnp.int32), cache=c).logits)
     step(p, init_cache(cfg, 2, 8))
     assert rows == ([] if scan_layers else [2] * 7 * cfg.n_layer)  # q, k, v, o + gate, up, down

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import (SHARED, assert_close, assert_grads_close, assert_self_consistent, check_module, randomize,
                       require_shared)
 from jaxgpt import PRESETS, build
-from jaxgpt.config import TrainConfig
+from jaxgpt.config import Execution, TrainConfig
 from jaxgpt.core.validate import check_batch
 from jaxgpt.data.documents import annotate, document_positions, segment_ids
 from jaxgpt.nn.kernels import attend
@@ -107,12 +107,12 @@ def test_decoder_with_segment_ids_and_positions_matches_torch_ref(name, impl):
     as a mask), learned positions (GPT-2) and RoPE (LLaMA, GQA), positions restarting per document."""
     cfg = {"gpt2": PRESETS["gpt2-small"].replace(**TINY, dropout=0.0, attn_dropout=0.0),
            "llama": PRESETS["llama-tiny"].replace(**TINY, n_kv_head=2, d_ff=48)}[name]
-    cfg = cfg.replace(attention_impl=impl, attention_block=8)
+    ex = Execution(attention_impl=impl, attention_block=8)
     x = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 27)).astype(np.int32)
     x[0, [5, 6, 19]] = EOS
     x[1, 11] = EOS
     kw = {"segment_ids": segment_ids(x, EOS), "positions": document_positions(x, EOS)}
-    check_module(f"DecoderLM {name} packed ({impl})", build(cfg), tbuild(cfg), [x], jax_kwargs=kw,
+    check_module(f"DecoderLM {name} packed ({impl})", build(cfg, ex), tbuild(cfg), [x], jax_kwargs=kw,
                  torch_kwargs={k: torch.from_numpy(v) for k, v in kw.items()}, stacked=("layers",),
                  direct_grads=False)
 

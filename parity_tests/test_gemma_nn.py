@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import assert_close, assert_grads_close, check_module, random_params, require_module
-from jaxgpt.config import ModelConfig
-from jaxgpt.models import DecoderLM
+from jaxgpt.config import Execution, ModelConfig
+from jaxgpt.models import DecoderLM, build
 from jaxgpt.nn import norms
 from jaxgpt.nn.block import Block
 from jaxgpt.nn.geglu import GeGLU
@@ -159,7 +159,7 @@ def test_kernels_without_a_softcap_refuse_it(impl):
     with pytest.raises(ValueError, match=message):
         attend(q, k, v, impl=impl, is_causal=True, softcap=CAP)
     with pytest.raises(ValueError, match=message):
-        GEMMA2.replace(attention_impl=impl)
+        build(GEMMA2, Execution(attention_impl=impl))
 
 
 def test_the_paged_cpu_kernel_refuses_a_softcap():
@@ -207,7 +207,7 @@ def test_softcapped_programs_hold_no_cpu_attention_kernel():
 
     gemma2 = LLAMA.replace(**{k: getattr(GEMMA2, k) for k in (
         "norm_unit_offset", "mlp", "embed_scale", "norm_placement", "attn_scale", "attn_softcap", "logit_softcap")})
-    for name, traced in (("train", _train(gemma2, "float32")), ("paged", _paged(gemma2.replace(scan_layers=False)))):
+    for name, traced in (("train", _train(gemma2, "float32")), ("paged", _paged(gemma2))):
         calls = custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())
         assert not {c for c in calls if "attention" in c}, f"{name}: {sorted(calls)}"
         traced.lower(lowering_platforms=("cuda",))

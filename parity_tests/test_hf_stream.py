@@ -84,8 +84,12 @@ def test_streaming_load_is_the_files_tensors_bit_for_bit(dirs, name, stored, dty
         tensors = {}
         for shard in hf._shards(path):
             tensors.update(open_safetensors(shard))
-        config = config.replace(scan_layers=False)
-        params = hf._family_of(config).params_from_hf(config, tensors, None, hf._template(config, hf._dtype(dtype)))
+        from jaxgpt.config import Execution
+        from jaxgpt.models import abstract_params
+
+        template = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.dtype(hf._dtype(dtype) or np.float32)),
+                                abstract_params(config, Execution(scan_layers=False)))
+        params = hf._family_of(config).params_from_hf(config, tensors, None, template)
         assert "layers_1" in params
     want = np.dtype(dtype or "float32")
     assert {np.dtype(a.dtype) for a in jax.tree.leaves(params)} == {want}

@@ -17,7 +17,8 @@ import torch_ref
 from conftest import (assert_close, assert_self_consistent, check_module, load_into, random_params, randomize,
                       torch_grads)
 from jaxgpt import build
-from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig
+from jaxgpt.config import Execution, ModelConfig, MoEConfig, TrainConfig
+from jaxgpt.models import stacked_paths
 from jaxgpt.nn.moe import EXPERT_IMPLS, MoE, route, router_losses
 from jaxgpt.train import init_state, make_train_step
 from jaxgpt.data.tasks import fit_config, load_task
@@ -27,7 +28,7 @@ from torch_ref.train import train
 
 BASE = dict(vocab_size=40, d_model=16, n_head=2, n_layer=2, max_len=32, pos="rope", d_ff=24)
 MIXTRAL = ModelConfig(**BASE, moe=MoEConfig(n_experts=4, top_k=2, d_ff=12))
-QWEN = ModelConfig(**BASE, qkv_bias=True, scan_layers=False,
+QWEN = ModelConfig(**BASE, qkv_bias=True,  # mixed dense and MoE layers: built as separate layers (Execution.for_model)
                    moe=MoEConfig(n_experts=4, top_k=2, d_ff=12, norm_topk=False, shared_d_ff=20, dense_layers=(1,)))
 TOKENS = np.random.default_rng(0).integers(0, 40, (2, 9)).astype(np.int32)
 
@@ -125,7 +126,7 @@ def model_case(request):
 def test_moe_decoder_logits_loss_and_grads_match_torch_ref(model_case):
     """Logits, and gradients of CE + both router losses (so the router's own gradient is checked)."""
     name, cfg, p = model_case
-    stacked = ("layers",) if cfg.scan_layers else ()
+    stacked = stacked_paths(cfg)
     (value, logits), grads = _value_and_grad(cfg, p)
     t = load_into(torch_ref.build(cfg), p, stacked)
     tlogits = t(torch.from_numpy(TOKENS[:, :-1]).long())
@@ -226,13 +227,15 @@ def test_training_curve_with_router_losses_matches_torch_ref():
 
 @pytest.mark.parametrize("kwargs,message", [
     (lambda: dict(moe=MoEConfig(n_experts=2, top_k=3)), "top_k=3 exceeds moe.n_experts=2"),
-    (lambda: dict(moe=MoEConfig(dense_layers=(0,))), "needs scan_layers=False"),
-    (lambda: dict(moe=MoEConfig(dense_layers=(9,)), scan_layers=False), "past n_layer"),
+    (lambda: dict(moe=MoEConfig(dense_layers=(0,)), execution=Execution()), r"needs Execution\(scan_layers=False\)"),
+    (lambda: dict(moe=MoEConfig(dense_layers=(9,))), "past n_layer"),
     (lambda: dict(moe=MoEConfig(impl="sparse")), "moe.impl='sparse'"),
 ], ids=["top_k", "mixed-scan", "dense-layers", "impl"])
 def test_config_errors_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig(**{**BASE, **kwargs()})
+        kw = kwargs()
+        execution = kw.pop("execution", None)  # checked where the model is built
+        build(ModelConfig(**{**BASE, **kw}), execution)
 
 
 def test_config_round_trips_through_json():

@@ -13,7 +13,7 @@ import transformers
 
 from parity_tests import hf_dirs
 from conftest import assert_close
-from jaxgpt import build
+from jaxgpt import Execution, build
 from jaxgpt.convert import from_hf, load_hf, save_hf, to_hf
 from test_hf_dir import assert_same_tensors, read_dir
 
@@ -74,7 +74,8 @@ def test_qwen2_moe_directories(norm_topk, dense, tmp_path):
     path = hf_dirs.qwen2_moe_dir(tmp_path / "hf", norm_topk=norm_topk, mlp_only_layers=dense)
     config, _ = roundtrip(path, tmp_path, f"Qwen2-MoE norm_topk={norm_topk}")
     assert config.moe.norm_topk is norm_topk and config.moe.shared_d_ff == 24 and config.qkv_bias
-    assert config.scan_layers is not bool(dense)  # mixed dense/MoE layers cannot share one scanned body
+    # mixed dense/MoE layers cannot share one scanned body: their default Execution keeps them separate
+    assert Execution.for_model(config).scan_layers is not bool(dense)
     saved = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert saved["norm_topk_prob"] is norm_topk and saved["mlp_only_layers"] == list(dense)
 

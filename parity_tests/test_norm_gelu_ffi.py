@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from conftest import assert_close, assert_grads_close, assert_self_consistent, load_into, randomize, torch_grads
 from jaxgpt import PRESETS, build
+from jaxgpt.config import Execution
 from jaxgpt.models import abstract_params, stacked_paths
 from jaxgpt.nn import mlp, norms
 from jaxgpt.nn.kernels import gelu_ffi, native, norm_ffi
@@ -138,15 +139,15 @@ def test_auto_runs_the_norm_kernel_and_ffi_refuses_what_it_cannot(monkeypatch):
 def test_gpt2_with_both_kernels_matches_torch_ref(monkeypatch):
     """A tiny GPT-2 (LayerNorm with bias, exact GELU) with norm_impl = act_impl = 'ffi': logits and
     next-token cross-entropy gradients against torch_ref's, 1e-5."""
-    cfg = PRESETS["gpt2-small"].replace(vocab_size=48, d_model=32, n_head=4, n_layer=2, max_len=16, mlp="gelu", dropout=0.0,
-                                         norm_impl="ffi", act_impl="ffi")
+    cfg = PRESETS["gpt2-small"].replace(vocab_size=48, d_model=32, n_head=4, n_layer=2, max_len=16, mlp="gelu", dropout=0.0)
+    ex = Execution(norm_impl="ffi", act_impl="ffi")
     p = randomize(abstract_params(cfg), 0)
     tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
     x, y = tok[:, :-1], tok[:, 1:]
     norm_calls, gelu_calls = _spy(monkeypatch, norm_ffi, "_norm"), _spy(monkeypatch, gelu_ffi, "_gelu")
 
     def loss(p):
-        logits = build(cfg).apply({"params": p}, x)
+        logits = build(cfg, ex).apply({"params": p}, x)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)), logits
 
     (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import assert_close, assert_self_consistent, load_into, randomize
 from jaxgpt import PRESETS, build
-from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig, TrainConfig
+from jaxgpt.config import BertConfig, EncDecConfig, Execution, ModelConfig, TrainConfig
 from jaxgpt.models import init_params
 from jaxgpt.train.losses import loss_terms
 from jaxgpt.train.step import init_state, make_train_step
@@ -111,11 +111,11 @@ def test_decoder_program_dtypes(name):
     """Every matmul reads bf16; only the attention scores and the logits come out f32; softmax
     and norm statistics (every exp, max and sum) run in f32; params stay f32 masters."""
     # the einsum kernel, whose dots are in the program (on a GPU 'auto' runs cuDNN: one custom call)
-    cfg = _bf16(DECODERS[name]).replace(attention_impl="xla")
+    cfg, ex = _bf16(DECODERS[name]), Execution(attention_impl="xla")
     p = init_params(cfg, jax.random.PRNGKey(0))
     assert {a.dtype for a in jax.tree.leaves(p)} == {F32}
     tok = _tokens(cfg)
-    jaxpr = jax.make_jaxpr(lambda p: build(cfg).apply({"params": p}, tok))(p).jaxpr
+    jaxpr = jax.make_jaxpr(lambda p: build(cfg, ex).apply({"params": p}, tok))(p).jaxpr
     dots = _dot_generals(jaxpr)
     # The layers are one nn.scan body: q, k, v, o, scores, probs @ v, 2 or 3 MLP matmuls, + the head.
     assert len(dots) >= 9 and all(ins == (BF16, BF16) for ins, _ in dots), dots

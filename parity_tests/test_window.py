@@ -15,7 +15,7 @@ import torch
 from conftest import (assert_as_accurate_as_torch, assert_close, assert_grads_close, float64_module, float64_torch,
                       load_into, random_params, torch_grads)
 from jaxgpt import PRESETS, build
-from jaxgpt.config import ModelConfig, RopeScaling
+from jaxgpt.config import Execution, ModelConfig, RopeScaling
 from jaxgpt.inference.generate import generate
 from jaxgpt.nn import kernels
 from jaxgpt.nn.kernels import attend, causal_ffi, paged, paged_ffi, scaled_dot_product_attention as sdpa
@@ -162,20 +162,21 @@ BASE = PRESETS["llama-tiny"].replace(vocab_size=48, d_model=32, n_head=4, n_laye
 MODELS = {
     "all-slide": BASE.replace(sliding_window=3),  # one static window in the scanned body
     "mixed-scanned": BASE.replace(sliding_window=3, window_layers=(0, 2)),  # the windows scanned (traced)
-    "mixed-layers": BASE.replace(sliding_window=4, window_layers=(1,), scan_layers=False),  # a window per layer
+    "mixed-layers": BASE.replace(sliding_window=4, window_layers=(1,)),  # a window per layer (separate layers)
     # Gemma 3: the sliding layers' own RoPE base (selected per scanned layer, or static per layer), (1 + w) q/k norms
     "local-base-scanned": BASE.replace(sliding_window=3, window_layers=(0, 2), rope_local_base=100.0, qk_norm="head",
                                        norm_unit_offset=True),
-    "local-base-layers": BASE.replace(sliding_window=3, window_layers=(1,), rope_local_base=100.0, scan_layers=False,
+    "local-base-layers": BASE.replace(sliding_window=3, window_layers=(1,), rope_local_base=100.0,
                                       rope_scaling=RopeScaling("linear", factor=2.0)),
 }
+EXECUTIONS = {name: Execution(scan_layers=not name.endswith("-layers")) for name in MODELS}
 
 
 def _model(name):
-    cfg = MODELS[name]
+    cfg, ex = MODELS[name], EXECUTIONS[name]
     tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
-    p = random_params(build(cfg), tok[:1, :1], seed=0)
-    return name, cfg, p, load_into(tbuild(cfg), p, ("layers",) if cfg.scan_layers else ()), tok
+    p = random_params(build(cfg, ex), tok[:1, :1], seed=0)
+    return name, cfg, p, load_into(tbuild(cfg), p, ("layers",) if ex.scan_layers else ()), tok
 
 
 def _torch_loss(t, x, y):
@@ -190,11 +191,12 @@ def test_decoder_matches_torch_ref(name):
     """Logits, loss and every parameter's gradient against torch_ref (float32 at 1e-5, and float64 as
     in test_decoder.py) over 12 positions, four times the window."""
     name, cfg, p, t, tok = _model(name)
-    stacked = ("layers",) if cfg.scan_layers else ()
+    ex = EXECUTIONS[name]
+    stacked = ("layers",) if ex.scan_layers else ()
     x, y = tok[:, :-1], tok[:, 1:]
 
     def loss(p):
-        logits = build(cfg).apply({"params": p}, x)
+        logits = build(cfg, ex).apply({"params": p}, x)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1))
 
     value, grads = jax.value_and_grad(loss)(p)
@@ -202,7 +204,7 @@ def test_decoder_matches_torch_ref(name):
     tlogits, tloss = _torch_loss(t, x, y)
     with float64_torch():
         tlogits64, tloss64 = _torch_loss(t64, x, y)
-    assert_as_accurate_as_torch(build(cfg).apply({"params": p}, x), tlogits, tlogits64, f"window {name} logits",
+    assert_as_accurate_as_torch(build(cfg, ex).apply({"params": p}, x), tlogits, tlogits64, f"window {name} logits",
                                 direct=False)
     assert_as_accurate_as_torch(value, tloss, tloss64, f"window {name} loss")
     assert_as_accurate_as_torch(grads, torch_grads(t, p, stacked), torch_grads(t64, p, stacked, np.float64),
@@ -214,10 +216,11 @@ def test_greedy_decoding_past_the_window():
     prompt (longer than the window) decoded 12 tokens with generate's KV cache gives torch_ref's greedy
     tokens (the engine's paged cache: test_hf_window.py)."""
     name, cfg, p, t, tok = _model("mixed-layers")
-    assert_close(build(cfg).apply({"params": p}, tok), t(torch.from_numpy(tok)).detach().numpy(),
+    ex = EXECUTIONS[name]
+    assert_close(build(cfg, ex).apply({"params": p}, tok), t(torch.from_numpy(tok)).detach().numpy(),
                  f"window {name} logits", unit_scale=True)
     prompt = tok[:, :7]
-    assert np.array_equal(np.asarray(generate(cfg, p, prompt, 12)), tgenerate(t, torch.from_numpy(prompt), 12).numpy())
+    assert np.array_equal(np.asarray(generate(cfg, p, prompt, 12, execution=ex)), tgenerate(t, torch.from_numpy(prompt), 12).numpy())
 
 
 def test_engine_pages_stay_bounded_by_the_window():

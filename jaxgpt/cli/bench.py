@@ -9,9 +9,9 @@ from jaxgpt.config import apply_sets, get_preset
 def cmd_bench(args) -> int:
     from jaxgpt.tools.bench import bench, format_table
 
-    config, _ = apply_sets(get_preset(args.preset), args.set)
+    config, tc = apply_sets(get_preset(args.preset), args.set)  # exec.* settings: tc.execution
     result = bench(config, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
-                   new_tokens=args.new_tokens, torch=args.torch)
+                   new_tokens=args.new_tokens, torch=args.torch, execution=tc.execution)
     result["preset"] = args.preset
     print(format_table(result))
     if args.json:

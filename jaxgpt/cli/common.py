@@ -50,7 +50,7 @@ def init_from(args, **flags):
 
     from jaxgpt.config.overrides import parse_sets
     from jaxgpt.config.train import INIT_DEFAULTS, init_warmup
-    from jaxgpt.models import abstract_params
+    from jaxgpt.models import abstract_params, relayout
     from jaxgpt.convert.files import detect_format, load_weights
     from jaxgpt.train.loop import prepare
     from jaxgpt.train.step import init_state
@@ -62,8 +62,11 @@ def init_from(args, **flags):
     defaults = dict(INIT_DEFAULTS) if saved is None else {k: saved[k] for k in (*INIT_DEFAULTS, "warmup_steps")}
     config, tc = apply_sets(config, train_sets(args), defaults)
     tc = tc.replace(**flags)
+    from jaxgpt.config import Execution
+
+    params = relayout(params, config, scanned=Execution.for_model(config, tc.execution).scan_layers)  # --set exec.scan_layers
     shapes = lambda tree: jax.tree.map(lambda a: tuple(a.shape), tree)
-    if shapes(abstract_params(config)) != shapes(params):
+    if shapes(abstract_params(config, tc.execution)) != shapes(params):
         raise ValueError(f"--set changes the shapes of {args.init}'s parameters; only shape-free settings "
                          "(dropout, training keys) apply to --init")
     if (Path(args.out) / "checkpoints").is_dir():

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxgpt.config.base import _Config, _choice, _positive, _probability
+from jaxgpt.config.execution import (ACT_IMPLS, ATTENTION_IMPLS, EXECUTION_FIELDS, MATMUL_PRECISIONS,  # noqa: F401
+                                     NORM_IMPLS, REMATS, SOFTCAP_REFUSED, moved)
 from jaxgpt.config.moe import MoEConfig
 from jaxgpt.config.rope import RopeScaling
 
@@ -26,38 +28,16 @@ ROPE_LAYOUTS = ("half", "interleaved")
 RESIDUALS = ("standard", "full_attnres", "block_attnres")
 ATTNRES_VARIANTS = ("seed", "paper")
 POOLERS = ("cls", "tanh")
-# Rematerialisation of each layer (engine knob, no numerical effect): 'none' saves every activation,
-# 'full' recomputes the whole layer in the backward pass, the others are jax.checkpoint_policies names.
-REMATS = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 # Precision policy: 'dtype' is the compute dtype of matmuls and activations, 'param_dtype' the stored
 # (master) weights. Softmax, norm statistics, logits/loss and optimizer state stay float32 whatever they are.
 DTYPES = ("float32", "bfloat16", "float16")
-# Attention core (engine knob, same math): 'xla' einsum softmax (returns weights for plots), 'jax'
-# jax.nn.dot_product_attention (XLA implementation), 'cudnn' the same with cuDNN flash attention on GPU,
-# 'blocked' a flash-style online-softmax loop over key/value blocks (memory linear in sequence length),
-# 'auto' one of them per call, backend and shape (jaxgpt.nn.kernels.auto_impl).
-ATTENTION_IMPLS = ("auto", "xla", "jax", "cudnn", "blocked", "ffi")
-# LayerNorm / RMSNorm (engine knob, same math): 'xla' jax.numpy, 'ffi' the C++ CPU kernel
-# (jaxgpt.nn.kernels.norm_ffi), 'auto' the kernel on the CPU where it is built, else 'xla'.
-NORM_IMPLS = ("auto", "xla", "ffi")
-# The exact GELU (engine knob, same math): 'xla', 'ffi' the C++ CPU kernel (jaxgpt.nn.kernels.gelu_ffi),
-# 'auto' the kernel on the CPU in float32 where it is built, else 'xla'. Other activations run XLA's.
-ACT_IMPLS = ("auto", "xla", "ffi")
-# The kernels without attention soft-capping (attn_softcap): 'auto' avoids them; an explicit choice is refused.
-SOFTCAP_REFUSED = ("jax", "cudnn", "ffi")
-# float32 matmul precision (engine knob; jaxgpt/nn/precision.py): 'auto' full float32 for float32 compute
-# (a GPU's default is TF32, which torch keeps off), the backend default for bf16/fp16 compute;
-# 'default' the backend's default (TF32 on NVIDIA GPUs), 'high', 'highest' jax.lax.Precision's.
-MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
-
 # torch.nn.RMSNorm(eps=None) uses the float32 machine epsilon; seed 002 relies on that default.
 FLOAT32_EPS = 1.1920928955078125e-07
 
 # ModelConfig's fields that take one of a fixed set of values, with that set
 _CHOICES = (("pos", POS), ("rope_layout", ROPE_LAYOUTS), ("norm", NORMS), ("mlp", MLPS), ("norm_placement", PLACEMENTS),
-            ("residual", RESIDUALS), ("attnres_variant", ATTNRES_VARIANTS), ("remat", REMATS),
-            ("attention_impl", ATTENTION_IMPLS), ("norm_impl", NORM_IMPLS), ("act_impl", ACT_IMPLS),
-            ("matmul_precision", MATMUL_PRECISIONS), ("dtype", DTYPES), ("param_dtype", DTYPES), ("qk_norm", QK_NORMS))
+            ("residual", RESIDUALS), ("attnres_variant", ATTNRES_VARIANTS), ("dtype", DTYPES), ("param_dtype", DTYPES),
+            ("qk_norm", QK_NORMS))
 
 
 
@@ -76,8 +56,16 @@ class ModelConfig(_Config):
     """One transformer stack. Variants are knobs, not subclasses.
 
     Sizes: ``d_model`` is split into ``n_head`` heads of ``head_dim``; keys and values use
-    ``n_kv_head`` heads (``None`` = ``n_head``: MHA; 1: MQA; otherwise GQA).
+    ``n_kv_head`` heads (``None`` = ``n_head``: MHA; 1: MQA; otherwise GQA). The architecture only:
+    kernels, layer scan, remat and matmul precision are ``jaxgpt.config.Execution``'s.
     """
+
+    def __new__(cls, *args, **kwargs):
+        # a config written before Execution existed: one line naming where the key went
+        old = [k for k in kwargs if k in EXECUTION_FIELDS]
+        if old:
+            raise ValueError(moved(old[0]))
+        return super().__new__(cls)
 
     vocab_size: int = 256  # rows of the embedding and logit tables
     # The tokenizer's vocabulary when vocab_size is a padded table (nanoGPT's 50304 for GPT-2's 50257, a
@@ -135,17 +123,6 @@ class ModelConfig(_Config):
     attnres_blocks: int = 4  # block_attnres: number of blocks N (seed: layers per block = max(1, n_layer // N))
     attnres_eps: float | None = None  # key RMSNorm eps (None: norm_eps)
     attnres_key_gain: bool = True  # learnable gain in the key RMSNorm (the paper leaves this open)
-    # Engine knobs: how the layer stack is compiled; they change neither the math nor torch_ref.
-    scan_layers: bool = True  # nn.scan over one Block (params (L, ...) under 'layers'); False: layers_0, layers_1, ...
-    # layers per iteration of the scanned loop (1 = rolled; >= n_layer = fully unrolled). 'auto': fully
-    # unrolled on the CPU and GPU without remat (same params, the step of unrolled layers; measured 1.2x), else rolled.
-    scan_unroll: int | str = "auto"
-    remat: str = "none"  # one of REMATS: what each layer keeps for the backward pass
-    attention_impl: str = "auto"  # one of ATTENTION_IMPLS
-    attention_block: int = 128  # key/value block length of attention_impl='blocked' (128: fastest measured on CPU)
-    norm_impl: str = "auto"  # one of NORM_IMPLS
-    act_impl: str = "auto"  # one of ACT_IMPLS
-    matmul_precision: str = "auto"  # one of MATMUL_PRECISIONS
     dtype: str = "float32"  # compute dtype (DTYPES); bfloat16 with param_dtype float32 = mixed precision
     param_dtype: str = "float32"  # dtype the weights are stored (and optimised) in
     # Mixture of Experts (jaxgpt/config/moe.py): None = every layer's FFN is the dense ``mlp``.
@@ -167,12 +144,6 @@ class ModelConfig(_Config):
         for name, allowed in _CHOICES:
             _choice(name, getattr(self, name), allowed)
         _positive("attnres_blocks", self.attnres_blocks)
-        if self.scan_unroll != "auto":
-            _positive("scan_unroll", self.scan_unroll)
-        _positive("attention_block", self.attention_block)
-        if self.residual != "standard" and (self.remat != "none" or self.scan_unroll not in (1, "auto")):
-            raise ValueError(f"residual={self.residual!r} layers are not scanned or rematerialised; got "
-                             f"remat={self.remat!r}, scan_unroll={self.scan_unroll} (use 'none' and 1 or 'auto')")
         if self.residual != "standard" and self.norm_placement != "pre":
             raise ValueError(f"residual={self.residual!r} mixes pre-norm sublayer outputs; it needs norm_placement='pre'")
         if self.d_head is not None:
@@ -206,16 +177,6 @@ class ModelConfig(_Config):
         for name in ("attn_scale", "attn_softcap", "logit_softcap"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
-        if self.attn_softcap is not None and self.attention_impl in SOFTCAP_REFUSED:
-            # jax.nn's attention and the C++ kernels have no score soft-capping: refused, never dropped
-            raise ValueError(f"attention_impl={self.attention_impl!r} has no attention soft-capping (attn_softcap="
-                             f"{self.attn_softcap}); use 'auto', 'xla' or 'blocked'")
-        if self.attention_impl not in ("xla", "auto") and self.attention_dropout > 0:  # 'auto' picks 'xla' then
-            # Only the einsum kernel can drop attention weights; no other kernel reproduces its draws,
-            # so the pair is refused here rather than silently training with another kernel.
-            via = "" if self.attn_dropout is not None else f" (attn_dropout=None takes dropout={self.dropout})"
-            raise ValueError(f"attention_impl={self.attention_impl!r} has no attention dropout, but attention "
-                             f"dropout is {self.attention_dropout}{via}; set attn_dropout=0.0 or attention_impl='xla'")
 
     def _validate_variants(self) -> None:
         if self.rotary_dim is not None:
@@ -257,11 +218,6 @@ class ModelConfig(_Config):
         out = [i for i in moe.dense_layers if i >= self.n_layer]
         if out:
             raise ValueError(f"moe.dense_layers={list(moe.dense_layers)} names layers past n_layer={self.n_layer}")
-        kinds = {moe.sparse(i) for i in range(self.n_layer)}
-        if self.scan_layers and len(kinds) > 1:
-            # nn.scan compiles one layer body: every layer must have the same parameters.
-            raise ValueError(f"moe.every={moe.every}, moe.dense_layers={list(moe.dense_layers)} mix dense and MoE "
-                             "layers; that needs scan_layers=False")
 
     def sparse_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has a MoE feed-forward network."""
@@ -269,6 +225,9 @@ class ModelConfig(_Config):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        old = [k for k in d if k in EXECUTION_FIELDS]
+        if old:  # jaxgpt.config.split_execution(d) separates them (checkpoints and files do it on load)
+            raise ValueError(moved(old[0]))
         for key, cls_ in (("moe", MoEConfig), ("rope_scaling", RopeScaling)):
             if isinstance(d.get(key), dict):
                 d = {**d, key: cls_.from_dict(d[key])}

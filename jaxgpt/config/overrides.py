@@ -1,8 +1,12 @@
-"""``--set key=value`` overrides: text -> typed values -> (model config, TrainConfig)."""
+"""``--set key=value`` overrides: text -> typed values -> (model config, TrainConfig).
+
+Execution keys (``exec.attention_impl=ffi``, or the bare ``attention_impl=ffi`` written before they
+left ModelConfig) go to ``TrainConfig.execution``."""
 from __future__ import annotations
 
 import dataclasses
 
+from jaxgpt.config.execution import EXECUTION_FIELDS, Execution
 from jaxgpt.config.model import EncDecConfig, ModelConfig
 from jaxgpt.config.moe import MoEConfig
 from jaxgpt.config.train import TrainConfig
@@ -43,15 +47,24 @@ def apply_sets(config, items: list[str], train_defaults: dict | None = None) -> 
     """``key=value`` settings -> (model config, TrainConfig). Training keys go to TrainConfig, over
     ``train_defaults`` (TrainConfig fields: a preset's ``train_defaults``, ``--init``'s INIT_DEFAULTS),
     themselves over TrainConfig's own defaults; model keys to the config (BERT: its own fields or the
-    encoder's; encoder-decoder: both stacks, or one with an ``encoder.``/``decoder.`` prefix)."""
+    encoder's; encoder-decoder: both stacks, or one with an ``encoder.``/``decoder.`` prefix); execution
+    keys (``exec.name``, or ``name``) to ``TrainConfig.execution``, over the defaults' execution."""
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     own = {f.name for f in dataclasses.fields(config)} - {"encoder", "decoder"}
     train: dict = {}
     model: dict[str, dict] = {}
     moe_sets: dict = {}
+    exec_sets: dict = {}
     for key, raw in parse_sets(items):
         value = parse_value(raw)
+        name = key.removeprefix("exec.").rpartition(".")[2]  # model.attention_impl, decoder.scan_layers: one Execution
+        if key.startswith("exec.") or name in EXECUTION_FIELDS:
+            if name not in {f.name for f in dataclasses.fields(Execution)}:
+                raise ValueError(f"unknown setting {key!r}; execution keys: "
+                                 f"{', '.join('exec.' + f.name for f in dataclasses.fields(Execution))}")
+            exec_sets[name] = _as_field(Execution, name, raw, value)
+            continue
         if key in train_fields:
             train[key] = _as_field(TrainConfig, key, raw, value)
             continue
@@ -89,6 +102,9 @@ def apply_sets(config, items: list[str], train_defaults: dict | None = None) -> 
     nested = {stack: getattr(config, stack).replace(**model[stack]) for stack in ("encoder", "decoder") if stack in model}
     if nested or "self" in model:
         config = config.replace(**nested, **model.get("self", {}))
-    return config, TrainConfig(**{**(train_defaults or {}), **train})
+    tc = TrainConfig(**{**(train_defaults or {}), **train})
+    if not exec_sets:
+        return config, tc
+    return config, tc.replace(execution=Execution.for_model(config, tc.execution).replace(**exec_sets))
 
 

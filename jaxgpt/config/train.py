@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from jaxgpt.config.base import _Config, _choice, _positive, _probability
+from jaxgpt.config.execution import Execution
 
 SCHEDULES = ("cosine", "constant")
 DECAY = ("all", "linear", "matrices")
@@ -78,6 +79,10 @@ class TrainConfig(_Config):
     # placement, not the math; a run may resume on another mesh. batch_size / grad_accum must divide by data*fsdp*expert.
     # 'auto': on a CPU host, the micro-batch split over its CPU devices (jaxgpt.parallel.host_devices), else one device.
     mesh: str = "auto"
+    # Engine knobs of the model (jaxgpt.config.execution): kernels, layer scan, remat, matmul precision. Like the
+    # mesh they change no number; a run may resume under another Execution (the params' layout is converted).
+    # None: Execution.for_model(config), the default for the model trained.
+    execution: Execution | None = None
     # Engine knob (jaxgpt.train.step.make_train_steps): updates per call of the jitted program ``fit`` runs,
     # a loop inside the program over that many batches; the same updates, fewer host round trips. 'auto':
     # log_every, at most MAX_STEPS_PER_CALL (a call ends where fit logs, evaluates or saves anyway); 1: one
@@ -139,6 +144,12 @@ class TrainConfig(_Config):
                 raise ValueError(f"mesh={self.mesh!r} splits each micro-batch over data*fsdp*expert="
                                  f"{n} devices, but batch_size/grad_accum="
                                  f"{self.micro_batch} is not a multiple of it")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        if isinstance(d.get("execution"), dict):
+            d = {**d, "execution": Execution.from_dict(d["execution"])}
+        return super().from_dict(d)
 
     def aux_coef(self, config) -> float:
         """The load-balancing loss coefficient for a MoE ``config``: router_aux_coef, or the model's own."""

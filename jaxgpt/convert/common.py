@@ -169,10 +169,10 @@ ATTNRES_UNUSED = {name: unused("residual must be 'standard'") for name in
 WINDOWLESS = {"sliding_window": must_be(None), "window_layers": must_be(None)}
 GEMMA_ONLY = {"norm_unit_offset": must_be(False), "attn_scale": must_be(None), "attn_softcap": must_be(None),
               "logit_softcap": must_be(None), "rope_local_base": must_be(None)}
-# How jaxgpt compiles the layer stack: the same weights and logits whatever their values.
-ENGINE_UNUSED = {name: unused("engine knob (how jaxgpt compiles and computes), not part of the exported weights") for name in
-                 ("scan_layers", "scan_unroll", "remat", "attention_impl", "attention_block", "norm_impl", "act_impl", "matmul_precision",
-                  "dtype", "param_dtype")}
+# The compute and storage dtypes: the same exported weights whatever their values (how jaxgpt compiles and
+# computes, jaxgpt.config.Execution, is not in the ModelConfig at all).
+ENGINE_UNUSED = {name: unused("engine knob (how jaxgpt computes), not part of the exported weights") for name in
+                 ("dtype", "param_dtype")}
 
 
 def check_fields(config, table: Mapping[str, Field], family: str, prefix: str = "") -> list[str]:

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 import numpy as np
 from flax import traverse_util
 
-from jaxgpt.config import config_from_dict
+from jaxgpt.config import Execution, config_from_dict, split_execution
 from jaxgpt.convert.common import default_kind
-from jaxgpt.models import stacked_paths
+from jaxgpt.models import relayout, stacked_paths
 
 FORMATS = ("jaxgpt", "safetensors", "torch", "hf", "nanogpt")
 
@@ -31,6 +31,12 @@ def save_safetensors(path: str, params: Mapping, config=None, extras: Mapping[st
     save_file(flat, str(path), metadata=meta)
 
 
+def _saved_config(d: dict):
+    """A saved model config; one written before Execution left ModelConfig drops its execution keys
+    (the weights are the same whatever they were)."""
+    return config_from_dict(split_execution(d)[0])
+
+
 def load_safetensors(path: str, *, with_extras: bool = False):
     """(config or None, params) from a file written by ``save_safetensors`` (+ extras dict)."""
     from safetensors import safe_open
@@ -38,8 +44,10 @@ def load_safetensors(path: str, *, with_extras: bool = False):
     with safe_open(str(path), framework="numpy") as f:
         meta = f.metadata() or {}
         flat = {tuple(k.split("/")): f.get_tensor(k) for k in f.keys()}
-    config = config_from_dict(json.loads(meta["config"])) if "config" in meta else None
+    config = _saved_config(json.loads(meta["config"])) if "config" in meta else None
     params = traverse_util.unflatten_dict(flat)
+    if config is not None:  # whichever layout the writer ran: the default one's
+        params = relayout(params, config, scanned=Execution.for_model(config).scan_layers)
     if not with_extras:
         return config, params
     return config, params, {k: json.loads(v) for k, v in meta.items() if k not in ("format", "config")}
@@ -96,7 +104,7 @@ def load_weights(path: str | Path, fmt: str | None = None) -> tuple[Any, dict, d
         if not (isinstance(obj, dict) and obj.get("format") == "torch_ref"):
             raise ValueError(f"{str(p)!r} is neither a torch_ref file (written by jaxgpt convert) nor a nanoGPT "
                              "checkpoint (with model_args)")
-        config = config_from_dict(obj["config"])
+        config = _saved_config(obj["config"])
         params = state_dict_to_params(obj["state_dict"], abstract_params(config), stacked=stacked_paths(config))
         return config, params, {k: obj[k] for k in ("tokenizer", "kind") if k in obj}
     raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")

@@ -4,7 +4,7 @@ Differences from Mixtral (mixtral.py, whose expert gathering this reuses): the k
 are renormalised only with ``norm_topk_prob`` (default False); every MoE layer adds a shared
 SwiGLU expert scaled by sigmoid(shared_expert_gate(x)); ``decoder_sparse_step`` and
 ``mlp_only_layers`` choose the MoE layers, the others keep a dense SwiGLU of ``intermediate_size``
-(experts: ``moe_intermediate_size``). Mixed dense and MoE layers load with scan_layers=False.
+(experts: ``moe_intermediate_size``). Mixed dense and MoE layers load as separate layers (``Execution.for_model``: scan_layers=False).
 
 HF key                                                    torch_ref key
 model.layers.{i}.mlp.gate.weight (E, d)               <-> layers.{i}.mlp.router.weight
@@ -62,8 +62,7 @@ def config_from_hf(d: Mapping[str, Any], arch: str) -> ModelConfig:
                     dense_layers=tuple(d.get("mlp_only_layers") or ()),
                     aux_loss_coef=d.get("router_aux_loss_coef", 0.001))  # Qwen2MoeConfig's default
     qkv = bool(d.get("qkv_bias", True))
-    mixed = len({moe.sparse(i) for i in range(base.n_layer)}) > 1
-    return base.replace(moe=moe, qkv_bias=qkv, scan_layers=not mixed)
+    return base.replace(moe=moe, qkv_bias=qkv)
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, Any], arch: str, template=None) -> dict:

@@ -15,8 +15,9 @@ and torch_ref must not import JAX or Flax to learn them, so they live here:
   its Flax path ('layers', 'encoder/layers'), maps to ``name.{i}.…``. Conversion is strict:
   every missing, unexpected or mis-shaped key is named in one ValueError. Params are nested
   mappings (dict, FrozenDict) walked here directly, so no ``jax.tree_util`` is needed.
-- ``stacked_paths(config)``: the Flax paths of the scanned layer stacks (re-exported by
-  ``jaxgpt.models``);
+- ``stacked_paths(config, execution)``: the Flax paths of the scanned layer stacks (re-exported by
+  ``jaxgpt.models``), and ``relayout``, which moves params (and optimizer states) between the
+  stacked and the separate-layers layout (``Execution.scan_layers``);
 - ``key_eps`` and ``seal_schedule``: the Attention Residuals layout (re-exported by
   ``jaxgpt.nn.attnres``).
 
@@ -38,7 +39,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from jaxgpt.config import BertConfig, EncDecConfig, ModelConfig
+from jaxgpt.config import BertConfig, EncDecConfig, Execution, ModelConfig
 from jaxgpt.core.mapped import copy_into, empty
 
 _INDEXED = re.compile(r"^(.*)_(\d+)$")
@@ -191,17 +192,81 @@ def fill(pieces: Mapping[int | None, np.ndarray], shape: tuple, dtype) -> np.nda
 
 
 # -- model layouts --------------------------------------------------------------------------
-def stacked_paths(config: ModelConfig | BertConfig | EncDecConfig) -> tuple[str, ...]:
-    """Flax paths of the ``nn.scan`` layer stacks (the converter's ``stacked=``). Unscanned stacks
+def stacked_paths(config: ModelConfig | BertConfig | EncDecConfig, execution: Execution | None = None) -> tuple[str, ...]:
+    """Flax paths of the ``nn.scan`` layer stacks (the converter's ``stacked=``) of ``config`` run
+    with ``execution`` (None: ``Execution.for_model(config)``). Unscanned stacks
     (``scan_layers=False``, AttnRes) are separate modules ``layers_0, layers_1, ...``, which the
     generic rule maps to the same ``layers.{i}.…`` keys without help."""
+    if not Execution.for_model(config, execution).scan_layers:
+        return ()
     if isinstance(config, EncDecConfig):
-        return tuple(path for path, c in zip(ENCDEC_STACKED, (config.encoder, config.decoder)) if c.scan_layers)
+        return ENCDEC_STACKED
     if isinstance(config, BertConfig):
         config = config.encoder
-    if config.residual != "standard" or not config.scan_layers:
-        return ()
-    return ("layers",)
+    return () if config.residual != "standard" else ("layers",)
+
+
+def relayout(tree: Any, config: ModelConfig | BertConfig | EncDecConfig, *, scanned: bool, stack=np.stack) -> Any:
+    """``tree`` (params, or any pytree holding params-shaped dicts: an optimizer state) with ``config``'s
+    layer stacks moved to the layout of ``Execution(scan_layers=scanned)``: scanned, each
+    ``{name}_0 ... {name}_{L-1}`` becomes one ``name`` whose leaves gain a leading layer axis
+    (``stack``: np.stack, or jnp.stack for device arrays); else the reverse. Each dict met outside a
+    dict is a params root (optax keeps its moments in such trees); stacks already in place pass."""
+    stacks = dict(zip(stacked_paths(config, Execution(scan_layers=True)), _layer_counts(config)))
+
+    def root(node, prefix):
+        if isinstance(node, Mapping):
+            out = {k: root(v, prefix + (k,)) for k, v in node.items()}
+            for path, n in stacks.items():
+                *parent, name = path.split("/")
+                if tuple(parent) == prefix:
+                    out = _stacked(out, name, n, stack) if scanned else _separate(out, name, n)
+            return out
+        return node
+
+    def outside(node):
+        if isinstance(node, Mapping):
+            return root(node, ())
+        if isinstance(node, tuple) and hasattr(node, "_fields"):  # a NamedTuple: optax's states
+            return type(node)(*(outside(v) for v in node))
+        if isinstance(node, (list, tuple)):
+            return type(node)(outside(v) for v in node)
+        return node
+
+    return outside(tree)
+
+
+def _layer_counts(config) -> tuple[int, ...]:
+    if isinstance(config, EncDecConfig):
+        return config.encoder.n_layer, config.decoder.n_layer
+    return (getattr(config, "encoder", config).n_layer,)
+
+
+def _map(f, tree):
+    """f over the array leaves of nested mappings and tuples (framework-free tree map)."""
+    if isinstance(tree, Mapping):
+        return {k: _map(f, v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map(f, v) for v in tree))
+    return f(tree) if hasattr(tree, "shape") else tree
+
+
+def _separate(node: dict, name: str, n: int) -> dict:
+    if name not in node:
+        return node
+    layers = node.pop(name)
+    node.update({f"{name}_{i}": _map(lambda a, i=i: a[i], layers) for i in range(n)})
+    return node
+
+
+def _stacked(node: dict, name: str, n: int, stack) -> dict:
+    if f"{name}_0" not in node:
+        return node
+    layers = [node.pop(f"{name}_{i}") for i in range(n)]
+    flat = [flatten(layer) for layer in layers]  # a leaf without a shape (optax's MaskedNode) is kept once
+    node[name] = unflatten({k: stack([f[k] for f in flat]) if hasattr(flat[0][k], "shape") else flat[0][k]
+                            for k in flat[0]})
+    return node
 
 
 def key_eps(config: ModelConfig) -> float:

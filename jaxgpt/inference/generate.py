@@ -6,7 +6,7 @@ shapes, so the whole generation is one compiled program whatever the number of t
 decoding recomputes a fixed (B, max_len) window every step (the reference the cache is tested
 against, and the fallback that crops to the context window when prompt + new tokens exceed
 ``max_len``). Prefill, decode steps and the uncached window all attend through
-``kernels.attend`` with ``config.attention_impl``, the kernel training uses.
+``kernels.attend`` with ``execution.attention_impl`` (``jaxgpt.config.Execution``), the kernel training uses.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.core import validate
-from jaxgpt.config import ModelConfig, check_sampling
+from jaxgpt.config import Execution, ModelConfig, check_sampling
 from jaxgpt.inference.sampling import argmax, filter_logits, fresh_seed
+from jaxgpt.models import build
 from jaxgpt.models.decoder import DecoderLM, init_cache, unstack_layers
 from jaxgpt.models.stack import check_tokens
 
@@ -51,12 +52,12 @@ def _finish(tok, done, eos_id):
     return tok, done | (tok == eos_id)
 
 
-@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"))
-def _generate_cached(params, prompt, rng, *, config, max_new_tokens, temperature, top_k, top_p, eos_id):
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "execution"))
+def _generate_cached(params, prompt, rng, *, config, max_new_tokens, temperature, top_k, top_p, eos_id, execution=None):
     # Separate layers and one cache buffer per layer (K/V in the compute dtype): each step then
     # updates the cache in place and reads weights and cache where they lie; no copies per token.
-    dec_config, params = unstack_layers(config, params)
-    model = DecoderLM(dec_config)
+    separate, params = unstack_layers(config, params, execution)
+    model = DecoderLM(config, separate)
     b, t0 = prompt.shape
     sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     cache = init_cache(config, b, t0 + max_new_tokens, per_layer=True)
@@ -80,9 +81,10 @@ def _generate_cached(params, prompt, rng, *, config, max_new_tokens, temperature
     return jnp.concatenate([prompt, tokens], axis=1)
 
 
-@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id"))
-def _generate_uncached(params, prompt, rng, *, config, max_new_tokens, temperature, top_k, top_p, eos_id):
-    model = DecoderLM(config)
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "execution"))
+def _generate_uncached(params, prompt, rng, *, config, max_new_tokens, temperature, top_k, top_p, eos_id,
+                       execution=None):
+    model = build(config, execution)
     b, t0 = prompt.shape
     w = config.max_len
     sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -113,8 +115,9 @@ def _default_rng(rng, temperature: float):
 
 def generate(config: ModelConfig, params, prompt, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, rng=None, eos_id: int | None = None,
-             use_cache: bool = True):
+             use_cache: bool = True, execution: Execution | None = None):
     """Continue ``prompt`` (B, T0) int ids by ``max_new_tokens`` tokens -> (B, T0 + max_new_tokens).
+    ``execution``: the kernels, and the params' layout (None: ``Execution.for_model(config)``).
 
     temperature 0 is greedy. With ``eos_id``, a row that emits it is filled with it afterwards.
     ``prompt``: a JAX or NumPy array, or nested lists of ints.
@@ -145,15 +148,16 @@ def generate(config: ModelConfig, params, prompt, max_new_tokens: int, *, temper
                       f"{config.max_len} tokens", stacklevel=2)
     fn = _generate_cached if use_cache and fits else _generate_uncached
     return fn(params, prompt, rng, config=config, max_new_tokens=max_new_tokens, temperature=float(temperature),
-              top_k=top_k, top_p=top_p, eos_id=eos_id)
+              top_k=top_k, top_p=top_p, eos_id=eos_id, execution=execution)
 
 
-@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "bos_id", "eos_id"))
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature", "top_k", "top_p", "bos_id", "eos_id",
+                                   "execution"))
 def _generate_seq2seq(params, src, src_mask, rng, *, config, max_new_tokens, temperature, top_k, top_p, bos_id,
-                      eos_id):
+                      eos_id, execution=None):
     from jaxgpt.models.encdec import EncoderDecoder
 
-    model = EncoderDecoder(config)
+    model = build(config, execution)
     sample = partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     memory = model.apply({"params": params}, src, src_mask, method=EncoderDecoder.encode)  # (B, S, d)
     b = src.shape[0]
@@ -171,7 +175,8 @@ def _generate_seq2seq(params, src, src_mask, rng, *, config, max_new_tokens, tem
 
 
 def generate_seq2seq(config, params, src, src_mask, max_new_tokens: int, *, bos_id: int, eos_id: int | None = None,
-                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, rng=None):
+                     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, rng=None,
+                     execution: Execution | None = None):
     """Encoder-decoder decoding: encode ``src`` (B, S) once, then feed ``<bos>`` + the tokens so
     far to the decoder (one fixed (B, max_new_tokens + 1) window, no recompilation per token).
     Returns the new tokens (B, max_new_tokens); rows that emit ``eos_id`` are filled with it.
@@ -188,4 +193,5 @@ def generate_seq2seq(config, params, src, src_mask, max_new_tokens: int, *, bos_
             raise ValueError(f"{name} {i} is outside the decoder vocabulary [0, {config.decoder.vocab_size})")
     rng = _default_rng(rng, temperature)
     return _generate_seq2seq(params, src, src_mask, rng, config=config, max_new_tokens=max_new_tokens,
-                             temperature=float(temperature), top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id)
+                             temperature=float(temperature), top_k=top_k, top_p=top_p, bos_id=bos_id, eos_id=eos_id,
+                             execution=execution)

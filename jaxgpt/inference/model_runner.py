@@ -30,7 +30,7 @@ class ModelRunner:
 
     def __init__(self, config, params, *, num_pages: int, page_size: int, kv_dtype: str = "auto",
                  paged_kernel: str = "auto", head_kernel: str = "auto"):
-        self.config, params = unstack_layers(config, params)
+        self.config, (_, params) = config, unstack_layers(config, params)
         self.head_kernel = resolve_head_kernel(head_kernel, self.config)
         self.params, self.head = device_params(self.config, params, self.head_kernel)
         self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)

@@ -10,8 +10,11 @@ import jax.numpy as jnp
 
 from jaxgpt.inference.packed_head import project
 from jaxgpt.inference.sampling import argmax
+from jaxgpt.config import Execution
 from jaxgpt.models.decoder import DecoderLM
 from jaxgpt.nn.kernels.paged import PagedKVCache
+
+SEPARATE = Execution(scan_layers=False)  # the engine's params: separate layers (unstack_layers), read in place
 
 
 def write_slots(page_table, pos, page_size: int):
@@ -33,7 +36,7 @@ def paged_apply(params, pools, tokens, q_pos, slots, page_table, logits_at=None,
         slots = write_slots(page_table, q_pos, pools[0][0].shape[2])
     caches = tuple(PagedKVCache(k, v, page_table, slots, q_pos, ks, vs, config.dtype, kernel=kernel)
                    for k, v, ks, vs in pools)
-    out = DecoderLM(config).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
+    out = DecoderLM(config, SEPARATE).apply({"params": params}, tokens, positions=jnp.maximum(q_pos, 0), cache=caches,
                                   logits_at=logits_at, hidden=head is not None)
     logits, top = (out.logits, argmax(out.logits)) if head is None else project(config, head, out.hidden)
     pools = tuple((c.k, c.v, c.k_scale, c.v_scale) for c in out.cache)

@@ -65,8 +65,9 @@ def speculative_generate(target_config, target_params, draft_config, draft_param
     if t0 + max_new_tokens + k > room:
         raise ValueError(f"{t0} prompt + {max_new_tokens} new + {k} proposed tokens exceed the context ({room})")
     check_tokens(prompt, target_config.vocab_size, room)
-    tc, tp = unstack_layers(target_config, target_params)
-    dc, dp = unstack_layers(draft_config, draft_params)
+    tc, dc = target_config, draft_config
+    _, tp = unstack_layers(tc, target_params)
+    _, dp = unstack_layers(dc, draft_params)
     tp, dp = jax.device_put((tp, dp))  # once: host (NumPy) params would be copied into every call
     # Pages 1..n hold the request in order (page 0 is the scratch page padding writes go to); a power
     # of two of them, so prompts of nearby lengths share the compiled programs.

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxgpt.nn import checks
 from jaxgpt.core import validate
-from jaxgpt.config import BertConfig
+from jaxgpt.config import BertConfig, Execution
 from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 from jaxgpt.nn.norms import norm_from_config
 from jaxgpt.nn.precision import module_scope
@@ -42,6 +42,7 @@ class BertClassifier(nn.Module):
     """``apply({'params': p}, input_ids, attention_mask, token_type_ids)`` -> logits (B, n_classes)."""
 
     config: BertConfig
+    execution: Execution = Execution()  # the kernels, layer scan and precision (jaxgpt.config.execution)
 
     @nn.compact
     @module_scope
@@ -72,14 +73,15 @@ class BertClassifier(nn.Module):
         elif token_type_ids is not None:
             raise ValueError("token_type_ids given but config.type_vocab_size=0 (no token-type embeddings)")
         if cfg.embed_norm:
-            x = norm_from_config(enc, "embed_norm")(x)
+            x = norm_from_config(enc, "embed_norm", self.execution)(x)
         x = nn.Dropout(enc.dropout)(x, deterministic=deterministic)
 
         mask = key_mask(attention_mask, input_ids.shape)  # (B, 1, 1, T)
         x, _, weights = run_blocks(enc, x, causal=False, mask=mask, positions=positions,
-                                   return_weights=return_weights, deterministic=deterministic)
+                                   return_weights=return_weights, deterministic=deterministic,
+                                   execution=self.execution)
         if enc.final_norm:
-            x = norm_from_config(enc, "norm")(x)
+            x = norm_from_config(enc, "norm", self.execution)(x)
         if return_hidden:
             return x  # (B, T, d)
 

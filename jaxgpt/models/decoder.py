@@ -2,7 +2,7 @@
 
 tok_embed (+ pos_embed | sinusoidal | RoPE inside attention) -> dropout -> n_layer Blocks stacked
 with ``nn.scan`` (one compiled layer body; params carry a leading layer axis), or separate
-``layers_{i}`` when ``config.scan_layers`` is False -> norm -> lm_head (or the transposed token
+``layers_{i}`` when ``execution.scan_layers`` is False -> norm -> lm_head (or the transposed token
 embedding when tied).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.nn.kv_cache import KVCache, KVCacheLike
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.nn.kernels.linear import logits as logits_matmul
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
@@ -58,18 +58,19 @@ def init_cache(config: ModelConfig, batch: int, max_len: int | None = None, dtyp
                    "stacked")
 
 
-def unstack_layers(config: ModelConfig, params, name: str = "layers"):
-    """(config, params) in the separate-layers layout (scan_layers=False): the scanned ``name``
+def unstack_layers(config: ModelConfig, params, execution: Execution | None = None, name: str = "layers"):
+    """(execution, params) in the separate-layers layout (``scan_layers=False``): the scanned ``name``
     params (L, ...) become ``{name}_0`` ... ``{name}_{L-1}``. Unchanged when already unscanned.
 
     Decoding uses it: a scanned layer loop slices (copies) every layer's weights out of the
     stacked arrays on every step; separate arrays are read in place.
     """
-    if not config.scan_layers:
-        return config, params
+    execution = Execution.for_model(config, execution).replace(scan_layers=False)
+    if name not in params:
+        return execution, params
     out = {k: v for k, v in params.items() if k != name}
     out.update({f"{name}_{i}": jax.tree.map(lambda a: a[i], params[name]) for i in range(config.n_layer)})  # noqa: B023 - called in this iteration
-    return config.replace(scan_layers=False), out
+    return execution, out
 
 
 def mask_padded_vocab(config: ModelConfig, logits):
@@ -95,6 +96,7 @@ class DecoderLM(nn.Module):
     """Causal language model. ``apply({'params': p}, tokens)`` -> logits (B, T, vocab)."""
 
     config: ModelConfig
+    execution: Execution = Execution()  # the kernels, layer scan and precision (jaxgpt.config.execution)
 
     @nn.compact
     @module_scope
@@ -117,7 +119,7 @@ class DecoderLM(nn.Module):
         ``return_weights`` (per-layer attention weights) or ``return_depth_weights`` (AttnRes
         models: the depth-attention weights, ``DecoderOutput.depth_weights``) is set.
         """
-        cfg = self.config
+        cfg, ex = self.config, self.execution
         tokens = jnp.asarray(tokens)  # NumPy arrays and nested lists too
         first = cache if cache is None or isinstance(cache, KVCache) else cache[0]  # stacked, or layer 0's
         offset = None if cache is None else first.offset  # None: no cache, or a paged one (positions given)
@@ -138,20 +140,20 @@ class DecoderLM(nn.Module):
         if cfg.residual == "standard":
             x, cache, weights = run_blocks(cfg, x, mask=mask, positions=positions, cache=cache,
                                            return_weights=return_weights, deterministic=deterministic,
-                                           segment_ids=segment_ids)
+                                           segment_ids=segment_ids, execution=ex)
         else:
             from jaxgpt.nn.attnres import AttnResLayers
 
             if cache is not None:
                 raise ValueError(f"residual={cfg.residual!r} does not support a KV cache; decode without one")
-            x, weights, *depth = AttnResLayers(cfg, name="layers")(
+            x, weights, *depth = AttnResLayers(cfg, ex, name="layers")(
                 x, mask=mask, positions=positions, return_weights=return_weights,
                 return_depth_weights=return_depth_weights, deterministic=deterministic, segment_ids=segment_ids)
             depth = depth[0] if depth else None
         if logits_at is not None:  # (B,) one position per row: the engine's prefill skips the other rows' head
             x = x[jnp.arange(x.shape[0]), logits_at][:, None]  # (B, 1, d)
         if cfg.final_norm:
-            x = norm_from_config(cfg, "norm")(x)
+            x = norm_from_config(cfg, "norm", ex)(x)
         if hidden:
             return x if cache is None and not return_weights and not return_depth_weights else DecoderOutput(
                 None, cache, weights, depth, hidden=x)

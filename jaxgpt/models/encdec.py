@@ -3,7 +3,7 @@ Blocks add cross-attention over the encoder output, and an output projection.
 
 Parameters: encoder/{tok_embed, pos_embed?, layers, norm?}, decoder/{tok_embed, pos_embed?, layers,
 norm?}, out_proj. ``layers`` are scanned (leading layer axis; ``layers_0, layers_1, ...`` when that
-stack's ``scan_layers`` is False); the converter maps them to torch_ref's ``encoder.layers.{i}.…``
+Execution's ``scan_layers`` is False); the converter maps them to torch_ref's ``encoder.layers.{i}.…``
 keys with ``stacked=stacked_paths(config)`` (``STACKED`` for the default layout).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxgpt.config import EncDecConfig, ModelConfig
+from jaxgpt.config import EncDecConfig, Execution, ModelConfig
 from jaxgpt.core.layout import ENCDEC_STACKED as STACKED  # noqa: F401  (re-exported: the scanned stacks)
 from jaxgpt.models.bert import key_mask
 from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
@@ -25,6 +25,7 @@ class Stack(nn.Module):
     self-attention + cross-attention over ``memory``)."""
 
     config: ModelConfig
+    execution: Execution = Execution()  # the kernels, layer scan and precision (jaxgpt.config.execution)
     cross: bool = False
 
     @nn.compact
@@ -39,9 +40,10 @@ class Stack(nn.Module):
                              dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="tok_embed")
         x = embed_tokens(cfg, tok_embed, ids, positions, deterministic)  # (B, T, d)
         x, _, _ = run_blocks(cfg, x, causal=self.cross, cross=self.cross, context=memory, mask=self_mask,
-                             context_mask=memory_mask, positions=positions, deterministic=deterministic)
+                             context_mask=memory_mask, positions=positions, deterministic=deterministic,
+                             execution=self.execution)
         if cfg.final_norm:
-            x = norm_from_config(cfg, "norm")(x)
+            x = norm_from_config(cfg, "norm", self.execution)(x)
         return x
 
 
@@ -49,11 +51,12 @@ class EncoderDecoder(nn.Module):
     """``apply({'params': p}, src_ids, tgt_ids, src_mask)`` -> logits (B, T_tgt, decoder.vocab_size)."""
 
     config: EncDecConfig
+    execution: Execution = Execution()  # the kernels, layer scan and precision (jaxgpt.config.execution)
 
     def setup(self):
         cfg = self.config
-        self.encoder = Stack(cfg.encoder)
-        self.decoder = Stack(cfg.decoder, cross=True)
+        self.encoder = Stack(cfg.encoder, self.execution)
+        self.decoder = Stack(cfg.decoder, self.execution, cross=True)
         dec = cfg.decoder  # logits: float32 out whatever the decoder's compute dtype
         self.out_proj = dense(dec.vocab_size, cfg.out_bias, dec.init_std, "out_proj", dtype=dec.dtype,
                               param_dtype=dec.param_dtype, f32_out=True)

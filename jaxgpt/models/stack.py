@@ -16,7 +16,9 @@ from jaxgpt.nn.kv_cache import KVCache
 from jaxgpt.nn.block import Block
 from jaxgpt.nn.kernels.linear import stacked_weights
 from jaxgpt.nn.kernels.masks import NO_WINDOW
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import Execution, ModelConfig
+from jaxgpt.config.execution import DEFAULT_EXECUTION
+from jaxgpt.exec_policy import scan_unroll
 from jaxgpt.nn.positions import sinusoidal_table
 
 
@@ -65,19 +67,8 @@ def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, de
 SCANNED_COLLECTIONS = {"params": 0, "intermediates": 0, "router": 0}  # what nn.scan stacks per layer
 
 
-def scan_unroll(config) -> int:
-    """``config.scan_unroll`` as an int; 'auto': every layer in one iteration on the CPU and the GPU,
-    where the rolled loop's per-layer weight slices and stacked activations cost about 1.2x in the
-    train step (docs/performance.md; gpt2-small B 12 x 1024 bf16 on an H200: 39.3 -> 32.5 ms a step,
-    13.7 -> 9.6 GiB at its peak, compile 13 -> 19 s); rolled elsewhere (TPUs: not measured), and
-    with ``remat``, whose memory saving the rolled loop keeps (unrolled, XLA's schedule gave it back)."""
-    if config.scan_unroll != "auto":
-        return config.scan_unroll
-    return config.n_layer if jax.default_backend() in ("cpu", "gpu") and config.remat == "none" else 1
-
-
 def remat_policy(name: str):
-    """``config.remat`` -> the jax.checkpoint policy passed to nn.remat ('full': save nothing)."""
+    """``Execution.remat`` -> the jax.checkpoint policy passed to nn.remat ('full': save nothing)."""
     return None if name == "full" else getattr(jax.checkpoint_policies, name)
 
 
@@ -93,13 +84,13 @@ def scanned_windows(config: ModelConfig):
 
 def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None, mask=None,
                context_mask=None, positions=None, cache=None, return_weights=False, deterministic=True,
-               name="layers", segment_ids=None):
+               name="layers", segment_ids=None, execution: Execution = DEFAULT_EXECUTION):
     """n_layer Blocks. Call inside a compact module. Returns (x, cache, weights).
 
-    ``config.scan_layers``: one Block under nn.scan (params (L, ...) under ``name``, unrolled
-    ``config.scan_unroll`` layers per loop iteration), or a Python loop over Blocks named
+    ``execution.scan_layers``: one Block under nn.scan (params (L, ...) under ``name``, unrolled
+    ``scan_unroll(execution, n_layer)`` layers per loop iteration), or a Python loop over Blocks named
     ``{name}_0, {name}_1, ...`` (one compiled body per layer). Either way the cache and the
-    weights are stacked (L, ...). ``config.remat`` wraps each layer in nn.remat. Sliding windows: each
+    weights are stacked (L, ...). ``execution.remat`` wraps each layer in nn.remat. Sliding windows: each
     separate layer gets its own (``config.layer_window``); scanned layers share one body, so a mix of
     sliding and global layers scans its windows as an input (``scanned_windows``).
     """
@@ -112,17 +103,18 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
         return h, (new_cache, w)
 
     if cache is not None:
-        return _run_blocks_cached(config, body, x, cache, causal=causal, cross=cross, name=name)
-    if config.remat != "none":
+        return _run_blocks_cached(config, execution, body, x, cache, causal=causal, cross=cross, name=name)
+    ex = execution
+    if ex.remat != "none":
         # Inside a rolled scan the loop already keeps XLA from merging the recomputation back into the
         # forward pass, so the optimisation barriers of prevent_cse are only needed for separate or
         # unrolled layers (JAX docs; unrolled without them, remat='full' saved no memory).
-        rolled = config.scan_layers and scan_unroll(config) == 1
-        body = nn.remat(body, policy=remat_policy(config.remat), prevent_cse=not rolled)
-    if not config.scan_layers:
+        rolled = ex.scan_layers and scan_unroll(ex, config.n_layer) == 1
+        body = nn.remat(body, policy=remat_policy(ex.remat), prevent_cse=not rolled)
+    if not ex.scan_layers:
         outs = []
         for i in range(config.n_layer):
-            x, out = body(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
+            x, out = body(Block(config, ex, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
                           x, (None, config.layer_window(i)))
             outs.append(out)
         cache, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
@@ -134,14 +126,14 @@ def run_blocks(config: ModelConfig, x, *, causal=True, cross=False, context=None
     static, windows = scanned_windows(config)
     scan = nn.scan(lambda block, h, xs: body(block, h, (xs[0], static if xs[1] is None else xs[1])),
                    variable_axes=SCANNED_COLLECTIONS, split_rngs={"params": True, "dropout": True},
-                   in_axes=0, length=config.n_layer, unroll=scan_unroll(config))
+                   in_axes=0, length=config.n_layer, unroll=scan_unroll(ex, config.n_layer))
     with stacked_weights():
-        x, (cache, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
+        x, (cache, weights) = scan(Block(config, ex, causal=causal, cross=cross, sparse=config.sparse_layer(0), name=name),
                                    x, (cache, windows))
     return x, cache, weights
 
 
-def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, name):
+def _run_blocks_cached(config: ModelConfig, ex: Execution, body, x, cache, *, causal, cross, name):
     """run_blocks with a KV cache, never moving the cache through nn.scan's xs/ys.
 
     Scanning it as xs/ys (slice out k[l], stack the new k[l] back) made XLA allocate, fill and copy
@@ -155,18 +147,18 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
             raise ValueError(f"a per-layer cache needs n_layer={config.n_layer} KVCaches, got {len(cache)}")
         if any(c.layout == "stacked" for c in cache):
             raise ValueError("a per-layer cache holds one-layer KVCaches ('rows' or 'heads'), not 'stacked' ones")
-        if config.scan_layers:  # the scanned layers need it stacked: stack, run, split (copies)
+        if ex.scan_layers:  # the scanned layers need it stacked: stack, run, split (copies)
             b = x.shape[0]
             stack = lambda *a: jnp.stack([c.reshape(b, -1, *c.shape[-2:]) for c in a])  # rows split into heads
             stacked = KVCache(stack(*[c.k for c in cache]), stack(*[c.v for c in cache]),
                               jnp.stack([c.index for c in cache]), "stacked")
-            x, st, weights = _run_blocks_cached(config, body, x, stacked, causal=causal, cross=cross, name=name)
+            x, st, weights = _run_blocks_cached(config, ex, body, x, stacked, causal=causal, cross=cross, name=name)
             split = [KVCache(st.k[i].reshape(c.k.shape), st.v[i].reshape(c.v.shape), st.index[i], c.layout)
                      for i, c in enumerate(cache)]
             return x, tuple(split), weights
         new, ws = [], []
         for i, layer_cache in enumerate(cache):
-            x, (c, w) = body(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
+            x, (c, w) = body(Block(config, ex, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}"),
                              x, (layer_cache, config.layer_window(i)))
             new.append(c)
             ws.append(w)
@@ -183,10 +175,10 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
         h, (new, w) = body(block, h, (KVCache(k, v, xs[1], "stacked", xs[0]), xs[2]))
         return (h, new.k, new.v), (new.index, w)
 
-    if not config.scan_layers:
+    if not ex.scan_layers:
         carry, outs = (x, cache.k, cache.v), []
         for i in range(config.n_layer):  # a static layer index: plain slices of the stacked cache
-            block = Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}")
+            block = Block(config, ex, causal=causal, cross=cross, sparse=config.sparse_layer(i), name=f"{name}_{i}")
             carry, out = layer_body(block, carry, (i, cache.index[i], config.layer_window(i)))
             outs.append(out)
         index, weights = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (L, ...) as the scan stacks them
@@ -194,10 +186,10 @@ def _run_blocks_cached(config: ModelConfig, body, x, cache, *, causal, cross, na
         scan = nn.scan(lambda block, c, xs: layer_body(block, c, xs[:2] + (static if xs[2] is None else xs[2],)),
                        variable_axes=SCANNED_COLLECTIONS,
                        split_rngs={"params": True, "dropout": True}, in_axes=0, length=config.n_layer,
-                       unroll=scan_unroll(config))
+                       unroll=scan_unroll(ex, config.n_layer))
         layers = jnp.arange(config.n_layer, dtype=jnp.int32)
         with stacked_weights():
-            carry, (index, weights) = scan(Block(config, causal=causal, cross=cross, sparse=config.sparse_layer(0),
+            carry, (index, weights) = scan(Block(config, ex, causal=causal, cross=cross, sparse=config.sparse_layer(0),
                                                  name=name), (x, cache.k, cache.v), (layers, cache.index, windows))
     x, k, v = carry
     return x, KVCache(k, v, index, "stacked"), weights

@@ -9,6 +9,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxgpt.config.execution import DEFAULT_EXECUTION, Execution
 from jaxgpt.config.rope import RopeScaling
 from jaxgpt.core import validate
 from jaxgpt.nn.kernels import attend
@@ -112,8 +113,9 @@ class Attention(nn.Module):
         return y, cache, weights
 
 
-def attention_from_config(config, name: str, rope: bool | None = None) -> Attention:
-    """The Attention a ModelConfig describes (RoPE on when config.pos == 'rope', unless overridden)."""
+def attention_from_config(config, name: str, rope: bool | None = None, execution: Execution = DEFAULT_EXECUTION) -> Attention:
+    """The Attention a ModelConfig describes (RoPE on when config.pos == 'rope', unless overridden),
+    run with ``execution``'s kernels."""
     return Attention(
         d_model=config.d_model, n_head=config.n_head, n_kv_head=config.kv_heads, head_dim=config.d_head,
         qkv_bias=config.qkv_bias, o_bias=config.o_bias,
@@ -121,8 +123,8 @@ def attention_from_config(config, name: str, rope: bool | None = None) -> Attent
         rope_layout=config.rope_layout, rope_scaling=config.rope_scaling, rotary_dim=config.rotary_dim,
         rope_local_base=config.rope_local_base, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
         norm_unit_offset=config.norm_unit_offset,
-        norm_impl=config.norm_impl, attn_dropout=config.attention_dropout, init_std=config.init_std,
-        out_init_std=config.out_init_std, attention_impl=config.attention_impl, attention_block=config.attention_block,
+        norm_impl=execution.norm_impl, attn_dropout=config.attention_dropout, init_std=config.init_std,
+        out_init_std=config.out_init_std, attention_impl=execution.attention_impl, attention_block=execution.attention_block,
         dtype=config.dtype, param_dtype=config.param_dtype,
-        matmul_precision=config.matmul_precision, scale=config.attn_scale,
+        matmul_precision=execution.matmul_precision, scale=config.attn_scale,
         softcap=config.attn_softcap, name=name)

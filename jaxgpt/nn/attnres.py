@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.nn.attention import attention_from_config
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.core.layout import key_eps, seal_schedule  # framework-free: torch_ref shares them
 from jaxgpt.nn.mlp import make_mlp
 from jaxgpt.nn.norms import jax_rsqrt, norm_from_config
@@ -79,6 +79,7 @@ class AttnResLayer(nn.Module):
 
     config: ModelConfig
     seal: str | None = None
+    execution: Execution = Execution()  # the kernels (jaxgpt.config.execution)
 
     @nn.compact
     def __call__(self, sources, partial, *, mask=None, positions=None, return_weights=False, deterministic=True,
@@ -92,19 +93,19 @@ class AttnResLayer(nn.Module):
         out = {}
 
         def attn(h):
-            y, _, out["weights"] = attention_from_config(cfg, "attn")(
+            y, _, out["weights"] = attention_from_config(cfg, "attn", execution=self.execution)(
                 h, mask=mask, is_causal=True, positions=positions, return_weights=return_weights,
                 deterministic=deterministic, segment_ids=segment_ids)
             return y
 
         alphas = []
-        for kind, f in (("attn", attn), ("mlp", make_mlp(cfg, "mlp"))):
+        for kind, f in (("attn", attn), ("mlp", make_mlp(cfg, "mlp", self.execution))):
             query = self.param(f"w_{kind}", nn.initializers.zeros, (cfg.d_model,), cfg.param_dtype)
             key_norm = shared if seed else KeyNorm(key_eps(cfg), cfg.attnres_key_gain, cfg.param_dtype, name=f"{kind}_key_norm")
             srcs = sources if partial is None else sources + [partial]
             h, alpha = depth_attention(query, key_norm, jnp.stack(srcs))  # (B, T, d), (N, B, T)
             alphas.append(alpha)
-            norm = norm_from_config(cfg, f"{kind}_norm")
+            norm = norm_from_config(cfg, f"{kind}_norm", self.execution)
             y = drop(f(norm(h)), deterministic=deterministic)  # (B, T, d)
             if full:
                 sources = sources + [y]
@@ -127,6 +128,7 @@ class AttnResLayers(nn.Module):
     """
 
     config: ModelConfig
+    execution: Execution = Execution()  # the kernels (jaxgpt.config.execution)
 
     @nn.compact
     def __call__(self, x, *, mask=None, positions=None, return_weights=False, return_depth_weights=False,
@@ -137,7 +139,7 @@ class AttnResLayers(nn.Module):
         partial = jnp.zeros_like(x) if seed and not full else None
         weights, alphas = [], []
         for i, seal in enumerate(seal_schedule(cfg)):
-            sources, partial, w, a = AttnResLayer(cfg, seal=seal, name=f"layers_{i}")(
+            sources, partial, w, a = AttnResLayer(cfg, seal=seal, execution=self.execution, name=f"layers_{i}")(
                 sources, partial, mask=mask, positions=positions, return_weights=return_weights,
                 deterministic=deterministic, segment_ids=segment_ids)
             weights.append(w)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from jaxgpt.nn.attention import attention_from_config
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.nn.mlp import make_mlp
 from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.norms import norm_from_config
@@ -22,6 +22,7 @@ class Block(nn.Module):
     """
 
     config: ModelConfig
+    execution: Execution = Execution()  # the kernels (jaxgpt.config.execution)
     causal: bool = True
     cross: bool = False
     sparse: bool = False  # the feed-forward network is a Mixture of Experts (config.sparse_layer(i))
@@ -33,32 +34,32 @@ class Block(nn.Module):
         """mask: self-attention mask (True = attend); context (B, S, d_model) and context_mask
         feed the cross-attention; segment_ids (B, T): packed documents in the self-attention; window: the
         self-attention's sliding window (Attention's). Returns (x, new cache or None, self-attention weights or None)."""
-        cfg = self.config
+        cfg, ex = self.config, self.execution
         if self.cross and context is None:
             raise ValueError("this Block has cross-attention: pass context=(B, S, d_model)")
         drop = nn.Dropout(cfg.dropout)
         layer_in = x
 
         def sublayer(x, f, norm_name, src=None):
-            post = norm_from_config(cfg, norm_name.replace("_norm", "_post_norm")) \
+            post = norm_from_config(cfg, norm_name.replace("_norm", "_post_norm"), ex) \
                 if cfg.norm_placement == "sandwich" else None
-            return residual(cfg.norm_placement, x, f, norm_from_config(cfg, norm_name),
+            return residual(cfg.norm_placement, x, f, norm_from_config(cfg, norm_name, ex),
                             lambda y: drop(y, deterministic=deterministic), src, post)
 
         out = {}
 
         def self_attn(h):
-            y, out["cache"], out["weights"] = attention_from_config(cfg, "attn")(
+            y, out["cache"], out["weights"] = attention_from_config(cfg, "attn", execution=ex)(
                 h, mask=mask, is_causal=self.causal, positions=positions, cache=cache,
                 return_weights=return_weights, deterministic=deterministic, segment_ids=segment_ids, window=window)
             return y
 
         x = sublayer(x, self_attn, "attn_norm")
         if self.cross:
-            cross = attention_from_config(cfg, "cross_attn", rope=False)
+            cross = attention_from_config(cfg, "cross_attn", rope=False, execution=ex)
             x = sublayer(x, lambda h: cross(h, context, mask=context_mask, deterministic=deterministic)[0],
                          "cross_norm")
-        mlp = MoE(cfg, name="mlp") if self.sparse else make_mlp(cfg, "mlp")
+        mlp = MoE(cfg, name="mlp") if self.sparse else make_mlp(cfg, "mlp", ex)
         x = sublayer(x, mlp, "mlp_norm", layer_in if cfg.parallel_residual else None)
         return x, out["cache"], out["weights"]
 

@@ -7,6 +7,8 @@ from typing import Callable, ClassVar
 import flax.linen as nn
 import jax
 
+from jaxgpt.config import Execution
+from jaxgpt.config.execution import DEFAULT_EXECUTION
 from jaxgpt.nn.kernels.activation import ACTIVATIONS, activation, gelu  # noqa: F401  (public names)
 from jaxgpt.nn.kernels.linear import linear
 from jaxgpt.nn.precision import module_scope
@@ -87,12 +89,12 @@ class SwiGLU(nn.Module):
         return dense(self.d_model, self.use_bias, self.out_init_std, "down_proj", **dt)(self.gate_act(gate) * up)
 
 
-def make_mlp(config, name: str = "mlp") -> nn.Module:
-    """The feed-forward network a ModelConfig names."""
+def make_mlp(config, name: str = "mlp", execution: Execution = DEFAULT_EXECUTION) -> nn.Module:
+    """The feed-forward network a ModelConfig names, run with ``execution``'s kernels."""
     common = dict(d_model=config.d_model, d_ff=config.ffn_dim, use_bias=config.mlp_bias,
                   init_std=config.init_std, out_init_std=config.out_init_std, dtype=config.dtype,
-                  param_dtype=config.param_dtype, matmul_precision=config.matmul_precision, name=name)
+                  param_dtype=config.param_dtype, matmul_precision=execution.matmul_precision, name=name)
     if config.mlp in ("swiglu", "geglu_tanh"):
         from jaxgpt.nn.geglu import GeGLU  # SwiGLU's subclass: imported here, not at the top
         return (GeGLU if config.mlp == "geglu_tanh" else SwiGLU)(**common)
-    return MLP(activation=config.mlp, act_impl=config.act_impl, **common)
+    return MLP(activation=config.mlp, act_impl=execution.act_impl, **common)

@@ -1,5 +1,5 @@
 """LayerNorm and RMSNorm with explicit eps and two-pass statistics (``kernels.norm``; ``impl``,
-``ModelConfig.norm_impl``, picks XLA or the C++ CPU kernel, the same numbers to 1e-6).
+``Execution.norm_impl``, picks XLA or the C++ CPU kernel, the same numbers to 1e-6).
 
 Flax's own ``nn.LayerNorm`` defaults to eps=1e-6 and a one-pass (fast) variance; both break
 1e-5 parity with torch, so the statistics are written out here. Statistics (and the scale and
@@ -14,6 +14,8 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxgpt.config import Execution
+from jaxgpt.config.execution import DEFAULT_EXECUTION
 from jaxgpt.nn.kernels.norm import norm, rsqrt as jax_rsqrt  # noqa: F401  (jax_rsqrt: a public name)
 
 
@@ -68,7 +70,8 @@ def make_norm(kind: str, eps: float, use_bias: bool = True, name: str | None = N
     raise ValueError(f"unknown norm {kind!r}; expected 'layernorm' or 'rmsnorm'")
 
 
-def norm_from_config(config, name: str) -> nn.Module:
-    """The norm a ModelConfig names, with its precision policy (output in the compute dtype)."""
+def norm_from_config(config, name: str, execution: Execution = DEFAULT_EXECUTION) -> nn.Module:
+    """The norm a ModelConfig names, with its precision policy (output in the compute dtype), run with
+    ``execution``'s kernel."""
     return make_norm(config.norm, config.norm_eps, config.norm_bias, name=name, dtype=config.dtype,
-                     param_dtype=config.param_dtype, impl=config.norm_impl, unit_offset=config.norm_unit_offset)
+                     param_dtype=config.param_dtype, impl=execution.norm_impl, unit_offset=config.norm_unit_offset)

@@ -1,4 +1,4 @@
-"""``ModelConfig.matmul_precision``: the precision of float32 matmuls, decided once per model call.
+"""``Execution.matmul_precision``: the precision of float32 matmuls, decided once per model call.
 
 Why: on NVIDIA GPUs (Ampere and later) XLA runs a float32 matmul at JAX's default precision in
 TF32 (10-bit mantissa inputs), where torch keeps float32 matmuls in full float32 unless TF32 is
@@ -12,9 +12,10 @@ backend's default. 'default' opts in to TF32 (faster float32 training, ~1e-3 rel
     'high'     jax.lax.Precision.HIGH (bf16_3x on TPUs; TF32 on GPUs)
     'highest'  full float32
 
-Each module holding a ModelConfig (the models, Block, MoE) decides for its call (``scope``);
-components without one (Attention, MLP, SwiGLU) keep the decision of the module around them, and
-decide by their own ``matmul_precision`` and ``dtype`` only when used alone. A JAX-wide setting
+Each module holding an Execution (the models, Block) decides for its call (``scope``), for the
+platform the Execution targets (``jaxgpt.exec_policy``); components without one (Attention, MLP,
+SwiGLU, MoE) keep the decision of the module around them, and decide by their own
+``matmul_precision`` and ``dtype`` only when used alone. A JAX-wide setting
 (``jax.default_matmul_precision``, JAX_DEFAULT_MATMUL_PRECISION) is left alone wherever the policy
 says 'default' or 'auto' resolves to the backend default.
 """
@@ -26,30 +27,25 @@ import functools
 
 import jax
 
-from jaxgpt.config import MATMUL_PRECISIONS
+from jaxgpt import exec_policy
 
 _DECIDED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgpt_matmul_precision", default=False)
 
 
-def resolve(setting: str, dtype) -> str | None:
-    """The jax precision name a model computing in ``dtype`` runs its matmuls at (None: the
-    backend's default, or whatever JAX-wide precision the user set)."""
-    if setting not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision={setting!r} is not one of {MATMUL_PRECISIONS}")
-    if setting == "auto":
-        full = str(jax.numpy.dtype(dtype)) == "float32" and jax.default_backend() != "cpu"
-        return "highest" if full else None
-    return None if setting == "default" else setting
+def resolve(setting: str, dtype, platform: str | None = None) -> str | None:
+    """The jax precision name a model computing in ``dtype`` runs its matmuls at on ``platform``
+    (None: the default devices'), or None: the platform's default (``exec_policy.matmul_precision``)."""
+    return exec_policy.matmul_precision(setting, dtype, platform)
 
 
 @contextlib.contextmanager
-def scope(setting: str, dtype, *, defer: bool = False):
+def scope(setting: str, dtype, *, defer: bool = False, platform: str | None = None):
     """Run the enclosed tracing at ``resolve(setting, dtype)``. ``defer``: unless an enclosing
     jaxgpt module already decided (a component inside a model keeps its model config's setting)."""
     if defer and _DECIDED.get():
         yield
         return
-    name = resolve(setting, dtype)
+    name = resolve(setting, dtype, platform)
     token = _DECIDED.set(True)
     try:
         with jax.default_matmul_precision(name) if name is not None else contextlib.nullcontext():
@@ -65,8 +61,8 @@ def current():
 
 
 def _stack_config(module):
-    """The ModelConfig (or the module itself) whose dtype and setting decide: an encoder-decoder's
-    decoder (its logits), a BERT classifier's encoder."""
+    """The ModelConfig (or the module itself) whose dtype decides: an encoder-decoder's decoder (its
+    logits), a BERT classifier's encoder."""
     cfg = getattr(module, "config", None)
     if cfg is None:
         return module
@@ -75,13 +71,15 @@ def _stack_config(module):
 
 def module_scope(method):
     """Decorate a module method (an ``nn.compact`` ``__call__``) so it runs under ``scope``: the
-    setting is the module's ModelConfig's ``matmul_precision`` (or ``self.matmul_precision``;
-    'auto' if absent), the dtype that config's ``dtype`` (or ``self.dtype``)."""
+    setting is the module's Execution's ``matmul_precision`` for its platform (without one: deferred
+    to the enclosing module, else ``self.matmul_precision``, 'auto' if absent), the dtype its
+    ModelConfig's ``dtype`` (or ``self.dtype``)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        src = _stack_config(self)
-        with scope(getattr(src, "matmul_precision", "auto"), getattr(src, "dtype", "float32"),
-                   defer=getattr(self, "config", None) is None):
+        src, ex = _stack_config(self), getattr(self, "execution", None)
+        setting = getattr(self, "matmul_precision", "auto") if ex is None else ex.matmul_precision
+        with scope(setting, getattr(src, "dtype", "float32"), defer=ex is None,
+                   platform=None if ex is None else exec_policy.target(ex)):
             return method(self, *args, **kwargs)
     return call
 

@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from jaxgpt.config import PRESETS, ModelConfig, TrainConfig, get_preset
+from jaxgpt.config import PRESETS, Execution, ModelConfig, TrainConfig, get_preset
 from jaxgpt.core.timing import step_times
 from jaxgpt.inference.generate import generate
 from jaxgpt.models import count_params
@@ -43,7 +43,7 @@ def _random_tokens(seed: int, shape: tuple, vocab: int) -> np.ndarray:
 
 def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None = None, steps: int = 10,
           prompt_len: int = 8, new_tokens: int = 64, decode_batch: int = 1, torch: bool = False,
-          seed: int = 0) -> dict:
+          seed: int = 0, execution: Execution | None = None) -> dict:
     """Measure a decoder-only ``config`` (or preset name) and return a JSON-friendly dict.
 
     train: ``steps`` jitted train steps (TrainConfig defaults: AdamW + clipping + cosine lr) on
@@ -53,6 +53,7 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
     best of a few calls after a warm-up (compiling) call; tok/s = decode_batch * new_tokens / s.
     The cached figure is None for models without a KV cache (AttnRes residuals).
     torch=True adds the same measurements of torch_ref on the CPU as ``torch_*`` keys.
+    ``execution``: the kernels, layer scan and precision measured (None: the default).
     """
     name = config if isinstance(config, str) else _preset_name(config)
     if isinstance(config, str):
@@ -71,7 +72,8 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
     if prompt_len + new_tokens > config.max_len:  # otherwise generate silently drops the cache
         raise ValueError(f"prompt_len + new_tokens = {prompt_len} + {new_tokens} = {prompt_len + new_tokens} "
                          f"exceeds max_len={config.max_len}; the KV cache needs the whole sequence to fit")
-    tc = TrainConfig(batch_size=batch_size, seq_len=seq_len, steps=steps + 1, seed=seed)
+    tc = TrainConfig(batch_size=batch_size, seq_len=seq_len, steps=steps + 1, seed=seed,
+                     execution=Execution.for_model(config, execution))
     # One (T+1)-token window per row gives inputs and shifted targets, like the LM data pipeline.
     windows = _random_tokens(seed, (steps + 1, 1, batch_size, seq_len + 1), config.vocab_size)
     # Batches go to the device before the clock starts: the step is measured, not the transfer.
@@ -91,7 +93,7 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
     params = state.params
     del state, device_batches  # free the optimizer moments before decoding (big presets)
 
-    result = {"preset": name, "config": config.to_dict(), "backend": jax.default_backend(),
+    result = {"preset": name, "config": config.to_dict(), "execution": tc.execution.to_dict(), "backend": jax.default_backend(),
               "device": str(jax.devices()[0]), "params": n_params, "batch_size": batch_size,
               "seq_len": seq_len, "steps": steps, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "decode_batch": decode_batch, "train_tok_s": batch_size * seq_len * steps / train_s,
@@ -102,7 +104,8 @@ def bench(config: ModelConfig | str, *, batch_size: int = 8, seq_len: int | None
         if use_cache and not has_cache:
             result[key] = None
             continue
-        run = lambda: jax.block_until_ready(generate(config, params, prompt, new_tokens, use_cache=use_cache))  # noqa: B023 - called in this iteration
+        run = lambda: jax.block_until_ready(generate(config, params, prompt, new_tokens, use_cache=use_cache,  # noqa: B023 - called in this iteration
+                                                     execution=tc.execution))
         run()  # compiles this (shape, cache) variant
         result[key] = decode_batch * new_tokens / _best_seconds(run)
     params = None  # drop jaxgpt's weights before torch builds its own copy (big presets)

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxgpt.config import TrainConfig, config_from_dict
-from jaxgpt.models import abstract_params
+from jaxgpt.config import Execution, TrainConfig, config_from_dict, split_execution
+from jaxgpt.models import abstract_params, relayout
 from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.step import TrainState, abstract_state
 
@@ -85,6 +85,27 @@ _fingerprints = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
 def _train_items(state) -> dict:
     """What a checkpoint's 'train' item holds: everything of the state but the params."""
     return {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+
+
+def saved_configs(meta: dict) -> tuple[object, TrainConfig]:
+    """(model config, TrainConfig) of a checkpoint's meta. One saved before Execution left the model
+    config holds its execution keys in the config: they become ``TrainConfig.execution``."""
+    arch, old = split_execution(meta["config"])
+    train = meta["train"] if not old or "execution" in meta["train"] else {**meta["train"], "execution": old}
+    return config_from_dict(arch), TrainConfig.from_dict(train)
+
+
+def to_execution(config, tree, saved: Execution | None, wanted: Execution | None):
+    """``tree`` (params, a TrainState) saved under ``saved`` in the params layout ``wanted`` runs
+    (the layer stacks stacked or separate: ``Execution.scan_layers``; None: ``Execution.for_model``);
+    unchanged where they agree."""
+    saved, wanted = Execution.for_model(config, saved), Execution.for_model(config, wanted)
+    if saved.scan_layers == wanted.scan_layers:
+        return tree
+    if isinstance(tree, TrainState):
+        return tree.replace(params=to_execution(config, tree.params, saved, wanted),
+                            opt_state=to_execution(config, tree.opt_state, saved, wanted))
+    return relayout(tree, config, scanned=wanted.scan_layers, stack=jnp.stack)
 
 
 def checksums(tree) -> dict[str, int]:
@@ -328,11 +349,11 @@ class Checkpoints:
         """-> (config, TrainConfig, params, train dict or None, meta) of ``step``, checked."""
         meta = self._meta(step)
         try:
-            config, tc = config_from_dict(meta["config"]), TrainConfig.from_dict(meta["train"])
+            config, tc = saved_configs(meta)
         except (KeyError, TypeError, ValueError) as e:
             raise DamagedCheckpoint(self.dir, step, "meta", f"holds an unusable config ({_short(e)})") from e
         if not train:
-            params = self._item(step, "params", self._placed(config, abstract_params(config)), meta)
+            params = self._item(step, "params", self._placed(config, abstract_params(config, tc.execution)), meta)
             return config, tc, params, None, meta
         target = self._placed(config, abstract_state(config, tc, self.mesh))
         params = self._item(step, "params", target.params, meta)
@@ -392,9 +413,11 @@ class Checkpoints:
         return config, tc, TrainState(params=params, **train), meta
 
     def restore_params(self, step: int | None = None) -> tuple[object, dict, dict]:
-        """-> (model config, params, meta): the weights alone, for sampling and evaluation;
-        default: the newest intact step."""
-        config, _, params, _, meta = self._intact(step, train=False)
+        """-> (model config, params, meta): the weights alone, for sampling and evaluation, in the
+        layout of ``Execution.for_model(config)`` whatever Execution trained them; default: the newest
+        intact step."""
+        config, tc, params, _, meta = self._intact(step, train=False)
+        params = to_execution(config, params, tc.execution, Execution.for_model(config))
         return config, params, {k: v for k, v in meta.items() if k != "checksums"}
 
     def close(self) -> None:

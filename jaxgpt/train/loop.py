@@ -26,7 +26,7 @@ import numpy as np
 from jaxgpt.config import TrainConfig
 from jaxgpt.data.prefetch import Prefetch
 from jaxgpt.train.progress import Progress
-from jaxgpt.train.checkpoint import Checkpoints, damage_summary, warn
+from jaxgpt.train.checkpoint import Checkpoints, damage_summary, to_execution, warn
 from jaxgpt.parallel.hosts import barrier, is_primary
 from jaxgpt.train.plots import plot_expert_load, plot_losses
 from jaxgpt.train.plan import Plan, make_plan, resolve_mesh
@@ -37,7 +37,7 @@ from jaxgpt.parallel.host_devices import use_host_devices
 
 
 PREFETCH_DEPTH = 2  # batches built ahead of the device (host memory: depth x one batch)
-ENGINE = ("mesh", "steps_per_call")  # TrainConfig fields a run may change when it resumes: not math
+ENGINE = ("mesh", "steps_per_call", "execution")  # TrainConfig fields a run may change when it resumes: not math
 
 
 def _differences(a, b) -> list[str]:
@@ -52,7 +52,9 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     A fresh run sizes ``config``'s vocabulary to the data's tokenizer (``vocab_size``: a padded table of
     that many rows instead, ``fit_config``). When ``out`` holds a
     checkpoint the run resumes with the saved tokenizer, and any difference between the given and
-    the saved configs (or data) is an error: resuming is exact or it does not happen.
+    the saved configs (or data) is an error: resuming is exact or it does not happen. The ENGINE
+    fields are the given ones: another mesh, or another Execution (kernels, layer scan, precision;
+    the state is moved to its params layout), continues the same run.
     """
     # Multi-host: every process looks for checkpoints before any of them starts fit (which creates the
     # directory), so they all agree on fresh run vs resume and open orbax the same number of times.
@@ -76,6 +78,7 @@ def prepare(out: str | Path, config, tc: TrainConfig, *, data: str | None = None
     if diffs:
         raise ValueError(f"{out} holds a run with other settings; to resume, drop the changes "
                          f"({'; '.join(diffs)}), or train into a new --out directory")
+    state = to_execution(saved_config, state, saved_tc.execution, tc.execution)
     return saved_config, saved_tc.replace(**{k: getattr(tc, k) for k in ENGINE}), task, state
 
 
@@ -83,10 +86,11 @@ class NonFiniteLoss(FloatingPointError):
     """Training met a NaN/inf loss, gradient norm or weight with ``on_nonfinite='stop'``."""
 
 
-def evaluate(config, params, batches: list[dict], eval_step=None, place=None) -> dict:
+def evaluate(config, params, batches: list[dict], eval_step=None, place=None, execution=None) -> dict:
     """Token-mean loss, perplexity and accuracy over ``batches`` (no dropout). ``place``: puts a
-    host batch on the mesh the params live on (``fit`` passes it when training sharded)."""
-    eval_step = eval_step or make_eval_step(config)
+    host batch on the mesh the params live on (``fit`` passes it when training sharded);
+    ``execution``: the Execution the params' layout is for (None: the default)."""
+    eval_step = eval_step or make_eval_step(config, execution=execution)
     put = (lambda b: b) if place is None else (lambda b: place(b, lead=0))
     sums = [eval_step(params, put(check_batch(b, config))) for b in batches]  # host-side: jit would not raise
     loss_sum, count, correct = (float(sum(s[k] for s in jax.device_get(sums))) for k in ("loss_sum", "count", "correct"))

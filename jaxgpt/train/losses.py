@@ -28,7 +28,7 @@ def cross_entropy(logits, targets, ignore_index: int = IGNORE_INDEX):
     return nll.sum(), keep.sum(), correct.sum()
 
 
-def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) -> dict:
+def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False, execution=None) -> dict:
     """Forward pass + cross entropy on one batch -> {'loss_sum', 'count', 'correct'} scalars.
 
     Language models: next-token loss over y != IGNORE_INDEX; a batch's 'segment_ids' and
@@ -39,16 +39,16 @@ def loss_terms(config, params, batch: dict, *, rng=None, train: bool = False) ->
     that micro-batches combine like the cross entropy, and 'expert_counts' (L, E), each MoE layer's
     top-k picks per expert, and 'expert_dropped' (L,), each MoE layer's (token, expert) pairs past
     their expert's capacity (``MoEConfig.capacity_factor``; zeros when dropless), both summed over
-    micro-batches and devices like the rest.
+    micro-batches and devices like the rest. ``execution``: the model's Execution (None: the default).
     """
     *inputs, targets = (batch[k] for k in batch_keys(config))
     docs = {k: batch[k] for k in DOCUMENT_KEYS if k in batch}  # packed documents (jaxgpt.data.documents)
     rngs = {"dropout": rng} if train else {}
     moe = getattr(config, "moe", None)
     if moe is None:
-        logits = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs, **docs)
+        logits = build(config, execution).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs, **docs)
     else:
-        logits, state = build(config).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs,
+        logits, state = build(config, execution).apply({"params": params}, *inputs, deterministic=not train, rngs=rngs,
                                             mutable=["router"], **docs)
     loss_sum, count, correct = cross_entropy(logits, targets)
     terms = {"loss_sum": loss_sum, "count": count, "correct": correct}

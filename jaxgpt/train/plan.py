@@ -79,7 +79,7 @@ def make_plan(config, tc: TrainConfig, task: Task, *, train_steps=None, eval_ste
         train_steps = make_train_steps(config, tc, k, mesh=mesh)
         abstract = abstract_state(config, tc, mesh)
         ahead = compile_ahead(train_steps, abstract, chunk_shapes(task, tc, k, mesh), jax.ShapeDtypeStruct((), np.int32))
-    return Plan(mesh=mesh, k=k, step=train_steps, eval_step=eval_step or make_eval_step(config, mesh=mesh),
+    return Plan(mesh=mesh, k=k, step=train_steps, eval_step=eval_step or make_eval_step(config, mesh=mesh, execution=tc.execution),
                 place=placer(mesh), abstract=abstract, ahead=ahead)
 
 

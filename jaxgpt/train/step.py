@@ -50,7 +50,7 @@ def init_state(config, tc: TrainConfig, params=None, mesh: Mesh | str | None = "
     key, mesh = jax.random.PRNGKey(tc.seed), resolve_mesh(tc, mesh)
     if mesh is not None:
         def fresh(p):
-            p = init_params(config, jax.random.fold_in(key, 0)) if p is None else p
+            p = init_params(config, jax.random.fold_in(key, 0), tc.execution) if p is None else p
             return TrainState(step=jnp.int32(0), params=p, opt_state=make_optimizer(tc).init(p),
                               rng=jax.random.fold_in(key, 1))
 
@@ -59,7 +59,7 @@ def init_state(config, tc: TrainConfig, params=None, mesh: Mesh | str | None = "
             params = jax.device_put(params, shardings.params)
         return jax.jit(fresh, out_shardings=shardings)(params)
     if params is None:
-        params = jax.jit(init_params, static_argnums=0)(config, jax.random.fold_in(key, 0))
+        params = jax.jit(init_params, static_argnums=(0, 2))(config, jax.random.fold_in(key, 0), tc.execution)
     params = jax.tree.map(jnp.asarray, params)
     return TrainState(step=jnp.int32(0), params=params, opt_state=make_optimizer(tc).init(params),
                       rng=jax.random.fold_in(key, 1))
@@ -102,10 +102,10 @@ def _gradients(config, tc: TrainConfig, mesh: Mesh | None):
         def f(p):
             rows = jax.tree.leaves(micro)[0].shape[0]
             if not spmd or not _split(mesh, rows):
-                terms = loss_terms(config, p, micro, rng=rng, train=True)
+                terms = loss_terms(config, p, micro, rng=rng, train=True, execution=tc.execution)
             else:  # activations split by row: FSDP weights are then gathered layer by layer in the scan
                 with constrain_activations(mesh, rows):
-                    terms = loss_terms(config, p, micro, rng=rng, train=True)
+                    terms = loss_terms(config, p, micro, rng=rng, train=True, execution=tc.execution)
             return objective(terms, tc, config), terms
         return jax.grad(f, has_aux=True)(params)
 
@@ -253,7 +253,7 @@ def make_train_steps(config, tc: TrainConfig, k: int, *, mesh: Mesh | str | None
     return paced(Jit(train_steps, donate_argnums=0, **shardings), mesh, keep=lambda out: out[1])
 
 
-def make_eval_step(config, *, checked: bool = False, mesh: Mesh | None = None):
+def make_eval_step(config, *, checked: bool = False, mesh: Mesh | None = None, execution=None):
     """-> jitted ``eval_step(params, batch) -> {'loss_sum', 'count', 'correct'}`` (no dropout);
     batch without the micro-batch axis. Sum over batches, then divide by the count.
     ``checked``: checked mode, as in ``make_train_step``. ``mesh``: the mesh the params live on;
@@ -261,23 +261,24 @@ def make_eval_step(config, *, checked: bool = False, mesh: Mesh | None = None):
     batch whose rows divide is split over the devices and their sums added (``data_parallel``);
     other meshes and row counts are left to jit's propagation. Why not always leave it to jit: a
     propagated program carries the CPU attention kernel's ``custom_partitioning``, which JAX keys
-    by a per-process object id, so it never loads from the compile cache."""
+    by a per-process object id, so it never loads from the compile cache. ``execution``: the model's
+    Execution (``TrainConfig.execution``; None: the default)."""
     def eval_step(params, batch):
         checks.debug_check_batch(batch, config)
-        return loss_terms(config, params, batch, train=False)
+        return loss_terms(config, params, batch, train=False, execution=execution)
 
     if checked:
         return paced(checks.checked(eval_step, compiler_options=compiler_options() or None), mesh)
     whole = Jit(eval_step)
     if mesh is None:
         return whole
-    if not replicated(param_shardings(config, abstract_params(config), mesh)):
+    if not replicated(param_shardings(config, abstract_params(config, execution), mesh)):
         return paced(whole, mesh)  # jit's propagation over several devices: collectives too
     devices = batch_devices(mesh.shape)
 
     def split(params, batch):
         checks.debug_check_batch(batch, config)  # the whole batch: a bad id is named as in eval_step
-        return data_parallel(lambda p, b: loss_terms(config, p, b, train=False), mesh, micro_axis=False)(params, batch)
+        return data_parallel(lambda p, b: loss_terms(config, p, b, train=False, execution=execution), mesh, micro_axis=False)(params, batch)
 
     split.__name__ = "eval_step_split"  # the program's name in profiles and compile logs
     eval_step_split = Jit(split)

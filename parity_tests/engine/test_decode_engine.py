@@ -18,7 +18,7 @@ import pytest
 
 import jaxgpt.inference.generate as gen_module
 from jaxgpt.nn.attention import KVCache
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.inference.generate import generate
 from jaxgpt.models import build, init_params
 from jaxgpt.models.decoder import init_cache, unstack_layers
@@ -31,8 +31,8 @@ PROMPT = np.random.default_rng(0).integers(0, 48, (2, 5)).astype(np.int32)
 
 
 @functools.cache
-def _params(cfg, seed=0):
-    return init_params(cfg, jax.random.PRNGKey(seed))
+def _params(cfg, seed=0, ex=None):
+    return init_params(cfg, jax.random.PRNGKey(seed), ex)
 
 
 # 1. HLO: what the decode loop's body materialises -------------------------------------------------
@@ -84,14 +84,14 @@ def test_decode_loop_copies_no_cache(scan_layers):
     instruction of the compiled loop body materialises an array as large as one layer's cache.
     (The first implementation scanned the stacked cache through nn.scan as xs/ys: every step
     broadcast, sliced and copied the whole cache several times, 2-3x its size in temporaries.)"""
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, max_len=512, pos="learned",
-                      scan_layers=scan_layers)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, max_len=512, pos="learned")
+    ex = Execution(scan_layers=scan_layers)
     b, t0, new = 2, 4, 500
     layer_cache = b * cfg.kv_heads * (t0 + new) * cfg.head_dim  # elements of one layer's K (or V)
-    assert layer_cache > max(x.size for x in jax.tree.leaves(_params(cfg)))  # params can't be mistaken for it
+    assert layer_cache > max(x.size for x in jax.tree.leaves(_params(cfg, ex=ex)))  # params can't be mistaken for it
     compiled = gen_module._generate_cached.lower(
-        _params(cfg), jnp.zeros((b, t0), jnp.int32), jax.random.PRNGKey(0), config=cfg, max_new_tokens=new,
-        temperature=0.0, top_k=None, top_p=None, eos_id=None).compile()
+        _params(cfg, ex=ex), jnp.zeros((b, t0), jnp.int32), jax.random.PRNGKey(0), config=cfg, max_new_tokens=new,
+        temperature=0.0, top_k=None, top_p=None, eos_id=None, execution=ex).compile()
     assert loop_materialisations(compiled.as_text(), layer_cache) == []
     # Temporaries: the cache itself (created in the program; the prefill may copy parts once), not 3x.
     cache_bytes = 2 * cfg.n_layer * layer_cache * 4
@@ -129,11 +129,11 @@ PAIRS = pytest.mark.parametrize(("cfg", "scan_layers"), [(LLAMA, True), (GPT2, F
 
 @PAIRS
 def test_cached_tokens_equal_uncached(cfg, scan_layers):
-    cfg = cfg.replace(scan_layers=scan_layers)
-    p = _params(cfg)
+    ex = Execution(scan_layers=scan_layers)
+    p = _params(cfg, ex=ex)
     prompt = PROMPT % cfg.vocab_size
-    cached = np.asarray(generate(cfg, p, prompt, 20))
-    assert np.array_equal(cached, np.asarray(generate(cfg, p, prompt, 20, use_cache=False)))
+    cached = np.asarray(generate(cfg, p, prompt, 20, execution=ex))
+    assert np.array_equal(cached, np.asarray(generate(cfg, p, prompt, 20, use_cache=False, execution=ex)))
 
 
 @PAIRS
@@ -141,9 +141,9 @@ def test_cache_forms_match_full_forward(cfg, scan_layers):
     """Prefill 5 tokens, then 3 single-token steps, with the 'stacked' (L, B, H_kv, S, D) cache, the
     per-layer 'rows' (B * H_kv, S, D) caches and per-layer 'heads' (B, H_kv, S, D) caches: logits
     equal the uncached forward's (1e-5), and every cache holds the same keys and values."""
-    cfg = cfg.replace(scan_layers=scan_layers)
-    p = _params(cfg)
-    model = build(cfg)
+    ex = Execution(scan_layers=scan_layers)
+    p = _params(cfg, ex=ex)
+    model = build(cfg, ex)
     toks = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
     full = np.asarray(model.apply({"params": p}, toks))
     caches = {"stacked": init_cache(cfg, 2, 16), "per_layer": init_cache(cfg, 2, 16, per_layer=True),
@@ -167,9 +167,9 @@ def test_cache_forms_match_full_forward(cfg, scan_layers):
 
 def test_per_layer_cache_padding_mask_and_weights():
     """A left-padding key mask and return_weights go through the per-layer path as through the stacked one."""
-    cfg = LLAMA.replace(scan_layers=False)
-    p = _params(cfg)
-    model = build(cfg)
+    cfg, ex = LLAMA, Execution(scan_layers=False)
+    p = _params(cfg, ex=ex)
+    model = build(cfg, ex)
     toks = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6)).astype(np.int32)
     mask = np.ones((2, 1, 1, 16), bool)
     mask[0, ..., :2] = False  # row 0: two pad tokens on the left
@@ -188,20 +188,20 @@ def test_cache_dtype_is_compute_dtype():
 
 def test_unstack_layers_gives_the_unscanned_layout():
     cfg = GPT2
-    flat_cfg, flat = unstack_layers(cfg, _params(cfg))
-    assert not flat_cfg.scan_layers
-    want = jax.tree.map(lambda a: a.shape, init_params(cfg.replace(scan_layers=False), jax.random.PRNGKey(0)))
+    flat_ex, flat = unstack_layers(cfg, _params(cfg))
+    assert not flat_ex.scan_layers
+    want = jax.tree.map(lambda a: a.shape, init_params(cfg, jax.random.PRNGKey(0), Execution(scan_layers=False)))
     assert jax.tree.map(lambda a: a.shape, flat) == want
     toks = PROMPT % cfg.vocab_size
-    np.testing.assert_allclose(build(flat_cfg).apply({"params": flat}, toks),
+    np.testing.assert_allclose(build(cfg, flat_ex).apply({"params": flat}, toks),
                                build(cfg).apply({"params": _params(cfg)}, toks), atol=1e-6, rtol=0)
 
 
 # 4. Errors ----------------------------------------------------------------------------------------
 def test_per_layer_cache_errors():
-    cfg = LLAMA.replace(scan_layers=False)
-    p = _params(cfg)
-    model = build(cfg)
+    cfg, ex = LLAMA, Execution(scan_layers=False)
+    p = _params(cfg, ex=ex)
+    model = build(cfg, ex)
     toks = jnp.ones((2, 3), jnp.int32)
     with pytest.raises(ValueError, match="per-layer cache needs n_layer=2 KVCaches, got 1"):
         model.apply({"params": p}, toks, cache=init_cache(cfg, 2, 8, per_layer=True)[:1])

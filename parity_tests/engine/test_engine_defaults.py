@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 
 from conftest import ACCELERATOR_SKIP
-from jaxgpt.config import ModelConfig, TrainConfig
-from jaxgpt.models.stack import scan_unroll
+from jaxgpt.config import Execution, ModelConfig, TrainConfig
+from jaxgpt.exec_policy import scan_unroll
+from jaxgpt.models import build
 from jaxgpt.nn.mlp import gelu
 from jaxgpt.parallel import host_devices
 from jaxgpt.train.step import init_state, make_train_step
@@ -37,11 +38,11 @@ CFG = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=4, max_len=16)
 
 
 def test_scan_unroll_auto_unrolls_on_cpu_and_gpu():
-    assert CFG.scan_unroll == "auto"
-    assert scan_unroll(CFG) == (CFG.n_layer if jax.default_backend() in ("cpu", "gpu") else 1)
-    assert scan_unroll(CFG.replace(scan_unroll=1)) == 1
+    assert Execution().scan_unroll == "auto"
+    assert scan_unroll(Execution(), CFG.n_layer) == (CFG.n_layer if jax.default_backend() in ("cpu", "gpu") else 1)
+    assert scan_unroll(Execution(scan_unroll=1), CFG.n_layer) == 1
     with pytest.raises(ValueError, match="scan_unroll must be a positive int, got 'fast'"):
-        CFG.replace(scan_unroll="fast")
+        Execution(scan_unroll="fast")
 
 
 def _fresh_interpreter(code: str, env: dict) -> str:
@@ -241,16 +242,16 @@ def test_gelu_erf_form_equals_jax_exact_gelu():
 def test_attention_impl_auto_picks_by_backend_and_shape():
     from jaxgpt.nn.kernels import auto_impl
 
-    assert ModelConfig().attention_impl == "auto"
+    assert Execution().attention_impl == "auto"
     cpu = jax.default_backend() == "cpu"
     assert auto_impl(256, 256, 128) == ("blocked" if cpu else "xla")  # training / prefill over 2 key blocks
     assert auto_impl(64, 64, 128) == "xla"  # one key block: nothing to skip
     assert auto_impl(1, 1024, 128) == "xla"  # a decode step
     assert auto_impl(256, 256, 128, dropout_rate=0.1) == "xla"  # the only kernel with attention dropout
     # so 'auto' accepts attention dropout, where an explicit kernel without it is refused
-    assert ModelConfig(attn_dropout=0.1).attention_impl == "auto"
+    build(ModelConfig(attn_dropout=0.1))
     with pytest.raises(ValueError, match="attention_impl='blocked' has no attention dropout"):
-        ModelConfig(attn_dropout=0.1, attention_impl="blocked")
+        build(ModelConfig(attn_dropout=0.1), Execution(attention_impl="blocked"))
 
 
 # --- several updates per call (TrainConfig.steps_per_call, train.step.make_train_steps) ------------------

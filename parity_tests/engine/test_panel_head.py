@@ -75,7 +75,7 @@ def test_bad_shapes_and_limits_are_refused():
 
 
 def _model(seed=0, **kw):
-    cfg = ModelConfig(**{**dict(vocab_size=100, d_model=32, n_layer=2, n_head=4, max_len=64, scan_layers=False,
+    cfg = ModelConfig(**{**dict(vocab_size=100, d_model=32, n_layer=2, n_head=4, max_len=64,
                                 pos="rope"), **kw})
     rng = np.random.default_rng(seed)
     params = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) * 0.3, a.dtype), abstract_params(cfg))

@@ -19,15 +19,16 @@ import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxgpt.config import ModelConfig, MoEConfig, TrainConfig  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.config import Execution, ModelConfig, MoEConfig, TrainConfig  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.config.mesh import batch_devices  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.parallel.sharding import make_mesh, shard_batch  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.train.step import init_state, make_train_step  # noqa: E402 - after the setup above, which must run first
 
 # 8 experts, top-2; rolled layer scans; the router losses in the objective (TrainConfig defaults)
-DENSE = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_ff=48, max_len=16, pos="rope", scan_unroll=1,
+DENSE = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, d_ff=48, max_len=16, pos="rope",
                     moe=MoEConfig(n_experts=8, top_k=2, d_ff=16))
-TC = TrainConfig(steps=10, batch_size=8, seq_len=8, mesh="")  # mesh='': the reference runs on one device
+TC = TrainConfig(steps=10, batch_size=8, seq_len=8, mesh="",  # mesh='': the reference runs on one device
+                 execution=Execution(scan_unroll=1))
 
 
 def batch() -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from jaxgpt.config import ModelConfig, MoEConfig, RopeScaling, TrainConfig  # noqa: E402 - after the setup above, which must run first
+from jaxgpt.config import Execution, ModelConfig, MoEConfig, RopeScaling, TrainConfig  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.parallel.sharding import bytes_per_device, gathers_in_scan, make_mesh, shard_batch  # noqa: E402 - after the setup above, which must run first
 from jaxgpt.train.step import init_state, make_train_step  # noqa: E402 - after the setup above, which must run first
 
@@ -43,10 +43,9 @@ MODELS = {  # tiny, so the 8 compilations per model stay a few seconds each
                         norm="layernorm", mlp="gelu", mlp_bias=True, qkv_bias=True, o_bias=True, parallel_residual=True),
 }
 MODELS["moe-grouped"] = MODELS["moe"].replace(moe=MODELS["moe"].moe.replace(impl="grouped"))
-# Rolled layer scans (not the CPU's 'auto' unrolling), so FSDP's per-layer gathers sit in the while body
-MODELS = {name: cfg.replace(scan_unroll=1) for name, cfg in MODELS.items()}
-# default AdamW lr 3e-4, clipping 1.0; mesh='': the reference step runs on one device, not TrainConfig's 'auto'
-TC = TrainConfig(steps=10, batch_size=8, seq_len=8, mesh="")
+# default AdamW lr 3e-4, clipping 1.0; mesh='': the reference step runs on one device, not TrainConfig's 'auto';
+# rolled layer scans (not the CPU's 'auto' unrolling), so FSDP's per-layer gathers sit in the while body
+TC = TrainConfig(steps=10, batch_size=8, seq_len=8, mesh="", execution=Execution(scan_unroll=1))
 
 
 def batch(step: int = 0) -> dict:

@@ -101,7 +101,7 @@ def test_generate_follows_the_stored_matvec_answer(cache, monkeypatch, kernel_wi
     rows = []
     real = matvec_ffi.matvec
     monkeypatch.setattr(matvec_ffi, "matvec", lambda x, w: rows.append(x.shape[0]) or real(x, w))
-    cfg = ModelConfig(vocab_size=31 + kernel_wins, d_model=32, n_layer=1, n_head=2, max_len=16, scan_layers=False)
+    cfg = ModelConfig(vocab_size=31 + kernel_wins, d_model=32, n_layer=1, n_head=2, max_len=16)  # decoded as separate layers
     params = jax.tree.map(lambda a: jnp.asarray(np.random.default_rng(0).standard_normal(a.shape), a.dtype) * 0.1,
                           abstract_params(cfg))
     generate(cfg, params, np.zeros((1, 4), np.int32), 3)

@@ -15,14 +15,15 @@ import pytest
 
 from conftest import ACCELERATOR_SKIP, assert_self_consistent
 from jaxgpt import build
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.models import abstract_params
 from jaxgpt.nn import kernels, precision
 from jaxgpt.nn.kernels.linear import logits as logits_matmul
 from jaxgpt.nn.kernels import attend, auto_impl, warn_once
 
 GPT = ModelConfig(vocab_size=61, d_model=32, n_layer=2, n_head=4, max_len=16, pos="learned", norm="layernorm",
-                  mlp="gelu", tie_embeddings=True, attention_block=4)
+                  mlp="gelu", tie_embeddings=True)
+GPU = Execution(attention_block=4, platform="cuda")  # 'auto' resolved for a CUDA program (jaxgpt.exec_policy)
 
 
 @pytest.fixture
@@ -76,10 +77,10 @@ def _params_jaxprs(eqn):
                 yield x
 
 
-def _train_dots(cfg):
+def _train_dots(cfg, ex=GPU):
     p = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_params(cfg))
     x = jnp.zeros((2, 12), jnp.int32)
-    loss = lambda p: build(cfg).apply({"params": p}, x).astype(jnp.float32).sum()
+    loss = lambda p: build(cfg, ex).apply({"params": p}, x).astype(jnp.float32).sum()
     dots = list(_dots(jax.make_jaxpr(jax.grad(loss))(p).jaxpr))
     assert len(dots) >= 20  # q, k, v, o, fc_in, fc_out per layer forward and backward, attention, the head
     return [d.params["precision"] for d in dots]
@@ -95,7 +96,7 @@ def test_float32_train_step_runs_every_matmul_at_full_precision_on_a_gpu(impl, b
     HIGHEST, those of the custom VJPs too (the tied head's, 'blocked' attention's), which are traced
     after the model call has returned."""
     backend("gpu")
-    precs = _train_dots(GPT.replace(attention_impl=impl))
+    precs = _train_dots(GPT, GPU.replace(attention_impl=impl))
     assert all(_highest(p) for p in precs), precs
 
 
@@ -103,27 +104,25 @@ def test_precision_opt_outs_and_the_cpu(backend):
     """'default' leaves every dot at the backend default (TF32 on a GPU: opted in); bf16 compute and
     the CPU backend are left alone by 'auto' (so the CPU programs are the ones measured before)."""
     backend("gpu")
-    assert not any(_highest(p) for p in _train_dots(GPT.replace(matmul_precision="default")))
+    assert not any(_highest(p) for p in _train_dots(GPT, GPU.replace(matmul_precision="default")))
     assert not any(_highest(p) for p in _train_dots(GPT.replace(dtype="bfloat16")))
-    assert all(_highest(p) for p in _train_dots(GPT.replace(dtype="bfloat16", matmul_precision="highest")))
+    assert all(_highest(p) for p in _train_dots(GPT.replace(dtype="bfloat16"), GPU.replace(matmul_precision="highest")))
     backend("cpu")
-    assert not any(_highest(p) for p in _train_dots(GPT))
+    assert not any(_highest(p) for p in _train_dots(GPT, GPU.replace(platform="cpu")))
 
 
-def test_precision_resolve_table(backend):
-    backend("gpu")
-    assert precision.resolve("auto", "float32") == "highest"
-    assert precision.resolve("auto", "bfloat16") is None
-    assert precision.resolve("default", "float32") is None
-    assert precision.resolve("high", "bfloat16") == "high"
-    backend("tpu")
-    assert precision.resolve("auto", jnp.float32) == "highest"
-    backend("cpu")
-    assert precision.resolve("auto", "float32") is None
+def test_precision_resolve_table():
+    """Per target platform (the one the program is lowered for), not the machine tracing it."""
+    assert precision.resolve("auto", "float32", "cuda") == "highest"
+    assert precision.resolve("auto", "bfloat16", "cuda") is None
+    assert precision.resolve("default", "float32", "cuda") is None
+    assert precision.resolve("high", "bfloat16", "cuda") == "high"
+    assert precision.resolve("auto", jnp.float32, "tpu") == "highest"
+    assert precision.resolve("auto", "float32", "cpu") is None
     with pytest.raises(ValueError, match=r"matmul_precision='tf32' is not one of \('auto', 'default', 'high', 'highest'\)"):
         precision.resolve("tf32", "float32")
     with pytest.raises(ValueError, match="matmul_precision"):
-        ModelConfig(matmul_precision="tf32")
+        Execution(matmul_precision="tf32")
 
 
 KERNELS = {"attend": lambda q: attend(q, q, q, impl="xla", is_causal=True),
@@ -173,10 +172,10 @@ def test_auto_attention_picks_cudnn_in_a_gpu_train_step(backend, monkeypatch):
     monkeypatch.setattr(kernels.blocked, "blocked_attention", lambda q, *a, **k: seen.append("blocked") or q)
     backend("gpu")
     for dtype in ("bfloat16", "float32"):
-        cfg = GPT.replace(dtype=dtype, attention_block=4)
+        cfg = GPT.replace(dtype=dtype)
         p = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_params(cfg))
         try:
-            jax.make_jaxpr(jax.grad(lambda p: build(cfg).apply({"params": p}, jnp.zeros((2, 12), jnp.int32)).sum()))(p)  # noqa: B023 - called in this iteration
+            jax.make_jaxpr(jax.grad(lambda p: build(cfg, GPU).apply({"params": p}, jnp.zeros((2, 12), jnp.int32)).sum()))(p)  # noqa: B023 - called in this iteration
         except Exception:  # noqa: BLE001 - tracing cuDNN's call on a CPU may fail past the dispatch
             pass
     assert seen[0] == "cudnn" and seen[-1] == "blocked", seen

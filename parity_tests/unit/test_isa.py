@@ -72,13 +72,13 @@ def test_avx2_cap_reaches_torch_and_the_kernels(tmp_path):
 
 MODEL = r"""
 import jax, jax.numpy as jnp, numpy as np
-from jaxgpt import PRESETS, build
+from jaxgpt import PRESETS, Execution, build
 cfg = PRESETS["gpt2-shakespeare-char"].replace(n_layer=1, d_model=64, n_head=2, max_len=128, dropout=0.0)
 x = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 128)), jnp.int32)  # (B, T): 32768 floats
 
-def run(c, execute=True):
-    params = build(c).init(jax.random.key(0), x)["params"]
-    loss = lambda p: jnp.mean(jax.nn.log_softmax(build(c).apply({"params": p}, x))[..., 0])
+def run(c, ex=None, execute=True):
+    params = build(c, ex).init(jax.random.key(0), x)["params"]
+    loss = lambda p: jnp.mean(jax.nn.log_softmax(build(c, ex).apply({"params": p}, x))[..., 0])
     f = jax.jit(jax.value_and_grad(loss))
     hlo = f.lower(params).as_text()
     if not execute:
@@ -93,7 +93,7 @@ warnings.simplefilter("always")
 
 with warnings.catch_warnings(record=True) as w:
     auto = run(cfg)
-xla = run(cfg.replace(attention_impl="xla", norm_impl="xla", act_impl="xla"))
+xla = run(cfg, Execution(attention_impl="xla", norm_impl="xla", act_impl="xla"))
 diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(auto[1]), jax.tree.leaves(xla[1])))
 print("RESULT " + json.dumps({"kernel_in_hlo": auto[2], "loss_diff": abs(auto[0] - xla[0]), "grad_diff": diff,
                               "warnings": [str(m.message) for m in w if "kernel" in str(m.message)]}))

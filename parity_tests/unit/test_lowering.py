@@ -25,14 +25,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxgpt.config import TrainConfig
+from jaxgpt.config import Execution, TrainConfig
 from jaxgpt.config.moe import MoEConfig
 from jaxgpt.config.presets import PRESETS
 from jaxgpt.inference.engine import paged_forward
 from jaxgpt.inference.generate import _generate_cached
 from jaxgpt.inference.packed_head import pack_head
 from jaxgpt.inference.paged_cache import init_pools, resolve_paged_kernel
-from jaxgpt.models import abstract_params
+from jaxgpt.models import abstract_params, build
 from jaxgpt.nn.kernels import causal_ffi, native, norm_ffi, paged_ffi
 from jaxgpt.parallel.sharding import make_mesh
 from jaxgpt.train.step import init_state, make_train_step
@@ -45,15 +45,16 @@ GPT2 = PRESETS["gpt2-small"].replace(vocab_size=96, d_model=64, n_layer=2, n_hea
 LLAMA = PRESETS["llama-tiny"].replace(vocab_size=96, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128,
                                       max_len=T)
 MOE = LLAMA.replace(moe=MoEConfig(n_experts=8, top_k=2, d_ff=64))  # Mixtral's router: 8 experts, top-2
-PAGED_BF16 = LLAMA.replace(d_model=256, n_head=2, n_kv_head=1, dtype="bfloat16", scan_layers=False)  # head_dim 128
+PAGED_BF16 = LLAMA.replace(d_model=256, n_head=2, n_kv_head=1, dtype="bfloat16")  # head_dim 128
+SEPARATE = Execution(scan_layers=False)  # what generate() and the engine decode with
 EXACT_GELU = GPT2.replace(mlp="gelu")  # the exact GELU: the one the GELU kernel computes
 CUSTOM_CALL = re.compile(r'(?:custom_call_target\s*=\s*|stablehlo\.custom_call\s+@)"?([\w$.\-]+)"?')
 KERNEL_NAME = re.compile(r'kernel_name = "(\w+)"')
 TRITON, RAGGED_DOT = "__gpu$xla.gpu.triton", "chlo.ragged_dot"
 
-def _train(config, dtype: str, **over):
-    config = config.replace(dtype=dtype, **over)
-    tc = TrainConfig(batch_size=B, seq_len=T, steps=3)
+def _train(config, dtype: str, ex: Execution | None = None):
+    config = config.replace(dtype=dtype)
+    tc = TrainConfig(batch_size=B, seq_len=T, steps=3, execution=ex)
     state = jax.eval_shape(lambda: init_state(config, tc, mesh=None))
     batch = {k: jax.ShapeDtypeStruct((1, B, T), jnp.int32) for k in ("x", "y")}
     return make_train_step(config, tc, mesh=None).trace(state, batch)
@@ -61,7 +62,7 @@ def _train(config, dtype: str, **over):
 
 def _decode(config):
     """generate()'s cached program: prefill, then one decode step a token."""
-    return _generate_cached.trace(abstract_params(config), jax.ShapeDtypeStruct((2, 8), jnp.int32),
+    return _generate_cached.trace(abstract_params(config, SEPARATE), jax.ShapeDtypeStruct((2, 8), jnp.int32),
                                   jax.ShapeDtypeStruct((2,), jnp.uint32), config=config, max_new_tokens=8,
                                   temperature=0.0, top_k=None, top_p=None, eos_id=None)
 
@@ -70,7 +71,7 @@ def _paged(config, kv_dtype="auto", kernel="auto", t=1):
     """The engine's step (engine.paged_forward) of t tokens a row (1: decode; more: a prefill chunk or
     a mixed step) with the kernels the Engine resolves on this host: the in-place paged attention
     (each platform's, for 'auto') and the packed panel head."""
-    params = abstract_params(config)
+    params = abstract_params(config, SEPARATE)
     head = jax.eval_shape(functools.partial(pack_head, config), params)
     pools = jax.eval_shape(lambda: init_pools(config, 16, 8, kv_dtype))
     rows, pages = 4, 4
@@ -93,20 +94,20 @@ PROGRAMS = {
     "moe-train-bf16": (lambda: _train(MOE, "bfloat16"), {norm_ffi: ("jaxgpt_norm_fwd",)}, FLASH + GMM),
     "gpt2-train-f32": (lambda: _train(EXACT_GELU, "float32"),
                        {norm_ffi: ("jaxgpt_norm_fwd",), causal_ffi: ("jaxgpt_causal_attention_fwd",)}, FLASH),
-    "decode-f32": (lambda: _decode(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_cached_attention",)}, ()),
+    "decode-f32": (lambda: _decode(LLAMA), {paged_ffi: ("jaxgpt_cached_attention",)}, ()),
     # on a TPU a decode step over bfloat16 pools of head_dim 128 runs JAX's decode kernel; a mixed step
     # (t > 1), float32 or int8 pools and windows our ragged kernel
-    "paged-engine-f32": (lambda: _paged(LLAMA.replace(scan_layers=False)), {paged_ffi: ("jaxgpt_paged_attention",)},
+    "paged-engine-f32": (lambda: _paged(LLAMA), {paged_ffi: ("jaxgpt_paged_attention",)},
                          TPU_RAGGED),
     "paged-engine-bf16": (lambda: _paged(PAGED_BF16), {}, TPU_PAGED),
     "paged-engine-bf16-mixed": (lambda: _paged(PAGED_BF16, t=8), {}, TPU_RAGGED),
-    "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(scan_layers=False, dtype="bfloat16"), "int8"), {},
+    "paged-engine-bf16-int8": (lambda: _paged(LLAMA.replace(dtype="bfloat16"), "int8"), {},
                                TPU_RAGGED),
     # sliding windows: scanned layers mixing sliding and global ones (the window a scanned input; no flash
     # kernel, which has no window), and the engine's step with the window operand of the paged kernel
     "window-train-bf16": (lambda: _train(LLAMA.replace(sliding_window=8, window_layers=(1,)), "bfloat16"),
                           {norm_ffi: ("jaxgpt_norm_fwd",)}, ()),
-    "window-paged-f32": (lambda: _paged(LLAMA.replace(scan_layers=False, sliding_window=8)),
+    "window-paged-f32": (lambda: _paged(LLAMA.replace(sliding_window=8)),
                          {paged_ffi: ("jaxgpt_paged_attention",)}, TPU_RAGGED),
 }
 # name: {platform: what its program must hold there (custom-call targets, or RAGGED_DOT)}, beyond no CPU call
@@ -168,11 +169,29 @@ def test_program_lowers_for_every_platform_with_its_own_kernels(name):
                                             f"expected {sorted(want)}"
 
 
+PRECISION = re.compile(r"precision = \[(\w+), (\w+)\]")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_auto_unroll_and_precision_are_the_target_platforms(platform):
+    """Execution(platform=p), as an AOT lowering for p names it: the layer loop's 'auto' unroll and the
+    float32 'auto' matmul precision are p's (jaxgpt.exec_policy), whatever host traces it: every layer
+    in one iteration on the CPU and CUDA, a rolled loop on a TPU; full float32 dots off the CPU."""
+    ex = Execution(platform=platform)
+    forward = jax.jit(lambda p, x: build(LLAMA, ex).apply({"params": p}, x))
+    text = forward.trace(abstract_params(LLAMA), jax.ShapeDtypeStruct((2, 16), jnp.int32)).lower(
+        lowering_platforms=(platform,)).as_text()
+    loops, precisions = text.count("stablehlo.while"), set(PRECISION.findall(text))
+    assert loops == (1 if platform == "tpu" else 0), f"{platform}: {loops} layer loops"
+    want = {("DEFAULT", "DEFAULT")} if platform == "cpu" else {("HIGHEST", "HIGHEST")}
+    assert precisions == want, f"{platform}: dot precisions {precisions}"
+
+
 def test_explicit_cpu_kernel_is_refused_off_the_cpu():
     """norm_impl='ffi' is honoured on the CPU and refused, naming the knob, when lowered for a TPU."""
     if not norm_ffi.available():
         pytest.skip("the CPU norm kernel is not built here")
-    traced = _train(LLAMA, "float32", norm_impl="ffi")
+    traced = _train(LLAMA, "float32", Execution(norm_impl="ffi"))
     assert "jaxgpt_norm_fwd" in custom_calls(traced.lower(lowering_platforms=("cpu",)).as_text())
     with pytest.raises(ValueError, match=r"norm_impl='ffi' runs a C\+\+ CPU kernel, but this program is lowered for tpu"):
         traced.lower(lowering_platforms=("tpu",))
@@ -181,7 +200,7 @@ def test_explicit_cpu_kernel_is_refused_off_the_cpu():
 def test_explicit_paged_kernels_are_refused_where_they_cannot_lower():
     """paged_kernel='ffi' (the C++ kernel) lowers for the CPU only; 'pallas' (the Triton kernel) for
     CUDA, and for the CPU interpreted (no Triton call there); neither for a TPU."""
-    config = LLAMA.replace(scan_layers=False)
+    config = LLAMA
     with pytest.raises(ValueError, match=r"paged_kernel='ffi' runs a C\+\+ CPU kernel, but this program is lowered "
                                          r"for cuda"):
         _paged(config, kernel="ffi").lower(lowering_platforms=("cuda",))

@@ -22,29 +22,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.config import ModelConfig, TrainConfig
+from jaxgpt.config import Execution, ModelConfig, TrainConfig
 from jaxgpt.train.step import abstract_state, init_state, make_train_step
 
 IMPLS = ("xla", "jax", "blocked")
 
 
-def model_config(impl: str, t: int, block: int) -> ModelConfig:
-    return ModelConfig(vocab_size=256, d_model=256, n_layer=1, n_head=4, max_len=t, pos="rope", attention_impl=impl,
-                       attention_block=block)
+def model_config(impl: str, t: int, block: int) -> tuple[ModelConfig, Execution]:
+    return (ModelConfig(vocab_size=256, d_model=256, n_layer=1, n_head=4, max_len=t, pos="rope"),
+            Execution(attention_impl=impl, attention_block=block))
 
 
-def train_step(config: ModelConfig, t: int, batch: int):
+def train_step(config: ModelConfig, t: int, batch: int, execution: Execution):
     """The library's jitted train step (``make_train_step``, one device) for batches of ``batch`` x ``t``,
     its TrainConfig and the batch's shapes ((grad_accum, micro_batch, T) ids)."""
-    tc = TrainConfig(batch_size=batch, seq_len=t, mesh="")
+    tc = TrainConfig(batch_size=batch, seq_len=t, mesh="", execution=execution)
     ids = jax.ShapeDtypeStruct((1, batch, t), jnp.int32)
     return make_train_step(config, tc, mesh=None), tc, {"x": ids, "y": ids}
 
 
 def temp_bytes(impl: str, t: int, batch: int, block: int) -> tuple[int, float]:
     """Temporaries (bytes) of the compiled train step, and the compile time (s)."""
-    config = model_config(impl, t, block)
-    step, tc, shapes = train_step(config, t, batch)
+    config, ex = model_config(impl, t, block)
+    step, tc, shapes = train_step(config, t, batch, ex)
     start = time.perf_counter()
     compiled = step.lower(abstract_state(config, tc), shapes).compile()
     return compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - start
@@ -56,8 +56,8 @@ def speed(impls, t: int, batch: int, block: int, pairs: int) -> dict:
     data = {k: jnp.asarray(r.integers(0, 256, (1, batch, t)), jnp.int32) for k in ("x", "y")}
     runs = {}
     for impl in impls:
-        config = model_config(impl, t, block)
-        step, tc, _ = train_step(config, t, batch)
+        config, ex = model_config(impl, t, block)
+        step, tc, _ = train_step(config, t, batch, ex)
         state, metrics = step(init_state(config, tc, mesh=None), data)  # compile + warm up
         jax.block_until_ready(metrics)
         runs[impl] = [step, state]

@@ -83,8 +83,11 @@ def worker_jax_train(spec: dict) -> dict:
 
         compiled.GPU_OPTIONS = {}
     b, t = spec["batch"], spec["seq_len"]
-    config = get_preset("gpt2-small").replace(**model_overrides(spec["shape"], t), **spec.get("config", {}))
-    tc = TrainConfig(batch_size=b, seq_len=t, steps=10_000)
+    from jaxgpt.config import Execution, split_execution
+
+    arch, ex = split_execution(spec.get("config", {}))  # an arm's kernel and scan keys: the Execution
+    config = get_preset("gpt2-small").replace(**model_overrides(spec["shape"], t), **arch)
+    tc = TrainConfig(batch_size=b, seq_len=t, steps=10_000, execution=Execution(**ex))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (1, b, t + 1), dtype=np.int32)
     batch = jax.device_put({"x": tokens[..., :-1], "y": tokens[..., 1:]})
@@ -104,22 +107,22 @@ def worker_jax_train(spec: dict) -> dict:
     return {"ms": ms, "compile_s": compile_s, "loss": float(box["metrics"]["loss"]),
             "peak_bytes": stats.get("peak_bytes_in_use"), "device": jax.devices()[0].device_kind,
             "memory_limit": stats.get("bytes_limit"),
-            "attention": _attention_kernels(config), "jax": jax.__version__,
+            "attention": _attention_kernels(config, tc.execution), "jax": jax.__version__,
             "compiled_bytes": None if analysis is None else int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
                                                                 + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)}
 
 
-def _attention_kernels(config) -> str:
+def _attention_kernels(config, ex) -> str:
     """Which kernel attention_impl resolves to for a train step of this config (kernels.auto_impl)."""
     import jax
     import jax.numpy as jnp
 
     from jaxgpt.nn.kernels import auto_impl
 
-    if config.attention_impl != "auto":
-        return config.attention_impl
+    if ex.attention_impl != "auto":
+        return ex.attention_impl
     q = jax.ShapeDtypeStruct((1, config.max_len, config.n_head, config.head_dim), jnp.dtype(config.dtype))
-    return auto_impl(config.max_len, config.max_len, config.attention_block, config.attention_dropout, q, plain=True)
+    return auto_impl(config.max_len, config.max_len, ex.attention_block, config.attention_dropout, q, plain=True)
 
 
 def worker_nanogpt_train(spec: dict) -> dict:
@@ -186,7 +189,7 @@ def worker_jax_decode(spec: dict) -> dict:
     run = lambda: jax.block_until_ready(generate(config, params, prompt, spec["new"]))
     run()
     best = best_of(run, 3)
-    return {"tok_s": spec["new"] / best, "matmul_precision": config.matmul_precision}
+    return {"tok_s": spec["new"] / best, "matmul_precision": "auto"}  # the default Execution's
 
 
 def worker_hf_decode(spec: dict) -> dict:

@@ -71,9 +71,8 @@ def main(argv=None):
     load.start()
     layers, width = (int(x) for x in a.target.split("x"))
     target_cfg = ModelConfig(vocab_size=65, d_model=width, n_layer=layers, n_head=max(1, width // 64), max_len=128,
-                             pos="rope", scan_layers=False)
-    draft_cfg = ModelConfig(vocab_size=65, d_model=64, n_layer=1, n_head=2, max_len=128, pos="rope",
-                            scan_layers=False)
+                             pos="rope")  # the engine decodes separate layers
+    draft_cfg = ModelConfig(vocab_size=65, d_model=64, n_layer=1, n_head=2, max_len=128, pos="rope")
     tp, tloss, val = train_char_model(target_cfg, a.steps, batch=8, lr=a.target_lr)
     draft_steps = a.steps if a.draft_steps is None else a.draft_steps
     dp, dloss, _ = train_char_model(draft_cfg, draft_steps, seed=1, batch=8)

@@ -120,8 +120,11 @@ def _worker_jax(shape: str, setting: str, steps: int) -> dict:
 
     from jaxgpt.models import count_params
     from jaxgpt.train.step import make_train_step
-    config = config.replace(**chosen.get("config", {}))
-    tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=steps + 2)
+    from jaxgpt.config import Execution, split_execution
+
+    arch, ex = split_execution(chosen.get("config", {}))  # a setting's kernel and scan keys: the Execution
+    config = config.replace(**arch)
+    tc = TrainConfig(batch_size=batch, seq_len=seq_len, steps=steps + 2, execution=Execution(**ex) if ex else None)
     tc, mesh, state, batches = placed(config, tc, random_batches(config, batch, seq_len, steps + 1), devices)
     devices = devices or jax.device_count()
     n_params = count_params(state.params)
@@ -200,7 +203,7 @@ def _worker_compile_time(preset: str) -> dict:
     lowered.compile()
     return {"preset": preset, "batch_size": tc.batch_size, "seq_len": tc.seq_len, "lower_s": lower_s,
             "compile_s": time.perf_counter() - t - lower_s, "total_s": time.perf_counter() - t,
-            "scan_layers": config.scan_layers, "n_layer": config.n_layer}
+            "scan_layers": True, "n_layer": config.n_layer}  # the default Execution
 
 
 def _worker(args) -> None:

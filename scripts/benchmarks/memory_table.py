@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.config import REMATS, TrainConfig, get_preset
+from jaxgpt.config import REMATS, Execution, TrainConfig, get_preset
 from jaxgpt.data import batch_keys
 from jaxgpt.train.step import abstract_state, make_train_step
 
@@ -50,7 +50,7 @@ def main() -> None:
     print("| remat | temp MiB | argument MiB | output MiB | compile s |")
     print("|---|---|---|---|---|")
     for policy in args.remat:
-        m = compiled_memory(config.replace(remat=policy), tc)
+        m = compiled_memory(config, tc.replace(execution=Execution(remat=policy)))
         print(f"| `{policy}` | {m['temp'] / mib:,.0f} | {m['argument'] / mib:,.0f} | {m['output'] / mib:,.0f} "
               f"| {m['compile_s']:.0f} |", flush=True)
 

@@ -15,7 +15,7 @@ import statistics
 import jax
 import numpy as np
 
-from jaxgpt.config import TrainConfig, get_preset
+from jaxgpt.config import Execution, TrainConfig, get_preset
 from jaxgpt.train.step import init_state, make_train_step
 from scripts.harness import step_times
 
@@ -36,8 +36,8 @@ def main() -> None:
     batch = {"x": x, "y": np.roll(x, -1, axis=-1)}
     runs = {}
     for name, kw in settings.items():
-        config = base.replace(**kw)
-        step, state = make_train_step(config, tc), init_state(config, tc)
+        config, tcx = base, tc.replace(execution=Execution(**kw))
+        step, state = make_train_step(config, tcx), init_state(config, tcx)
         state, _, (first,) = step_times(step, state, [batch], warm=0, sync=jax.block_until_ready)
         runs[name] = [step, state, [], first]
     for _ in range(args.steps):  # A B A B: one step of each setting a round

@@ -50,7 +50,7 @@ def model_config(residual: str, variant: str | None, layers: int, width: int, vo
                       pos="rope", norm="rmsnorm", norm_eps=1e-6, mlp="gelu", residual=residual,
                       attnres_blocks=max(1, layers // 3))
     if residual == "standard":
-        return cfg.replace(scan_unroll=layers)  # same numbers, faster on CPU
+        return cfg  # Execution's 'auto' unrolls the layer loop on the CPU
     return cfg.replace(attnres_variant=variant)
 
 
@@ -72,8 +72,11 @@ def hidden_rms(config, params, tokens) -> dict:
     from jaxgpt.models import DecoderLM
     from jaxgpt.models.decoder import unstack_layers
 
+    from jaxgpt.config import Execution
+
+    ex = Execution()
     if config.residual == "standard":
-        config, params = unstack_layers(config.replace(scan_unroll=1), params)
+        ex, params = unstack_layers(config, params)
     rec = {"input": [], "output": []}
 
     def rms(a):
@@ -89,7 +92,7 @@ def hidden_rms(config, params, tokens) -> dict:
         return out
 
     with nn.intercept_methods(interceptor):
-        DecoderLM(config).apply({"params": params}, jnp.asarray(tokens))
+        DecoderLM(config, ex).apply({"params": params}, jnp.asarray(tokens))
     return rec
 
 

@@ -44,7 +44,7 @@ def model_config(kind: str, vocab: int, seq_len: int, layers: int = 4, width: in
     from jaxgpt.config import ModelConfig, MoEConfig
 
     cfg = ModelConfig(vocab_size=vocab, d_model=width, n_layer=layers, n_head=4, d_ff=DENSE_FF, max_len=seq_len,
-                      pos="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", scan_unroll=layers)
+                      pos="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu")
     if kind == "moe":
         cfg = cfg.replace(moe=MoEConfig(n_experts=EXPERTS, top_k=TOP_K, d_ff=EXPERT_FF, impl=impl,
                                         aux_loss_scope=aux_scope))

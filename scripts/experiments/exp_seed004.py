@@ -103,7 +103,7 @@ def minibert(args, budget: dict) -> tuple[dict, list]:
         tokenizer = WordTokenizer(t for _, t in all_rows) if words else None
         task = classify_task(all_rows, tc, tokenizer=tokenizer, source="generated:sentiment_rows")
         base = PRESETS["seed-minibert"]
-        config = fit_config(base.replace(encoder=base.encoder.replace(scan_unroll=base.encoder.n_layer)), task)
+        config = fit_config(base, task)
         r = expkit.train(config, tc.replace(eval_every=budget["bert_eval_every"]), task)
         hist = r["history"]
         steps_acc = [(h["step"], h["val_accuracy"]) for h in hist if "val_accuracy" in h]
@@ -354,7 +354,7 @@ def tiny_gpt(args, budget: dict) -> tuple[dict, list]:
         tok = task.tokenizer
         config = ModelConfig(vocab_size=tok.vocab_size, d_model=128, n_head=4, n_layer=2, d_ff=256, max_len=64,
                              pos="learned", norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True, qkv_bias=True,
-                             o_bias=True, lm_head_bias=True, scan_unroll=2)
+                             o_bias=True, lm_head_bias=True)
         r = expkit.train(config, tc, task)
         losses = [h["loss"] for h in r["history"] if "loss" in h]
         ids = np.asarray(tok.encode(text))

@@ -161,7 +161,7 @@ def seed003_model(smoke: bool):
     d, L = (32, 2) if smoke else (128, 4)
     return ModelConfig(vocab_size=65, d_model=d, n_layer=L, n_head=4, max_len=32, pos="learned", norm="layernorm",
                        norm_eps=1e-5, mlp="gelu", mlp_bias=True, qkv_bias=True, o_bias=True, tie_embeddings=True,
-                       dropout=0.1, attn_dropout=0.1, scale_out_init=True, scan_unroll=L)
+                       dropout=0.1, attn_dropout=0.1, scale_out_init=True)
 
 
 def seed003_jax(seed, train, val, tok, smoke):
@@ -245,7 +245,7 @@ def jax_model_config(nc: nt.NanoConfig):
         dropout=nc.dropout, attn_dropout=nc.dropout,  # nanoGPT's one `dropout` is both
         norm_bias=nc.bias, mlp_bias=nc.bias, qkv_bias=nc.bias, o_bias=nc.bias)  # train.py's bias=False
     assert cfg == nt.model_config(nc), (cfg, nt.model_config(nc))
-    return cfg.replace(scan_unroll=nc.n_layer)
+    return cfg
 
 
 def jax_train_config(nc: nt.NanoConfig, seed: int):
@@ -302,7 +302,6 @@ def big_run(train, val, tok, smoke, seconds):
     b, t = 64, 256
     if smoke:
         cfg, b, t = cfg.replace(d_model=48, n_layer=1, n_head=6, max_len=32), 4, 32
-    cfg = cfg.replace(scan_unroll=cfg.n_layer)
     # nanoGPT config/train_shakespeare_char.py: lr 1e-3, 5000 iterations (cosine to 1e-4), warmup 100, beta2 0.99.
     # Every update is logged; no evaluation on the way (eval_every=0 evaluates at step 5000 only).
     tc = TrainConfig(steps=5000, batch_size=b, seq_len=t, lr=1e-3, warmup_steps=100, min_lr_ratio=0.1, beta2=0.99,

@@ -63,7 +63,7 @@ def main(argv=None):
     load = LoadSampler()
     load.start()
     t = 256
-    cfg = ModelConfig(vocab_size=65, d_model=128, n_layer=4, n_head=4, max_len=t, pos="rope", scan_layers=False)
+    cfg = ModelConfig(vocab_size=65, d_model=128, n_layer=4, n_head=4, max_len=t, pos="rope")  # decoded as separate layers
     params, loss, val = train_char_model(cfg, a.steps)
     # Held-out windows through the paged path: pages 1.. per row, every key read back from the pool.
     n_win, ps = 16, 16

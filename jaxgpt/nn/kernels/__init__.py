@@ -1,4 +1,4 @@
-"""Attention kernels behind ``ModelConfig.attention_impl`` and the one entry every caller uses.
+"""Attention kernels behind ``Execution.attention_impl`` and the one entry every caller uses.
 
 ``attend`` is the only way into a kernel: the Attention module calls it for training forwards,
 for prefill and for every decode step, whatever the KV cache's layout. The kernels compute the
