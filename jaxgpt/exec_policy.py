@@ -29,8 +29,8 @@ def target(execution: Execution | None = None) -> str:
 
 def scan_unroll(execution: Execution, n_layer: int) -> int:
     """Layers per iteration of the scanned layer loop. 'auto': every layer in one iteration on the
-    CPU and GPUs, where the rolled loop's per-layer weight slices and stacked activations cost about
-    1.2x in the train step (docs/performance.md); rolled on TPUs (not measured) and with ``remat``,
+    CPU and GPUs, where the rolled loop's per-layer weight slices and stacked activations slow the
+    train step (docs/performance.md has the figure); rolled on TPUs (not measured) and with ``remat``,
     whose memory saving the rolled loop keeps (unrolled, XLA's schedule gave it back)."""
     if execution.scan_unroll != "auto":
         return execution.scan_unroll

@@ -2,8 +2,9 @@
 
 Counted while tracing ``model.apply`` under ``jax.jit(...).trace`` (no compilation): every Python frame
 whose code lives under jaxgpt/, minus nn/kernels/ (the speed paths behind the ops) and the execution-mode
-modules, which decide how the network runs rather than what it computes: nn/precision.py (the matmul
-precision scope every module enters) and nn/checks.py (checked mode's debug checks, traced only inside
+modules, which decide how the network runs rather than what it computes: exec_policy.py (the execution
+policy's 'auto' values for the target platform), nn/precision.py (the matmul precision scope every
+module enters) and nn/checks.py (checked mode's debug checks, traced only inside
 ``checks.checked``). Not a comparison with a reference: a structural count.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jaxgpt.config import get_preset
 from jaxgpt.models import DecoderLM
 
 ROOT = os.path.dirname(jaxgpt.__file__)
-OUTSIDE = (os.path.join("nn", "kernels") + os.sep, os.path.join("nn", "precision.py"), os.path.join("nn", "checks.py"))
+OUTSIDE = (os.path.join("nn", "kernels") + os.sep, "exec_policy.py", os.path.join("nn", "precision.py"), os.path.join("nn", "checks.py"))
 MAX_FILES = 8
 
 

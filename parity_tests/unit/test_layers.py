@@ -21,7 +21,8 @@ LAYERS = (
     ("jaxgpt.config",),  # frozen, framework-free configs
     ("jaxgpt.core",),  # what the two frameworks share: layout, constants, validation
     ("jaxgpt.parallel", "jaxgpt.data"),  # meshes and devices; tokenizers, corpora, token files, batches
-    ("jaxgpt.nn.precision", "jaxgpt.nn.softcap"),  # numerics rules the kernels and the layers both apply
+    ("jaxgpt.exec_policy", "jaxgpt.nn.precision", "jaxgpt.nn.softcap"),  # the execution policy per target platform;
+    # numerics rules the kernels and the layers both apply
     ("jaxgpt.nn.kernels",),  # every speed path behind a few ops
     ("jaxgpt.nn",),  # the layers
     ("jaxgpt.models",),  # the networks

@@ -46,14 +46,11 @@ PATTERNS = {
 # Files whose figures other helpers remove (common.md's owners), with at most how many lines each may keep.
 KNOWN = {
     # helper "exec": execution fields leave ModelConfig; train/loop.py and train/checkpoint.py
-    "jaxgpt/config/model.py": 2,
     "jaxgpt/train/loop.py": 1,
     "jaxgpt/train/checkpoint.py": 1,
     # helper "train": step.py, compiled.py
     # helper "engine": jaxgpt/inference/
     # helper "ops": jaxgpt/nn/, jaxgpt/nn/kernels/ (and its C++ kernels), jaxgpt/models/
-    "jaxgpt/models/__init__.py": 1,
-    "jaxgpt/models/stack.py": 2,
     "jaxgpt/nn/checks.py": 1,
     "jaxgpt/nn/kernels/calibrate.py": 2,
     "jaxgpt/nn/kernels/gelu_ffi.py": 1,
