@@ -38,7 +38,7 @@ def init_params(config: ModelConfig | BertConfig | EncDecConfig, rng, execution:
     execution = Execution.for_model(config, execution)
     if isinstance(config, ModelConfig) and execution.scan_layers and config.residual == "standard":
         # the scan's per-layer keys are split before the loop, so unrolling changes no value; rolled,
-        # the jitted init compiles faster
+        # the jitted init compiles in about half the time (docs/performance.md)
         execution = execution.replace(scan_unroll=1)
     return build(config, execution).init(rng, *inputs)["params"]
 

@@ -4,8 +4,8 @@ Under ``jax.jit`` a value is a tracer and cannot raise, and JAX clamps bad gathe
 indices silently. So the models, the loss and the KV cache also state their checks with
 ``debug_check`` (``checkify.debug_check``), traced only inside ``checking()``: elsewhere the
 program has no trace of them (a debug_check left outside checkify is compiled away, but its error
-effect stays on the jaxpr and turns off jit's C++ dispatch: about 1 ms of Python per call,
-measured on the serving engine's step). ``checked(fn)`` traces fn inside ``checking()`` under
+effect stays on the jaxpr and turns off jit's C++ dispatch, which costs Python time on every call
+of the serving engine's step: docs/performance.md). ``checked(fn)`` traces fn inside ``checking()`` under
 ``checkify.checkify`` and raises the first failure as a ValueError:
 
     from jaxgpt.nn.checks import checked

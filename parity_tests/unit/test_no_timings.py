@@ -51,20 +51,6 @@ KNOWN = {
     # helper "train": step.py, compiled.py
     # helper "engine": jaxgpt/inference/
     # helper "ops": jaxgpt/nn/, jaxgpt/nn/kernels/ (and its C++ kernels), jaxgpt/models/
-    "jaxgpt/nn/checks.py": 1,
-    "jaxgpt/nn/kernels/calibrate.py": 2,
-    "jaxgpt/nn/kernels/gelu_ffi.py": 1,
-    "jaxgpt/nn/kernels/matvec_ffi.py": 1,
-    "jaxgpt/nn/kernels/norm_ffi.py": 2,
-    "jaxgpt/nn/kernels/paged_ffi.py": 3,
-    "jaxgpt/nn/kernels/panel_ffi.py": 1,
-    "jaxgpt/nn/kernels/cpu/causal_attention.cc": 3,
-    "jaxgpt/nn/kernels/cpu/gelu.cc": 1,
-    "jaxgpt/nn/kernels/cpu/layer_norm.cc": 2,
-    "jaxgpt/nn/kernels/cpu/matvec.cc": 5,
-    "jaxgpt/nn/kernels/cpu/paged_attention.cc": 1,
-    "jaxgpt/nn/kernels/cpu/panel_matmul.cc": 5,
-    "jaxgpt/nn/kernels/cpu/simd.h": 2,
 }
 
 

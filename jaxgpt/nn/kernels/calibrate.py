@@ -1,8 +1,8 @@
 """Per-machine choices of the CPU kernels' ``auto`` rules, measured once and cached on disk.
 
 Whether a kernel beats XLA's op can depend on the CPU, not only on the shapes: the decode-step
-matvec kernel (cpu/matvec.cc) made batch-1 decoding 1.6x faster on the AVX-512 Xeon it was written
-on, and 1.2x slower than XLA's dot on a 2-core AMD EPYC (docs/performance.md, "On other CPUs"). So
+matvec kernel (cpu/matvec.cc) sped up batch-1 decoding on the AVX-512 Xeon it was written on, and
+lost to XLA's dot on a 2-core AMD EPYC (docs/performance.md, "On other CPUs"). So
 such a rule asks ``decide(name, measure)``: the first call on a machine runs ``measure()`` (a
 second or so), which returns whether the kernel wins, and stores the answer in
 ``$JAXGPT_CACHE/kernels/calibration.json`` under a key of the rule's name, the CPU model, the

@@ -38,7 +38,7 @@ MARGIN = 0.9
 
 
 def _measure() -> dict:
-    """Best-of-5 seconds of the calibration chain with the kernel and with XLA's dot (calibrate.py)."""
+    """Seconds, best of five, of the calibration chain with the kernel and with XLA's dot (calibrate.py)."""
     rng = np.random.default_rng(0)
     ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.05) for s in CALIBRATION_SHAPES]
     x = jnp.asarray(rng.standard_normal((1, CALIBRATION_SHAPES[0][0]), np.float32))

@@ -2,11 +2,11 @@
 engine's page pools, and the same loop over generate()'s contiguous KV cache (cached_attention).
 
 Why native code: in pure JAX (kernels/paged.py) a paged step gathers every row's pages into a
-padded copy and reads it again. On the 2-core CPU that gather and read took 1.75 ms of a layer's
-32-row decode step at 256 positions; the kernel reads the pages in place, up to each query's own
-position, in 0.45 ms (docs/serving.md). Same float32 arithmetic: outputs agree to 1e-6.
+padded copy and reads it again; the kernel reads the pages in place, up to each query's own
+position, in about a quarter of the time (docs/performance.md). Same float32 arithmetic: outputs
+agree to 1e-6.
 
-The source is compiled on first use (about 3 s, once; kernels/native.py). ``available()`` is
+The source is compiled on first use (a few seconds, once; kernels/native.py). ``available()`` is
 False, with one warning saying why, where that cannot be done (no compiler, another backend): the
 engine then gathers.
 """

@@ -69,7 +69,7 @@ def argmax(logits):
 
 
 def _measure() -> dict:
-    """Best-of-5 seconds of a 4-deep chain of head projections with their argmax, packed and with
+    """Seconds, best of five, of a 4-deep chain of head projections with their argmax, packed and with
     XLA's dot plus the engine's argmax, at each calibration row count (calibrate.py): the kernel wins
     if it is faster at all of them by MARGIN."""
     rng = np.random.default_rng(0)

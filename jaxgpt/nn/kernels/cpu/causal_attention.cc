@@ -3,8 +3,8 @@
 //
 // Why a kernel: on the 2-core CPU, XLA runs a short-sequence attention layer as a dozen thunks
 // (score dot, mask select, max, exp, sum, divide, value dot; their backward; layout copies between
-// token-major and head-major operands), and the softmax reductions alone took 1 ms per layer of a
-// 4 x 128, T 64 train step (docs/performance.md). Here one call per direction reads q, k, v where
+// token-major and head-major operands), and the softmax reductions alone were a large share of each
+// layer of a 4 x 128, T 64 train step (docs/performance.md). Here one call per direction reads q, k, v where
 // they lie, (B, T, H, D), and keeps each (batch, head)'s T x T scores in a thread-local buffer.
 //
 // forward:  s_ij = q_i . k_j * scale (j <= i), lse_i = log sum_j exp(s_ij), out_i = sum_j exp(s_ij - lse_i) v_j
@@ -33,7 +33,7 @@ using namespace jaxgpt_simd;  // NOLINT: V, Load, Store, ExpNeg, ParallelParts (
 // Register tiles, from the target's vector registers (simd.h's kVRegs), so that accumulators and
 // operands stay in registers on every ISA; the AVX-512 tiles are the ones measured there.
 // A score tile: kSRows x 2 accumulators + 2 key vectors + a broadcast query element (AVX-512: 8 rows,
-// T 256: 40 -> 30 us a head; AVX2: 6).
+// the fastest there, docs/performance.md; AVX2: 6).
 constexpr int64_t kSRows = std::min<int64_t>(8, (kVRegs - 3) / 2);
 // A value-mixing tile: MixRows<NC>() output rows x NC vectors of columns + NC value vectors + a weight
 // (AVX-512: 4 x 4 at D 64, as tuned there; AVX2: 6 x 2).
@@ -183,8 +183,8 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
 
 // Lanes j, j + 1, ... that row i attends to: at or below the diagonal, (kSeg) in row i's segment
 // and (kWin) inside its window of w keys. seg: the batch row's ids, padded to a multiple of kLanes.
-// Without segments the compare is compiled out: it made a T 64 train step's attention (fwd + bwd)
-// 1.04 -> 1.4 ms on AVX-512; so is the window's.
+// Without segments the compare is compiled out, and so is the window's: the segment compare slowed a
+// T 64 train step's attention (fwd + bwd) by about a third on AVX-512 (docs/performance.md).
 template <bool kSeg, bool kWin>
 inline VI Visible(const int32_t* seg, int64_t j, int64_t i, int64_t w) {
   VI v = Below(j, i + 1);

@@ -3,8 +3,8 @@
 //
 // Why a kernel: XLA:CPU gives the norms' reductions to YNNPACK fusions, which take only
 // materialised operands, so a differentiated LayerNorm wrote its scale and its 1/std broadcast to
-// full (B, T, D) tensors and the centred input and normalised input besides: about 25 ms a norm
-// on each device of a 6 x 384, B 64, T 256 train step, 330 ms of its 4.8 s (docs/performance.md).
+// full (B, T, D) tensors and the centred input and normalised input besides, a visible share of a
+// 6 x 384, B 64, T 256 train step on each device (docs/performance.md).
 // Here each row of D floats is read once into cache and every pass over it runs there.
 //
 // forward:  mean = sum(x) / D (0 for RMSNorm), var = sum((x - mean)^2) / D (two passes, as torch;

@@ -2,11 +2,10 @@
 // custom call (kernels/matvec_ffi.py builds and loads it).
 //
 // Why: a decode step reads every weight once per token, so its dots are bound by memory bandwidth.
-// XLA:CPU runs each one on a single thread: the benchmark model's 36 matvecs a token took 1.5 ms
-// (about 28 GB/s). Two threads read faster (NumPy on OpenBLAS: 1.06 ms for the same weights), but
+// XLA:CPU runs each one on a single thread, and two threads read faster (NumPy on OpenBLAS), but
 // XLA's pool threads sleep between ops, and waking one cost more than the half matvec it would run.
 // So the second thread is our own helper that spins for a short while after each job, as OpenBLAS's
-// threads do: 1.0-1.1 ms.
+// threads do, and reads as fast as they do (docs/performance.md).
 //
 // Each output column is summed by one thread in one fixed order (rows of w 4 at a time, in order),
 // so the result does not depend on the split.
@@ -28,7 +27,7 @@ namespace {
 // Columns [lo, hi) of y: every row of w streamed once over that column block, 4 rows at a time.
 // The 4 x values are splatted once per (row block, m): read inside the column loop, they were
 // reloaded and broadcast after every store to y (x and y may alias, as far as the compiler knows),
-// which made the AVX2 build, at 8 floats a vector, 1.4x slower than the AVX-512 one.
+// which made the AVX2 build, at 8 floats a vector, much slower than the AVX-512 one (docs/performance.md).
 void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t lo, int64_t hi) {
   for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + lo, 0, (hi - lo) * sizeof(float));
   int64_t i = 0;
@@ -62,7 +61,7 @@ inline void CpuRelax() {
 // One helper thread, spinning for kSpin after each job and then sleeping until the next.
 class Helper {
  public:
-  static constexpr auto kSpin = std::chrono::microseconds(300);  // a decode step's dots come every 20-70 us
+  static constexpr auto kSpin = std::chrono::microseconds(300);  // outlasts the gap between a decode step's dots
 
   Helper() { std::thread([this] { Loop(); }).detach(); }
 

@@ -93,8 +93,8 @@ void AttendOne(const float* qv, int64_t n, KeyAt key, ValAt val, int64_t D, floa
 }
 
 // Keys and values a call reads, in floats, before it is split over threads. A decode step at batch 1
-// reads at most 1,024 x 6 x 64 x 2 floats in the benchmark model, and on threads it took 112 us a layer
-// against 74 on the calling thread alone: waking a sleeping pool thread costs more than half the reads.
+// reads at most 1,024 x 6 x 64 x 2 floats in the benchmark model, and on threads it was slower than on
+// the calling thread alone: waking a sleeping pool thread costs more than half the reads (docs/performance.md).
 constexpr int64_t kMinParallelFloats = int64_t(1) << 20;
 
 // The first key a query at position p reads: the window's lower edge (window >= 1).

@@ -6,12 +6,12 @@
 //
 // Why: the serving engine's vocabulary projection (a (d, V) weight, 33 MB for 256 x 32,000) runs for a
 // decode step's 1-32 rows, and XLA:CPU's GEMM reads it at a fraction of the memory bandwidth at those row
-// counts: 2.6 ms for 4 rows where 1 row took 1.1 ms (a 2-core AMD EPYC, docs/serving.md). Row-major w makes
-// a register tile's columns a stride of N floats apart, one page per k; packed, a tile streams one
-// contiguous 64 KB panel. There: 1.3 ms for 4 rows, 3.9 ms for 32 (XLA 4.8).
+// counts: 4 rows took more than twice as long as 1 (docs/performance.md). Row-major w makes a register
+// tile's columns a stride of N floats apart, one page per k; packed, a tile streams one contiguous 64 KB
+// panel, and 4 rows take about as long as 1 did.
 //
 // The argmax is taken as the tile leaves the registers: read back from memory after the kernel, the 4 MB of
-// a 32-row step's logits cost XLA's max and min reductions 2.3 ms, more than the kernel saved.
+// a 32-row step's logits cost XLA's max and min reductions more than the kernel saved.
 //
 // Every output is one register accumulator summed over k in order (0, 1, ..., K-1), plus b: the result
 // depends on neither the split over threads nor the row tiling; nor does the argmax, whose parts are merged
@@ -33,9 +33,9 @@ constexpr int64_t kPV = kPanel / kLanes;       // vectors a panel row
 // A register tile of kMR rows x kNV vectors: kMR * kNV accumulators + kNV panel vectors + a broadcast
 // fit the target's registers (simd.h kVRegs): 6 x 4 = 24 (+5) of 32 with AVX-512, 2 x 4 = 8 (+5) of 16
 // with AVX2, 2 x 2 where a V takes two registers (SSE2). With AVX2 the 4-row 256 x 32,000 head's time
-// varied from process to process, 1.0-3.3 ms with 2 x 4 tiles (4 x 2 ones, reading each panel row in four
-// passes: 3.5 ms once) against XLA's 1.6-2.9 ms, while 32 rows won (4.4-7.1 against 7.7-10.5 ms): the
-// engine's calibration decides on each machine (panel_ffi.wins).
+// varied from process to process with 2 x 4 tiles, sometimes behind XLA's (4 x 2 ones, reading each panel
+// row in four passes, were no better), while 32 rows won (docs/performance.md): the engine's calibration
+// decides on each machine (panel_ffi.wins).
 constexpr int kNV = kVRegs >= 16 ? 4 : 2;
 constexpr int kMR = kVRegs >= 32 ? 6 : 2;
 static_assert(kPV % kNV == 0, "a panel row is a whole number of tiles");

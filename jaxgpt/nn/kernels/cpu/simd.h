@@ -20,7 +20,8 @@ namespace ffi = xla::ffi;
 
 // Floats in one vector: one register. 16 with AVX-512; 8 elsewhere (AVX2, NEON pairs, the portable
 // build): GCC lowers a vector wider than the target's registers through the stack (every scalar
-// broadcast stored and reloaded), which made the AVX2 build of the attention kernel 16x slower.
+// broadcast stored and reloaded), which made the AVX2 build of the attention kernel many times slower
+// (docs/performance.md).
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
 #else
@@ -41,7 +42,7 @@ constexpr int kVRegs = 8;
 // Explicit vectors: GCC vectorised neither the attention softmax's exp loop nor its backward's, and
 // its auto-vectorised dot loops reloaded their accumulators on every multiply-add. Loads and stores
 // go through a may_alias, 4-byte-aligned vector type: the memcpy idiom made GCC bounce every loaded
-// vector and every accumulator through the stack (T 256: 305 -> 44 us a head for the scores).
+// vector and every accumulator through the stack, several times slower for the scores (docs/performance.md).
 typedef float V __attribute__((vector_size(4 * kLanes)));
 typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
 // the same vector at any float's address (loads and stores through it are unaligned; may_alias: it
