@@ -22,14 +22,14 @@ from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.models import DecoderLM, build
 from jaxgpt.nn import norms
 from jaxgpt.nn.block import Block
-from jaxgpt.nn.geglu import GeGLU
+from jaxgpt.nn.mlp import GeGLU
 from jaxgpt.inference.paged_cache import resolve_paged_kernel
 from jaxgpt.nn.kernels import attend, paged
 from jaxgpt.nn.kernels import causal_ffi, norm_ffi
 from torch_ref.models.decoder import DecoderLM as TDecoderLM
 from torch_ref.nn import norms as tnorms
 from torch_ref.nn.block import Block as TBlock
-from torch_ref.nn.geglu import GeGLU as TGeGLU
+from torch_ref.nn.mlp import GeGLU as TGeGLU
 
 transformers = require_module("transformers", allow_module_level=True)
 SCALE, CAP = 0.3, 1.5  # a multiplier apart from head_dim ** -0.5; a cap the unit-scale scores reach

@@ -78,7 +78,7 @@ class SwiGLU(nn.Module):
     dtype: str = "float32"  # compute dtype (activations, matmuls)
     param_dtype: str = "float32"
     matmul_precision: str = "auto"  # config.MATMUL_PRECISIONS (used alone; inside a model, the model's)
-    gate_act: ClassVar[Callable] = staticmethod(jax.nn.silu)  # the gate's activation (geglu.GeGLU: tanh-GELU)
+    gate_act: ClassVar[Callable] = staticmethod(jax.nn.silu)  # the gate's activation (GeGLU: tanh-GELU)
 
     @nn.compact
     @module_scope
@@ -89,12 +89,23 @@ class SwiGLU(nn.Module):
         return dense(self.d_model, self.use_bias, self.out_init_std, "down_proj", **dt)(self.gate_act(gate) * up)
 
 
+def gelu_tanh(x):
+    """0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))): torch's gelu(approximate='tanh'), HF's gelu_pytorch_tanh."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+class GeGLU(SwiGLU):
+    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)) (``mlp='geglu_tanh'``, Gemma's MLP): SwiGLU's
+    parameters with another gate activation. x: (..., d_model) -> (..., d_model)."""
+
+    gate_act: ClassVar[Callable] = staticmethod(gelu_tanh)
+
+
 def make_mlp(config, name: str = "mlp", execution: Execution = DEFAULT_EXECUTION) -> nn.Module:
     """The feed-forward network a ModelConfig names, run with ``execution``'s kernels."""
     common = dict(d_model=config.d_model, d_ff=config.ffn_dim, use_bias=config.mlp_bias,
                   init_std=config.init_std, out_init_std=config.out_init_std, dtype=config.dtype,
                   param_dtype=config.param_dtype, matmul_precision=execution.matmul_precision, name=name)
     if config.mlp in ("swiglu", "geglu_tanh"):
-        from jaxgpt.nn.geglu import GeGLU  # SwiGLU's subclass: imported here, not at the top
         return (GeGLU if config.mlp == "geglu_tanh" else SwiGLU)(**common)
     return MLP(activation=config.mlp, act_impl=execution.act_impl, **common)

@@ -38,9 +38,7 @@ LAYERS = (
 KNOWN_UPWARD: set = set()
 # Known circles, as the set of modules each one runs through (arrows of both kinds, the allowlisted upward
 # arrows left out: each of those already closes its own circle and is reported above).
-KNOWN_CIRCLES = {
-    frozenset({"jaxgpt.nn.mlp", "jaxgpt.nn.geglu"}),  # geglu subclasses SwiGLU, make_mlp builds GeGLU: "ops"
-}
+KNOWN_CIRCLES: set = set()
 # Functions over MAX_LINES today (path::qualified name), each being split by the helper named.
 MAX_LINES = 80
 KNOWN_LONG: set = set()

@@ -46,10 +46,21 @@ class SwiGLU(nn.Module):
         self.up_proj = linear(d_model, d_ff, use_bias, init_std)
         self.down_proj = linear(d_ff, d_model, use_bias, out_init_std)
 
-    gate_act = staticmethod(F.silu)  # the gate's activation (geglu.GeGLU: tanh-GELU)
+    gate_act = staticmethod(F.silu)  # the gate's activation (GeGLU: tanh-GELU)
 
     def forward(self, x):
         return self.down_proj(self.gate_act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def gelu_tanh(x):
+    """torch's gelu(approximate='tanh'), HF's gelu_pytorch_tanh."""
+    return F.gelu(x, approximate="tanh")
+
+
+class GeGLU(SwiGLU):
+    """down_proj(gelu_tanh(gate_proj(x)) * up_proj(x)) (``mlp='geglu_tanh'``, Gemma's MLP). x: (..., d_model) -> (..., d_model)."""
+
+    gate_act = staticmethod(gelu_tanh)
 
 
 def make_mlp(config) -> nn.Module:
@@ -59,7 +70,5 @@ def make_mlp(config) -> nn.Module:
     if config.mlp == "swiglu":
         return SwiGLU(**common)
     if config.mlp == "geglu_tanh":
-        from torch_ref.nn.geglu import GeGLU  # a subclass of SwiGLU: imported here, not at the top
-
         return GeGLU(**common)
     return MLP(activation=config.mlp, **common)
