@@ -170,7 +170,7 @@ class Checkpoints:
     ``background``: read each save back on a thread while training goes on (the next ``save`` or
     ``wait`` joins it); None (default): in a single-process run. Multi-host runs read back in
     ``wait``, where every process is: orbax's reads may hold barriers, which must not interleave with
-    the train step's collectives. Measured on nanoGPT's CPU run: 80 ms a save off the loop.
+    the train step's collectives. (docs/performance.md: what the thread takes off the loop.)
     """
 
     def __init__(self, path: str | Path, keep: int = 3, *, create: bool = True,

@@ -232,7 +232,7 @@ class _Run:
         """Fetch the pending metrics (a NaN stops here); timed: the window since the last fetch is steady state."""
         calls, metrics = zip(*self.pending)
         # the fetch waits for the pending updates: dispatch runs ahead of the device, so their compute
-        # belongs to the window (timed before the fetch, a 1-device run on the CPU read 2x too fast)
+        # belongs to the window (timed before the fetch, a run reads faster than it is)
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
         n = sum(len(c) for c in calls)

@@ -43,15 +43,8 @@ PATTERNS = {
     "load": re.compile(r"\bload(?: average)?(?: of)? \d|\b\d+-minute load\b", re.I),
 }
 
-# Files whose figures other helpers remove (common.md's owners), with at most how many lines each may keep.
-KNOWN = {
-    # helper "exec": execution fields leave ModelConfig; train/loop.py and train/checkpoint.py
-    "jaxgpt/train/loop.py": 1,
-    "jaxgpt/train/checkpoint.py": 1,
-    # helper "train": step.py, compiled.py
-    # helper "engine": jaxgpt/inference/
-    # helper "ops": jaxgpt/nn/, jaxgpt/nn/kernels/ (and its C++ kernels), jaxgpt/models/
-}
+# Files allowed to quote figures, with at most how many lines each may keep: none (issue 52).
+KNOWN: dict[str, int] = {}
 
 
 def python_text(source: str):
