@@ -7,7 +7,7 @@ converter ignores it. ``scan_layers`` also picks the params' layout (one stacked
 ``MoEConfig.impl`` stays in the MoE config: its 'alltoall' with a ``capacity_factor`` drops tokens,
 which is math, and the capacity rule is checked against it there.
 
-Framework-free; 'auto' values are resolved per target platform by ``jaxgpt.exec_policy``.
+Framework-free; 'auto' values are resolved per target platform by ``jaxgpt.nn.kernels.exec_policy``.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ NORM_IMPLS = ("auto", "xla", "ffi")
 ACT_IMPLS = ("auto", "xla", "ffi")
 # The kernels without attention soft-capping (ModelConfig.attn_softcap): 'auto' avoids them; an explicit choice is refused.
 SOFTCAP_REFUSED = ("jax", "cudnn", "ffi")
-# float32 matmul precision (jaxgpt/nn/precision.py): 'auto' full float32 for float32 compute off the CPU
+# float32 matmul precision (jaxgpt/nn/kernels/precision.py): 'auto' full float32 for float32 compute off the CPU
 # (a GPU's default is TF32, which torch keeps off), the platform default for bf16/fp16 compute;
 # 'default' the platform's default (TF32 on NVIDIA GPUs), 'high', 'highest' jax.lax.Precision's.
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
-# The platforms a program is lowered for; None: the platform of the devices it runs on (jaxgpt.exec_policy).
+# The platforms a program is lowered for; None: the platform of the devices it runs on (jaxgpt.nn.kernels.exec_policy).
 PLATFORMS = (None, "cpu", "cuda", "rocm", "tpu")
 
 _CHOICES = (("remat", REMATS), ("attention_impl", ATTENTION_IMPLS), ("norm_impl", NORM_IMPLS),

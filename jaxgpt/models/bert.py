@@ -18,7 +18,7 @@ from jaxgpt.core import validate
 from jaxgpt.config import BertConfig, Execution
 from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 from jaxgpt.nn.norms import norm_from_config
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.precision import module_scope
 
 
 class BertOutput(NamedTuple):

@@ -18,7 +18,7 @@ from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.nn.kernels.linear import logits as logits_matmul
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.precision import module_scope
 from jaxgpt.nn.kernels.softcap import softcap
 from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 

@@ -17,7 +17,7 @@ from jaxgpt.models.bert import key_mask
 from jaxgpt.models.stack import check_tokens, embed_tokens, run_blocks
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.norms import norm_from_config
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.precision import module_scope
 
 
 class Stack(nn.Module):

@@ -18,7 +18,7 @@ from jaxgpt.nn.kernels.linear import stacked_weights
 from jaxgpt.nn.kernels.masks import NO_WINDOW
 from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.config.execution import DEFAULT_EXECUTION
-from jaxgpt.exec_policy import scan_unroll
+from jaxgpt.nn.kernels.exec_policy import scan_unroll
 from jaxgpt.nn.positions import sinusoidal_table
 
 

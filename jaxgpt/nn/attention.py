@@ -18,7 +18,7 @@ from jaxgpt.nn.kernels.xla import KVRead
 from jaxgpt.nn.kv_cache import CACHE_LAYOUTS, KVCache  # noqa: F401  (public names)
 from jaxgpt.nn.mlp import dense
 from jaxgpt.nn.positions import layer_rope
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.precision import module_scope
 from jaxgpt.nn.qk_norm import qk_norm
 
 class Attention(nn.Module):

@@ -9,7 +9,7 @@ from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.nn.mlp import make_mlp
 from jaxgpt.nn.moe import MoE
 from jaxgpt.nn.norms import norm_from_config
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.precision import module_scope
 
 
 class Block(nn.Module):

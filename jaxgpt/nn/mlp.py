@@ -11,7 +11,7 @@ from jaxgpt.config import Execution
 from jaxgpt.config.execution import DEFAULT_EXECUTION
 from jaxgpt.nn.kernels.activation import ACTIVATIONS, activation, gelu  # noqa: F401  (public names)
 from jaxgpt.nn.kernels.linear import linear
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.precision import module_scope
 
 
 class Dense(nn.Module):

@@ -38,7 +38,7 @@ from jaxgpt.nn.kernels import policy
 from jaxgpt.nn.kernels.tpu_gmm import grouped_dot
 from jaxgpt.nn.mlp import SwiGLU, dense
 from jaxgpt.nn.moe_dispatch import experts_alltoall
-from jaxgpt.nn.precision import module_scope
+from jaxgpt.nn.kernels.precision import module_scope
 
 
 def route(logits, top_k: int, norm_topk: bool):

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import ACCELERATOR_SKIP
 from jaxgpt.config import Execution, ModelConfig, TrainConfig
-from jaxgpt.exec_policy import scan_unroll
+from jaxgpt.nn.kernels.exec_policy import scan_unroll
 from jaxgpt.models import build
 from jaxgpt.nn.mlp import gelu
 from jaxgpt.parallel import host_devices

@@ -17,13 +17,14 @@ from conftest import ACCELERATOR_SKIP, assert_self_consistent
 from jaxgpt import build
 from jaxgpt.config import Execution, ModelConfig
 from jaxgpt.models import abstract_params
-from jaxgpt.nn import kernels, precision
+from jaxgpt.nn import kernels
+from jaxgpt.nn.kernels import precision
 from jaxgpt.nn.kernels.linear import logits as logits_matmul
 from jaxgpt.nn.kernels import attend, auto_impl, warn_once
 
 GPT = ModelConfig(vocab_size=61, d_model=32, n_layer=2, n_head=4, max_len=16, pos="learned", norm="layernorm",
                   mlp="gelu", tie_embeddings=True)
-GPU = Execution(attention_block=4, platform="cuda")  # 'auto' resolved for a CUDA program (jaxgpt.exec_policy)
+GPU = Execution(attention_block=4, platform="cuda")  # 'auto' resolved for a CUDA program (jaxgpt.nn.kernels.exec_policy)
 
 
 @pytest.fixture

@@ -21,9 +21,7 @@ LAYERS = (
     ("jaxgpt.config",),  # frozen, framework-free configs
     ("jaxgpt.core",),  # what the two frameworks share: layout, constants, validation
     ("jaxgpt.parallel", "jaxgpt.data"),  # meshes and devices; tokenizers, corpora, token files, batches
-    ("jaxgpt.exec_policy", "jaxgpt.nn.precision", "jaxgpt.nn.softcap"),  # the execution policy per target platform;
-    # numerics rules the kernels and the layers both apply
-    ("jaxgpt.nn.kernels",),  # every speed path behind a few ops
+    ("jaxgpt.nn.kernels",),  # every speed path behind a few ops; the execution policy per target platform
     ("jaxgpt.nn",),  # the layers
     ("jaxgpt.models",),  # the networks
     ("jaxgpt.train", "jaxgpt.inference"),  # training; generation, the engine, the server

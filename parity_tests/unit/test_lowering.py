@@ -175,7 +175,7 @@ PRECISION = re.compile(r"precision = \[(\w+), (\w+)\]")
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_auto_unroll_and_precision_are_the_target_platforms(platform):
     """Execution(platform=p), as an AOT lowering for p names it: the layer loop's 'auto' unroll and the
-    float32 'auto' matmul precision are p's (jaxgpt.exec_policy), whatever host traces it: every layer
+    float32 'auto' matmul precision are p's (jaxgpt.nn.kernels.exec_policy), whatever host traces it: every layer
     in one iteration on the CPU and CUDA, a rolled loop on a TPU; full float32 dots off the CPU."""
     ex = Execution(platform=platform)
     forward = jax.jit(lambda p, x: build(LLAMA, ex).apply({"params": p}, x))

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jaxgpt.config import ATTENTION_IMPLS
 from jaxgpt.config.model import SOFTCAP_REFUSED
 from jaxgpt.core import validate
-from jaxgpt.nn import precision
+from jaxgpt.nn.kernels import precision
 from jaxgpt.nn.kernels import blocked, causal_ffi, jax_sdpa, masks, paged, paged_dispatch, paged_ffi, policy, tpu_flash, xla
 from jaxgpt.nn.kernels.blocked import blocked_attention
 from jaxgpt.nn.kernels.jax_sdpa import cudnn_unsupported, jax_attention, warn_once

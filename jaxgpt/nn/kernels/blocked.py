@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxgpt.nn import precision
+from jaxgpt.nn.kernels import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask, keys_before, segment_mask
 from jaxgpt.nn.kernels.softcap import softcap as capped, softcap_grad
 
@@ -20,7 +20,7 @@ class _Static(NamedTuple):
     bq: int  # query block
     bk: int  # key/value block
     tk: int  # true key length (keys at or past it are padding)
-    # the matmul precision in force at the forward call (jaxgpt.nn.precision): the backward pass is
+    # the matmul precision in force at the forward call (jaxgpt.nn.kernels.precision): the backward pass is
     # traced after the module call returns, outside its precision scope
     precision: str | None = None
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)

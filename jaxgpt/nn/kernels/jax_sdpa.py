@@ -9,7 +9,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.nn import precision
+from jaxgpt.nn.kernels import precision
 from jaxgpt.nn.kernels.masks import as_4d, both, causal_mask
 
 _HALF = (jnp.bfloat16, jnp.float16)

@@ -18,7 +18,7 @@ Every projection of the models (nn/mlp.py ``Dense``) and the vocabulary head run
   GEMMs (which still accumulate in float32). In float32 the cast is the identity.
 
 Same products everywhere; only summation orders differ (float rounding). The matmuls run at the
-precision in force (nn/precision.py); custom gradients pass it along, their backward pass being
+precision in force (nn/kernels/precision.py); custom gradients pass it along, their backward pass being
 traced after the module call returns.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxgpt.nn import precision
+from jaxgpt.nn.kernels import precision
 from jaxgpt.nn.kernels import matvec_ffi, policy
 
 __all__ = ["linear", "logits", "stacked_weights"]

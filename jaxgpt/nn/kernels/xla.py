@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.core import validate
-from jaxgpt.nn import precision
+from jaxgpt.nn.kernels import precision
 from jaxgpt.nn.kernels.masks import both, causal_mask, grouped_mask
 from jaxgpt.nn.kernels.softcap import softcap as capped
 

@@ -13,7 +13,7 @@ backend's default. 'default' opts in to TF32 (faster float32 training, ~1e-3 rel
     'highest'  full float32
 
 Each module holding an Execution (the models, Block) decides for its call (``scope``), for the
-platform the Execution targets (``jaxgpt.exec_policy``); components without one (Attention, MLP,
+platform the Execution targets (``jaxgpt.nn.kernels.exec_policy``); components without one (Attention, MLP,
 SwiGLU, MoE) keep the decision of the module around them, and decide by their own
 ``matmul_precision`` and ``dtype`` only when used alone. A JAX-wide setting
 (``jax.default_matmul_precision``, JAX_DEFAULT_MATMUL_PRECISION) is left alone wherever the policy
@@ -27,7 +27,7 @@ import functools
 
 import jax
 
-from jaxgpt import exec_policy
+from jaxgpt.nn.kernels import exec_policy
 
 _DECIDED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgpt_matmul_precision", default=False)
 
