@@ -1,12 +1,15 @@
 """A/B one jaxgpt benchmark across two checkouts (e.g. before and after a change), alternating.
 
     .venv/bin/python -m scripts.benchmarks.ab_checkouts BEFORE_DIR AFTER_DIR [--rounds 3] [--isa avx2]
-        [--shape cpu-small] [--out results/engine/ab_checkouts.json]
+        [--bench train|decode|serving] [--shape cpu-small] [--out results/engine/ab_checkouts.json]
 
-Each round runs ``bench_train --runners jaxgpt-default --rounds 1`` once in each checkout, in its own
-process, in the order A B, then B A, ... (so neither side always runs first on a warm machine), with this
-interpreter. Reported: each side's median step time over all rounds' steps, the ratio after / before,
-and the 1-minute load average before and after the whole run.
+Each round runs the benchmark once in each checkout, in its own process, in the order A B, then B A, ...
+(so neither side always runs first on a warm machine), with this interpreter:
+- train: ``bench_train --runners jaxgpt-default --rounds 1``, ms a step (``--shape``);
+- decode: ``bench_decode --frameworks jax-cached``, batch 1 and 8, 256 new tokens, seconds a run;
+- serving: ``bench_serving --arms engine --rounds 1``, 32 requests, wall seconds.
+Reported: each side's median time over all rounds, the ratio after / before (< 1: faster), and the
+1-minute load average before and after the whole run.
 """
 from __future__ import annotations
 
@@ -22,21 +25,35 @@ from pathlib import Path
 from scripts.harness import ISAS, ROOT, load_average, write_result
 
 
-def run_side(repo: Path, shape: str, steps: int, isa: str) -> list[float]:
+# bench: (module, its arguments, (result json) -> this round's times)
+BENCHES = {
+    "train": lambda a: ("bench_train", ["--shapes", a.shape, "--runners", "jaxgpt-default", "--rounds", "1",
+                                        "--steps", str(a.steps), "--no-compile-time"],
+                        lambda r: r["shapes"][a.shape]["rows"]["jaxgpt-default"]["round_medians_ms"]),
+    "decode": lambda a: ("bench_decode", ["--frameworks", "jax-cached", "--batches", "1,8", "--new-tokens", "256",
+                                          "--repeats", "1"],
+                         lambda r: [sum(row["seconds"] for row in r["rows"])]),
+    "serving": lambda a: ("bench_serving", ["--arms", "engine", "--rounds", "1", "--requests", "32"],
+                          lambda r: [row["wall_s"] for row in r["rows"] if row["arm"] == "engine"]),
+}
+UNITS = {"train": "ms a step", "decode": "s for batch 1 + batch 8, 256 tokens", "serving": "s for 32 requests"}
+
+
+def run_side(repo: Path, args) -> list[float]:
+    module, argv, times = BENCHES[args.bench](args)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [sys.executable, "-m", "scripts.benchmarks.bench_train", "--shapes", shape, "--runners", "jaxgpt-default",
-               "--rounds", "1", "--steps", str(steps), "--no-compile-time", "--isa", isa, "--out", str(out)]
+        cmd = [sys.executable, "-m", f"scripts.benchmarks.{module}", *argv, "--isa", args.isa, "--out", str(out)]
         subprocess.run(cmd, cwd=repo, check=True, capture_output=True, text=True,
                        env=os.environ | {"PYTHONPATH": str(repo)})
-        row = json.loads(out.read_text())["shapes"][shape]["rows"]["jaxgpt-default"]
-        return row["round_medians_ms"]
+        return times(json.loads(out.read_text()))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("before", type=Path)
     ap.add_argument("after", type=Path)
+    ap.add_argument("--bench", choices=list(BENCHES), default="train")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--shape", default="cpu-small")
@@ -46,17 +63,18 @@ def main() -> int:
     load_before, ms = load_average(), {"before": [], "after": []}
     for r in range(args.rounds):
         for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
-            ms[side] += run_side(getattr(args, side), args.shape, args.steps, args.isa)
-            print(f"round {r}: {side} {ms[side][-1]:.2f} ms", flush=True)
+            ms[side] += run_side(getattr(args, side), args)
+            print(f"round {r}: {side} {ms[side][-1]:.3f}", flush=True)
     med = {k: statistics.median(v) for k, v in ms.items()}
-    result = {"shape": args.shape, "isa": args.isa, "rounds": args.rounds, "steps": args.steps,
+    result = {"bench": args.bench, "unit": UNITS[args.bench], "shape": args.shape, "isa": args.isa,
+              "rounds": args.rounds, "steps": args.steps,
               "before": str(args.before), "after": str(args.after), "ms_per_step": ms, "median_ms": med,
               "after_over_before": med["after"] / med["before"], "load_before": load_before,
               "load_after": load_average()}
-    table = ("| side | median ms / step | per round |\n|---|---|---|\n" + "".join(
+    table = (f"| side | median {UNITS[args.bench]} | per round |\n|---|---|---|\n" + "".join(
         f"| {k} | {med[k]:.2f} | {', '.join(f'{v:.2f}' for v in ms[k])} |\n" for k in ("before", "after"))
-        + f"\nafter / before: **{result['after_over_before']:.3f}** (time; < 1 is faster). {args.shape}, "
-        f"bench_train's jaxgpt-default, {args.rounds} alternating rounds of {args.steps} steps, --isa {args.isa}; "
+        + f"\nafter / before: **{result['after_over_before']:.3f}** (time; < 1 is faster). {args.bench}"
+        f"{' ' + args.shape if args.bench == 'train' else ''}, {args.rounds} alternating rounds, --isa {args.isa}; "
         f"1-minute load {load_before} before, {result['load_after']} after.\n")
     write_result(Path(args.out), result, table)
     return 0
