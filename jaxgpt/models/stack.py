@@ -29,20 +29,20 @@ def check_tokens(tokens, vocab_size: int, max_len: int, offset: int = 0) -> None
     host; traced inputs (under jit) get the same checks as checkify debug checks (checks.debug_check), reported in
     checked mode (``jaxgpt.nn.checks.checked``) and compiled away otherwise.
     """
-    t = tokens.shape[-1]
-    if not checks.is_traced(offset):
+    t, traced = tokens.shape[-1], jax.core.Tracer
+    if not isinstance(offset, traced):
         offset = int(offset)
         if offset + t > max_len:
             raise ValueError(f"{t} tokens after {offset} cached positions exceed max_len={max_len}")
     elif t > max_len:
         raise ValueError(f"{t} tokens exceed max_len={max_len}")
-    else:
+    elif checks.STATE.on:  # checked mode only: elsewhere the check would be dead ops in the program
         checks.debug_check(offset + t <= max_len, f"{t} tokens after {{offset}} cached positions exceed "
                              f"max_len={max_len}", offset=offset)
-    if checks.is_traced(tokens):
-        checks.check_in_range(tokens, vocab_size, "token id")
-    else:
+    if not isinstance(tokens, traced):
         validate.check_ids(tokens, vocab_size)
+    elif checks.STATE.on:
+        checks.check_in_range(tokens, vocab_size, "token id")
 
 
 def embed_tokens(config: ModelConfig, tok_embed: nn.Embed, tokens, positions, deterministic: bool):

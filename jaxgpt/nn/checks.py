@@ -31,7 +31,12 @@ from jax.experimental import checkify
 from jaxgpt.core.constants import IGNORE_INDEX
 
 
-_STATE = threading.local()  # tracing happens on the calling thread
+class _State(threading.local):  # tracing happens on the calling thread
+    on = False  # inside checking(): traced checks are built into the program
+
+
+STATE = _State()  # read ``STATE.on`` to build a check only in checked mode (no dead ops in other programs)
+_STATE = STATE
 
 
 @contextlib.contextmanager

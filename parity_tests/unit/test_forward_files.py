@@ -2,8 +2,7 @@
 
 Counted while tracing ``model.apply`` under ``jax.jit(...).trace`` (no compilation): every Python frame
 whose code lives under jaxgpt/, minus nn/kernels/ (the speed paths behind the ops, and the execution
-policy: exec_policy.py, precision.py) and nn/checks.py (checked mode's checks of traced token ids, which
-no forward of the math needs). Not a comparison with a reference: a structural count.
+policy: exec_policy.py, precision.py). Not a comparison with a reference: a structural count.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from jaxgpt.config import get_preset
 from jaxgpt.models import DecoderLM
 
 ROOT = os.path.dirname(jaxgpt.__file__)
-OUTSIDE = (os.path.join("nn", "kernels") + os.sep, os.path.join("nn", "checks.py"))
+OUTSIDE = (os.path.join("nn", "kernels") + os.sep,)
 MAX_FILES = 8
 
 
