@@ -6,7 +6,7 @@
 Each round runs the benchmark once in each checkout, in its own process, in the order A B, then B A, ...
 (so neither side always runs first on a warm machine), with this interpreter:
 - train: ``bench_train --runners jaxgpt-default --rounds 1``, ms a step (``--shape``);
-- decode: ``bench_decode --frameworks jax-cached``, batch 1 and 8, 256 new tokens, seconds a run;
+- decode: ``bench_decode --family llama3 --frameworks jax-cached``, batch 1 and 8, 256 new tokens, seconds a run;
 - serving: ``bench_serving --arms engine --rounds 1``, 32 requests, wall seconds.
 Reported: each side's median time over all rounds, the ratio after / before (< 1: faster), and the
 1-minute load average before and after the whole run.
@@ -30,7 +30,7 @@ BENCHES = {
     "train": lambda a: ("bench_train", ["--shapes", a.shape, "--runners", "jaxgpt-default", "--rounds", "1",
                                         "--steps", str(a.steps), "--no-compile-time"],
                         lambda r: r["shapes"][a.shape]["rows"]["jaxgpt-default"]["round_medians_ms"]),
-    "decode": lambda a: ("bench_decode", ["--frameworks", "jax-cached", "--batches", "1,8", "--new-tokens", "256",
+    "decode": lambda a: ("bench_decode", ["--family", "llama3", "--frameworks", "jax-cached", "--batches", "1,8", "--new-tokens", "256",
                                           "--repeats", "1"],
                          lambda r: [sum(row["seconds"] for row in r["rows"])]),
     "serving": lambda a: ("bench_serving", ["--arms", "engine", "--rounds", "1", "--requests", "32"],
@@ -46,7 +46,8 @@ def run_side(repo: Path, args) -> list[float]:
         cmd = [sys.executable, "-m", f"scripts.benchmarks.{module}", *argv, "--isa", args.isa, "--out", str(out)]
         subprocess.run(cmd, cwd=repo, check=True, capture_output=True, text=True,
                        env=os.environ | {"PYTHONPATH": str(repo)})
-        return times(json.loads(out.read_text()))
+        written = out if out.exists() else next(Path(tmp).glob("*.json"))  # bench_decode names its own file
+        return times(json.loads(written.read_text()))
 
 
 def main() -> int:

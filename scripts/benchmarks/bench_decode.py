@@ -203,8 +203,8 @@ def slots_worker(slots: list[int], steps: int, vocab: int) -> list[dict]:
                           tie_embeddings=True)
         base = init_params(cfg, jax.random.PRNGKey(0))
         for mode in (("generate", "stacked") if per_layer else ("stacked",)):
-            c, p = dec.unstack_layers(cfg, base) if mode == "generate" else (cfg, base)
-            model = dec.DecoderLM(c)
+            ex, p = dec.unstack_layers(cfg, base) if mode == "generate" else (None, base)  # ex: separate layers
+            c, model = cfg, dec.DecoderLM(cfg) if ex is None else dec.DecoderLM(cfg, ex)
 
             def run(p, tok, c=c, model=model, mode=mode):
                 cache = dec.init_cache(c, 1, s, per_layer=True) if mode == "generate" else dec.init_cache(c, 1, s)  # noqa: B023 - called in this iteration
