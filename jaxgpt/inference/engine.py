@@ -139,7 +139,7 @@ class Engine:
             self._stats.update(spec_proposed=0, spec_accepted=0, spec_catch_up_tokens=0, spec_rounds=0)
 
     # the parts' state, read where the engine was read before it had parts
-    config = _part("runner", "config", "the model's config (layers unstacked)")
+    config = _part("runner", "config", "the model's config")
     params = _part("runner", "params")
     pools = _part("runner", "pools")
     head = _part("runner", "head", "the packed vocabulary projection, or None")

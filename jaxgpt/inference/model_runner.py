@@ -25,18 +25,17 @@ def device_params(config, params, head_kernel: str):
 class ModelRunner:
     """ModelRunner(config, params, num_pages=, page_size=): ``num_pages`` pages of ``page_size`` tokens
     of keys and values in ``kv_dtype``; ``paged_kernel`` (how attention reads the pages) and
-    ``head_kernel`` (the vocabulary projection) as the Engine takes them, resolved here. ``config``
-    and ``params`` are kept with their layers unstacked (the paged forward's form)."""
+    ``head_kernel`` (the vocabulary projection) as the Engine takes them, resolved here. ``params``
+    are kept with their layers unstacked (the paged forward's form)."""
 
     def __init__(self, config, params, *, num_pages: int, page_size: int, kv_dtype: str = "auto",
                  paged_kernel: str = "auto", head_kernel: str = "auto"):
-        self.config, (_, params) = config, unstack_layers(config, params)
-        self.head_kernel = resolve_head_kernel(head_kernel, self.config)
-        self.params, self.head = device_params(self.config, params, self.head_kernel)
-        self.pools = init_pools(self.config, num_pages, page_size, kv_dtype)
-        cfg = self.config
-        self.kernel = resolve_paged_kernel(paged_kernel, cfg.dtype, self.pools[0][0].dtype, cfg.head_dim, page_size,
-                                           cfg.attn_softcap)
+        _, params = unstack_layers(config, params)
+        self.config, self.head_kernel = config, resolve_head_kernel(head_kernel, config)
+        self.params, self.head = device_params(config, params, self.head_kernel)
+        self.pools = init_pools(config, num_pages, page_size, kv_dtype)
+        self.kernel = resolve_paged_kernel(paged_kernel, config.dtype, self.pools[0][0].dtype, config.head_dim,
+                                           page_size, config.attn_softcap)
 
     def forward(self, tokens, q_pos, slots, page_table, last):
         """One call over batch_arrays' rows: the pools updated in place -> (greedy next tokens (B,),

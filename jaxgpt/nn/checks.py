@@ -36,24 +36,23 @@ class _State(threading.local):  # tracing happens on the calling thread
 
 
 STATE = _State()  # read ``STATE.on`` to build a check only in checked mode (no dead ops in other programs)
-_STATE = STATE
 
 
 @contextlib.contextmanager
 def checking():
     """Trace the checks (``debug_check``) of code traced inside this context; ``checked`` enters it.
     For your own ``checkify.checkify(fn)``, trace fn inside it."""
-    before = getattr(_STATE, "on", False)
-    _STATE.on = True
+    before = STATE.on
+    STATE.on = True
     try:
         yield
     finally:
-        _STATE.on = before
+        STATE.on = before
 
 
 def debug_check(pred, msg: str, **fmt) -> None:
     """``checkify.debug_check(pred, msg, **fmt)`` inside ``checking()``; nothing elsewhere."""
-    if getattr(_STATE, "on", False):
+    if STATE.on:
         checkify.debug_check(pred, msg, **fmt)
 
 
